@@ -1,0 +1,30 @@
+"""Pure algebra: structure tensors, the catalogue, layer supports and exact costs.
+
+Importable without ``torch``.
+"""
+
+from .catalogue import (
+    CATALOGUE_NAMES,
+    complete_graph_algebra,
+    get_algebra,
+    graph_algebra,
+    tensor_power,
+    tensor_product,
+)
+from .structure import Algebra, AlgebraError, RankFacts
+from .support import LayerSupport, split_widths, support_of
+
+__all__ = [
+    "CATALOGUE_NAMES",
+    "Algebra",
+    "AlgebraError",
+    "LayerSupport",
+    "RankFacts",
+    "complete_graph_algebra",
+    "get_algebra",
+    "graph_algebra",
+    "split_widths",
+    "support_of",
+    "tensor_power",
+    "tensor_product",
+]

@@ -1,0 +1,217 @@
+"""``AlgebraLinear``: a linear layer whose product rule is a fixed associative algebra."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from fractions import Fraction
+
+import torch
+from torch import nn
+
+from ..algebra import Algebra, AlgebraError, get_algebra, split_widths, support_of
+from ..ops.blocked import blocked_linear
+from ..ops.dispatch import Backend, parse_backend, resolve_backend
+from ..ops.partition import TypePartition, check_types
+from ..ops.plan import make_plan
+from ..ops.reference import effective_weight, element_mask, reference_linear
+
+__all__ = ["AlgebraLinear"]
+
+
+def _check_widths(widths: Sequence[int], total: int, q: int, what: str) -> tuple[int, ...]:
+    w = tuple(int(v) for v in widths)
+    if len(w) != q:
+        raise AlgebraError(f"{what} group widths {list(w)} have {len(w)} entries; need q={q}")
+    if any(v < 1 for v in w):
+        raise AlgebraError(f"{what} group widths {list(w)} must all be positive")
+    if sum(w) != total:
+        raise AlgebraError(f"{what} group widths {list(w)} sum to {sum(w)}, expected {total}")
+    return w
+
+
+class AlgebraLinear(nn.Module):
+    """Position-typed linear layer ``y_delta = sum_beta S[alpha,beta,delta] x_beta W_beta,delta``.
+
+    The weight is stored exactly like ``nn.Linear`` (``weight`` of shape
+    ``(out_features, in_features)``), so state dicts line up and every block stays
+    learnable; a token of type ``alpha`` uses only the blocks its type allows.
+
+    Args:
+        in_features: input width ``K``.
+        out_features: output width ``N``.
+        algebra: catalogue name (``"Q4"``, ``"Q2^2"``, ``"graph:3:0-1,1-2"``, ...)
+            or an :class:`~structlm.algebra.Algebra` with a cell layout.
+        bias: add a learnable bias (dense, like ``nn.Linear``).
+        group_sizes: ``(in_widths, out_widths)``, two sequences of ``q`` positive
+            integers; equal widths by default.
+        backend: ``"auto"`` | ``"reference"`` | ``"blocked"`` (| ``"triton"``).
+
+    Shapes:
+        ``forward(x, types)``: ``x (*, K)``, ``types (*)`` integers in ``[0, q)``
+        (or a precomputed :class:`~structlm.ops.TypePartition`) -> ``(*, N)``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        algebra: str | Algebra = "Q4",
+        bias: bool = False,
+        group_sizes: tuple[Sequence[int], Sequence[int]] | None = None,
+        backend: str | Backend = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        alg = algebra if isinstance(algebra, Algebra) else get_algebra(algebra)
+        self.algebra_name = alg.name
+        self.support = support_of(alg)
+        q = self.support.q
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        if group_sizes is None:
+            self.in_widths = split_widths(self.in_features, q, "in_features")
+            self.out_widths = split_widths(self.out_features, q, "out_features")
+        else:
+            if len(group_sizes) != 2:
+                raise AlgebraError("group_sizes must be (in_widths, out_widths)")
+            self.in_widths = _check_widths(group_sizes[0], self.in_features, q, "input")
+            self.out_widths = _check_widths(group_sizes[1], self.out_features, q, "output")
+        self.plan = make_plan(self.support, self.in_widths, self.out_widths)
+        self.backend = parse_backend(backend)
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features, **factory))
+        self.bias = nn.Parameter(torch.empty(self.out_features, **factory)) if bias else None
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ setup
+    @property
+    def q(self) -> int:
+        """Number of position types (= feature groups)."""
+        return self.support.q
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s initialisation (every block is a live parameter)."""
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, algebra: str | Algebra = "Q4",
+                    **kwargs: object) -> AlgebraLinear:
+        """Convert a dense layer, keeping its weight and bias bit for bit."""
+        layer = cls(linear.in_features, linear.out_features, algebra,
+                    bias=linear.bias is not None, device=linear.weight.device,
+                    dtype=linear.weight.dtype, **kwargs)  # type: ignore[arg-type]
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight)
+            if linear.bias is not None and layer.bias is not None:
+                layer.bias.copy_(linear.bias)
+        return layer
+
+    # ---------------------------------------------------------------- inspect
+    def mac_ratio(self, types: torch.Tensor | None = None) -> Fraction:
+        """Exact ``rho`` for this layer's widths (uniform type mix by default)."""
+        counts = None if types is None else self._counts(types)
+        return self.support.mac_ratio(self.in_widths, self.out_widths, counts)
+
+    def macs(self, types: torch.Tensor | TypePartition) -> int:
+        """Exact forward MACs for a batch with these position types."""
+        return self.support.macs(self._counts(types), self.in_widths, self.out_widths)
+
+    def _counts(self, types: torch.Tensor | TypePartition) -> list[int]:
+        if isinstance(types, TypePartition):
+            return types.counts
+        return TypePartition(types.reshape(-1), self.q).counts
+
+    @property
+    def dead_parameters(self) -> int:
+        """Weights in blocks that no type uses (only for general graphs)."""
+        used = element_mask(self.support.used_blocks, list(self.in_widths), list(self.out_widths))
+        return int((~used).sum())
+
+    def to_dense(self, type_index: int) -> torch.Tensor:
+        """Effective ``(out, in)`` matrix of one type (zeros outside its support)."""
+        if not 0 <= type_index < self.q:
+            raise ValueError(f"type {type_index} is out of range [0, {self.q})")
+        return effective_weight(self.weight, self.support.mask, list(self.in_widths),
+                                list(self.out_widths), type_index)
+
+    def extra_repr(self) -> str:
+        eq = len(set(self.in_widths)) == 1 and len(set(self.out_widths)) == 1
+        widths = (f"widths={self.in_widths[0]}x{self.q}->{self.out_widths[0]}x{self.q}" if eq
+                  else f"in_widths={list(self.in_widths)}, out_widths={list(self.out_widths)}")
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"algebra={self.algebra_name}, q={self.q}, {widths}, "
+                f"mac_ratio={self.mac_ratio()}, bias={self.bias is not None}, "
+                f"backend={self.backend.value}")
+
+    def compose(self, after: AlgebraLinear) -> AlgebraLinear:
+        """The layer equal to ``after(self(x, t), t)`` for every type ``t``.
+
+        By associativity ``Phi_{W2} o Phi_{W1} = Phi_{mu(W1, W2)}``: the new weight
+        is the algebra product of the two weights on the block grid,
+        ``W_{beta,eps} = sum_delta c[(beta,delta),(delta,eps),(beta,eps)] W1_{beta,delta}
+        W2_{delta,eps}``.  Needs the same algebra with a complete cell grid, matching
+        widths, and no biases.
+        """
+        if after.algebra_name != self.algebra_name or after.q != self.q:
+            raise AlgebraError(f"cannot compose {self.algebra_name} with {after.algebra_name}")
+        if not self.support.complete_grid:
+            raise AlgebraError(f"{self.algebra_name} has missing cells: composition is not closed")
+        if tuple(after.in_widths) != tuple(self.out_widths):
+            raise AlgebraError(f"widths do not chain: {self.out_widths} vs {after.in_widths}")
+        if self.bias is not None or after.bias is not None:
+            raise AlgebraError("compose needs bias-free layers")
+        out = AlgebraLinear(self.in_features, after.out_features, self.algebra_name,
+                            group_sizes=(self.in_widths, after.out_widths), backend=self.backend,
+                            device=self.weight.device, dtype=self.weight.dtype)
+        io, mo, oo = self.plan.in_offsets, self.plan.out_offsets, after.plan.out_offsets
+        coef = self.support.grid_coefficients
+        w1, w2 = self.weight.detach(), after.weight.detach()
+        new = torch.zeros_like(out.weight)
+        for b in range(self.q):
+            for d in range(self.q):
+                for e in range(self.q):
+                    c = float(coef[b, d, e])
+                    if c:
+                        rows, mid, cols = (slice(oo[e], oo[e + 1]), slice(mo[d], mo[d + 1]),
+                                           slice(io[b], io[b + 1]))
+                        new[rows, cols] += c * (w2[rows, mid] @ w1[mid, cols])
+        with torch.no_grad():
+            out.weight.copy_(new)
+        return out
+
+    # ---------------------------------------------------------------- forward
+    def partition(self, types: torch.Tensor) -> TypePartition:
+        """Row sets for ``types (*)``; build once and pass to several layers."""
+        return TypePartition(types.reshape(-1), self.q)
+
+    def forward(self, x: torch.Tensor, types: torch.Tensor | TypePartition) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"x has last dimension {x.shape[-1]}, expected in_features={self.in_features}"
+            )
+        if x.dtype != self.weight.dtype:
+            raise TypeError(f"x has dtype {x.dtype} but the layer's weight is {self.weight.dtype}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)  # (M, K)
+        if isinstance(types, TypePartition):
+            part = types
+            if part.num_rows != x2.shape[0] or part.q != self.q:
+                raise ValueError(
+                    f"partition covers {part.num_rows} rows of q={part.q}; x has "
+                    f"{x2.shape[0]} rows and the layer q={self.q}"
+                )
+        else:
+            part = TypePartition(check_types(types, self.q, lead).to(x.device), self.q)
+        backend = resolve_backend(self.backend, x.device)
+        if backend is Backend.REFERENCE:
+            y2 = reference_linear(x2, self.weight, part.types, self.support.mask,
+                                  list(self.in_widths), list(self.out_widths))
+        else:  # BLOCKED (the GPU kernel slot dispatches here until it is filled)
+            y2 = blocked_linear(x2, self.weight, self.plan, part)  # (M, N)
+        if self.bias is not None:
+            y2 = y2 + self.bias
+        return y2.reshape(*lead, self.out_features)

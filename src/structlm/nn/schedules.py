@@ -1,0 +1,106 @@
+"""Position-type schedules: absolute positions -> types in ``[0, q)``.
+
+Types depend on *absolute* positions only, so training, prefill (whole or
+chunked) and cached decoding see the same type for the same position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["BlockSchedule", "CyclicSchedule", "TableSchedule", "TypeSchedule", "get_schedule"]
+
+
+class TypeSchedule:
+    """Base class: ``schedule(positions) -> types`` (same shape, int64)."""
+
+    q: int
+
+    def __call__(self, positions: torch.Tensor) -> torch.Tensor:
+        if positions.dtype.is_floating_point:
+            raise TypeError(f"positions must be integers, got {positions.dtype}")
+        if positions.numel() and int(positions.min()) < 0:
+            raise ValueError(f"positions must be >= 0, got min {int(positions.min())}")
+        return self._types(positions.long())
+
+    def _types(self, positions: torch.Tensor) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class CyclicSchedule(TypeSchedule):
+    """``tau(p) = p mod q`` (the kernel micro-benchmarks' schedule)."""
+
+    q: int
+
+    def _types(self, positions: torch.Tensor) -> torch.Tensor:
+        return positions % self.q
+
+
+@dataclass(frozen=True)
+class BlockSchedule(TypeSchedule):
+    """``tau(p) = floor((p mod (q * block)) / block)``: runs of ``block`` positions.
+
+    The paper's LM used ``q = 4``, ``block = 192`` (period 768).
+    """
+
+    q: int
+    block: int = 192
+
+    def __post_init__(self) -> None:
+        if self.block < 1:
+            raise ValueError(f"block size must be >= 1, got {self.block}")
+
+    @property
+    def period(self) -> int:
+        """Positions after which the pattern repeats."""
+        return self.q * self.block
+
+    def _types(self, positions: torch.Tensor) -> torch.Tensor:
+        return (positions % self.period) // self.block
+
+
+@dataclass(frozen=True)
+class TableSchedule(TypeSchedule):
+    """Custom schedule: ``tau(p) = table[p mod len(table)]``."""
+
+    q: int
+    table: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.table:
+            raise ValueError("a table schedule needs at least one entry")
+        bad = [t for t in self.table if not 0 <= t < self.q]
+        if bad:
+            raise ValueError(f"table entries {bad} are outside [0, {self.q})")
+
+    def _types(self, positions: torch.Tensor) -> torch.Tensor:
+        table = torch.tensor(self.table, dtype=torch.long, device=positions.device)
+        return table[positions % len(self.table)]
+
+
+def get_schedule(spec: str | TypeSchedule | Sequence[int], q: int) -> TypeSchedule:
+    """Schedule from a name: ``cyclic``, ``block`` (= ``block:192``, the paper's),
+    ``block:<size>``, or ``table:<t0>,<t1>,...``; or a sequence of types (table)."""
+    if isinstance(spec, TypeSchedule):
+        if spec.q != q:
+            raise ValueError(f"schedule has q={spec.q} but the layer has q={q}")
+        return spec
+    if not isinstance(spec, str):
+        return TableSchedule(q, tuple(int(t) for t in spec))
+    text = spec.strip().lower()
+    if text == "cyclic":
+        return CyclicSchedule(q)
+    if text in ("block", "paper"):
+        return BlockSchedule(q, 192)
+    if text.startswith("block:"):
+        return BlockSchedule(q, int(text.split(":", 1)[1]))
+    if text.startswith("table:"):
+        return TableSchedule(q, tuple(int(t) for t in text.split(":", 1)[1].split(",")))
+    raise ValueError(
+        f"unknown schedule {spec!r}: expected 'cyclic', 'block', 'block:<size>' or "
+        "'table:<t0>,<t1>,...'"
+    )

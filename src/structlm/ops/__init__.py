@@ -1,0 +1,20 @@
+"""Implementations of the algebra product: reference, blocked, (GPU kernels later)."""
+
+from .blocked import blocked_linear
+from .dispatch import Backend, force_backend, register_backend, resolve_backend
+from .partition import TypePartition
+from .plan import BlockPlan, make_plan
+from .reference import effective_weight, reference_linear
+
+__all__ = [
+    "Backend",
+    "BlockPlan",
+    "TypePartition",
+    "blocked_linear",
+    "effective_weight",
+    "force_backend",
+    "make_plan",
+    "reference_linear",
+    "register_backend",
+    "resolve_backend",
+]

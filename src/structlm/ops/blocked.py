@@ -1,0 +1,287 @@
+"""The ``blocked`` backend: pure-PyTorch GEMMs over exactly the support's blocks.
+
+Two layouts, both doing exactly the MACs of the cost model in forward, ``dX`` and
+``dW`` (a custom autograd function: no masked dense product anywhere):
+
+* **diag-first** (any support, any widths): the common blocks for all rows (one
+  batched GEMM when they are the diagonal with equal widths, written straight into
+  the output), then, per type, one GEMM per run of its remaining blocks,
+  accumulated in place (``addmm_``) into views of the output rows when the rows of
+  that type are evenly spaced (cyclic or contiguous schedules), else on gathered
+  rows.
+* **row-first gathered** (``Q_q``-shaped supports, equal widths, every type with
+  the same small number of rows, e.g. ``M = 32`` cyclic): each type's full weight
+  row as one batched GEMM over types, then the diagonal blocks of the *other*
+  groups as a second batched GEMM — a fixed number of GEMM calls whatever ``q``.
+
+Weight layout is ``nn.Linear``'s: ``weight[out, in]``; block ``(beta, delta)`` is
+``weight[out_delta, in_beta]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .partition import RowSet, TypePartition
+from .plan import BlockPlan, Run
+
+__all__ = ["GATHER_MAX_ROWS_PER_TYPE", "blocked_linear", "use_gathered_layout"]
+
+#: Largest rows-per-type for which the row-first gathered layout is used.
+GATHER_MAX_ROWS_PER_TYPE = 64
+
+
+def use_gathered_layout(plan: BlockPlan, part: TypePartition) -> bool:
+    """Whether the row-first gathered layout applies to this plan and batch."""
+    return (
+        plan.diag_plus_row
+        and plan.q > 1
+        and part.balanced
+        and part.counts[0] <= GATHER_MAX_ROWS_PER_TYPE
+    )
+
+
+# ----------------------------------------------------------------- helpers
+def _diag_views(w: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
+    """``(q, r, s)`` view of the diagonal blocks of ``w (N, K)`` (equal widths)."""
+    q, k = plan.q, plan.in_features
+    s, r = plan.in_offsets[1], plan.out_offsets[1]
+    return w.as_strided((q, r, s), (r * k + s, k, 1), w.storage_offset())
+
+
+def _group_view(t: torch.Tensor, q: int) -> torch.Tensor:
+    """``(M, q*w) -> (q, M, w)`` view of equal-width column groups."""
+    m, c = t.shape
+    return t.view(m, q, c // q).transpose(0, 1)
+
+
+def _cols(offsets: tuple[int, ...], g0: int, g1: int) -> slice:
+    return slice(offsets[g0], offsets[g1])
+
+
+def _split_by_status(beta: int, d0: int, d1: int,
+                     written: torch.Tensor) -> list[tuple[int, int, bool]]:
+    """Split the run ``[d0, d1)`` into maximal pieces of equal ``written[beta, d]``."""
+    pieces: list[tuple[int, int, bool]] = []
+    d = d0
+    while d < d1:
+        st = bool(written[beta, d])
+        e = d
+        while e < d1 and bool(written[beta, e]) == st:
+            e += 1
+        pieces.append((d, e, st))
+        d = e
+    return pieces
+
+
+# ----------------------------------------------------------------- forward
+def _forward_runs(xr: torch.Tensor, yr: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
+                  runs: tuple[Run, ...], fresh: list[bool] | None) -> None:
+    """``yr[:, out run] (+)= xr[:, in beta] @ W[out run, in beta]^T`` for each run.
+
+    ``fresh[d]`` True means output group ``d`` of ``yr`` is not yet written (the
+    first run writing it overwrites; the others accumulate)."""
+    io, oo = plan.in_offsets, plan.out_offsets
+    for beta, d0, d1 in runs:
+        xs = xr[:, _cols(io, beta, beta + 1)]
+        d = d0
+        while d < d1:
+            st = fresh is not None and fresh[d]
+            e = d
+            while e < d1 and (fresh is not None and fresh[e]) == st:
+                e += 1
+            cs = _cols(oo, d, e)
+            wt = w[cs, _cols(io, beta, beta + 1)].t()
+            if st:
+                torch.mm(xs, wt, out=yr[:, cs])
+                for g in range(d, e):
+                    fresh[g] = False  # type: ignore[index]
+            else:
+                yr[:, cs].addmm_(xs, wt)
+            d = e
+
+
+def _forward_diag_first(x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
+                        part: TypePartition) -> torch.Tensor:
+    m, n = x.shape[0], plan.out_features
+    if plan.common_covers_outputs:
+        y = x.new_empty(m, n)
+    else:
+        y = x.new_zeros(m, n)
+    if plan.common_is_diag and plan.equal_widths and plan.q > 1:
+        torch.bmm(_group_view(x, plan.q), _diag_views(w, plan).transpose(1, 2),
+                  out=_group_view(y, plan.q))
+    else:
+        fresh = [plan.common_covers_outputs] * plan.q
+        _forward_runs(x, y, w, plan, plan.common_runs, fresh)
+    for a in part.present:
+        runs = plan.type_runs[a]
+        if not runs:
+            continue
+        rs = part.sets[a]
+        if rs.rows is not None:
+            _forward_runs(x[rs.rows], y[rs.rows], w, plan, runs, None)
+        else:
+            assert rs.index is not None
+            yr = y.index_select(0, rs.index)
+            _forward_runs(x.index_select(0, rs.index), yr, w, plan, runs, None)
+            y.index_copy_(0, rs.index, yr)
+    return y
+
+
+def _forward_gathered(x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
+                      part: TypePartition) -> torch.Tensor:
+    q, m, n = plan.q, x.shape[0], plan.out_features
+    s, r = plan.in_offsets[1], plan.out_offsets[1]
+    grp = torch.arange(q, device=x.device)[:, None]
+    idx, comp = part.sorted_index(), part.complement_index()
+    x3 = x.view(m, q, s)
+    y = x.new_empty(m, n)
+    w_rows = w.view(n, q, s).permute(1, 2, 0)  # (q, s, N): full weight row of each type
+    y[idx] = torch.bmm(x3[idx, grp], w_rows)  # (q, M/q, N)
+    xd = x3[comp, grp]  # (q, (q-1)M/q, s): rows not of type d, group d
+    yd = torch.bmm(xd, _diag_views(w, plan).transpose(1, 2))  # (q, (q-1)M/q, r)
+    y.view(m, q, r).index_put_((comp, grp), yd, accumulate=True)
+    return y
+
+
+# ---------------------------------------------------------------- backward
+def _dx_runs(gr: torch.Tensor, dxr: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
+             runs: tuple[Run, ...], fresh: list[bool] | None) -> None:
+    """``dxr[:, in beta] (+)= gr[:, out run] @ W[out run, in beta]`` for each run."""
+    io, oo = plan.in_offsets, plan.out_offsets
+    for beta, d0, d1 in runs:
+        cs, bs = _cols(oo, d0, d1), _cols(io, beta, beta + 1)
+        if fresh is not None and fresh[beta]:
+            torch.mm(gr[:, cs], w[cs, bs], out=dxr[:, bs])
+            fresh[beta] = False
+        else:
+            dxr[:, bs].addmm_(gr[:, cs], w[cs, bs])
+
+
+def _dw_runs(gr: torch.Tensor, xr: torch.Tensor, dw: torch.Tensor, plan: BlockPlan,
+             runs: tuple[Run, ...], written: torch.Tensor) -> None:
+    """``dW[out run, in beta] (+)= gr[:, out run]^T @ xr[:, in beta]`` for each run."""
+    io, oo = plan.in_offsets, plan.out_offsets
+    for beta, d0, d1 in runs:
+        bs = _cols(io, beta, beta + 1)
+        for e0, e1, was in _split_by_status(beta, d0, d1, written):
+            cs = _cols(oo, e0, e1)
+            if was:
+                dw[cs, bs].addmm_(gr[:, cs].t(), xr[:, bs])
+            else:
+                torch.mm(gr[:, cs].t(), xr[:, bs], out=dw[cs, bs])
+                written[beta, e0:e1] = True
+
+
+def _backward_diag_first(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
+                         part: TypePartition, need_dx: bool, need_dw: bool
+                         ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    q = plan.q
+    bmm_diag = plan.common_is_diag and plan.equal_widths and q > 1
+    dx = dw = None
+    written = torch.zeros(q, q, dtype=torch.bool)
+    if need_dx:
+        dx = gy.new_empty(x.shape) if plan.common_covers_inputs else gy.new_zeros(x.shape)
+        if bmm_diag:
+            torch.bmm(_group_view(gy, q), _diag_views(w, plan), out=_group_view(dx, q))
+        else:
+            _dx_runs(gy, dx, w, plan, plan.common_runs, [plan.common_covers_inputs] * q)
+    if need_dw:
+        dw = w.new_empty(w.shape, dtype=gy.dtype)
+        if bmm_diag:
+            torch.bmm(_group_view(gy, q).transpose(1, 2), _group_view(x, q),
+                      out=_diag_views(dw, plan))
+            written.fill_diagonal_(True)
+        else:
+            _dw_runs(gy, x, dw, plan, plan.common_runs, written)
+    for a in part.present:
+        runs = plan.type_runs[a]
+        if not runs:
+            continue
+        rs: RowSet = part.sets[a]
+        if rs.rows is not None:
+            gr = gy[rs.rows]
+            if dx is not None:
+                _dx_runs(gr, dx[rs.rows], w, plan, runs, None)
+            if dw is not None:
+                _dw_runs(gr, x[rs.rows], dw, plan, runs, written)
+        else:
+            assert rs.index is not None
+            gr = gy.index_select(0, rs.index)
+            if dx is not None:
+                dxr = dx.index_select(0, rs.index)
+                _dx_runs(gr, dxr, w, plan, runs, None)
+                dx.index_copy_(0, rs.index, dxr)
+            if dw is not None:
+                _dw_runs(gr, x.index_select(0, rs.index), dw, plan, runs, written)
+    if dw is not None:
+        io, oo = plan.in_offsets, plan.out_offsets
+        for beta, delta in (~written).nonzero().tolist():  # unused or absent blocks
+            dw[_cols(oo, delta, delta + 1), _cols(io, beta, beta + 1)].zero_()
+    return dx, dw
+
+
+def _backward_gathered(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
+                       part: TypePartition, need_dx: bool, need_dw: bool
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    q, m, n = plan.q, x.shape[0], plan.out_features
+    s, r = plan.in_offsets[1], plan.out_offsets[1]
+    grp = torch.arange(q, device=x.device)[:, None]
+    idx, comp = part.sorted_index(), part.complement_index()
+    gr = gy[idx]  # (q, M/q, N)
+    gd = gy.view(m, q, r)[comp, grp]  # (q, (q-1)M/q, r)
+    dx = dw = None
+    if need_dx:
+        dx = gy.new_empty(x.shape)
+        dx3 = dx.view(m, q, s)
+        dx3[idx, grp] = torch.bmm(gr, w.view(n, q, s).transpose(0, 1))  # own group, full row
+        dx3[comp, grp] = torch.bmm(gd, _diag_views(w, plan))  # other groups, diagonal
+    if need_dw:
+        x3 = x.view(m, q, s)
+        dw = w.new_empty(w.shape, dtype=gy.dtype)
+        torch.bmm(gr.transpose(1, 2), x3[idx, grp], out=dw.view(n, q, s).transpose(0, 1))
+        _diag_views(dw, plan).baddbmm_(gd.transpose(1, 2), x3[comp, grp])
+    return dx, dw
+
+
+# ----------------------------------------------------------------- autograd
+class _BlockedLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
+                part: TypePartition) -> torch.Tensor:
+        gathered = use_gathered_layout(plan, part)
+        ctx.save_for_backward(x, w)
+        ctx.plan, ctx.part, ctx.gathered = plan, part, gathered
+        if gathered:
+            return _forward_gathered(x, w, plan, part)
+        return _forward_diag_first(x, w, plan, part)
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple[Any, ...]:
+        x, w = ctx.saved_tensors
+        gy = gy.contiguous()
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        fn = _backward_gathered if ctx.gathered else _backward_diag_first
+        dx, dw = fn(gy, x, w, ctx.plan, ctx.part, need_dx, need_dw)
+        return dx, dw, None, None
+
+
+def blocked_linear(x: torch.Tensor, weight: torch.Tensor, plan: BlockPlan,
+                   part: TypePartition) -> torch.Tensor:
+    """``y = x @ W_eff(type)^T`` with exactly the support's MACs.
+
+    Args:
+        x: ``(M, K)`` input rows (made contiguous).
+        weight: ``(N, K)`` weight in ``nn.Linear`` layout.
+        plan: the layer's :class:`BlockPlan`.
+        part: row sets of the ``M`` rows' types.
+
+    Returns:
+        ``(M, N)`` output.
+    """
+    if x.dtype != weight.dtype:
+        raise TypeError(f"x has dtype {x.dtype} but the weight has {weight.dtype}")
+    return _BlockedLinearFn.apply(x.contiguous(), weight.contiguous(), plan, part)

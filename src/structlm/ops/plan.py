@@ -1,0 +1,111 @@
+"""A block plan: the support of a layer laid out as GEMM work on column ranges.
+
+For a support ``S[alpha, beta, delta]`` and group widths, the plan lists
+
+* the *common* blocks (used by every type; the diagonal for every catalogue
+  algebra), done once for all rows — as a single batched GEMM when they are the
+  diagonal and the widths are equal;
+* per type, the remaining blocks grouped by source group ``beta`` into runs of
+  consecutive output groups ``[d0, d1)`` (one GEMM each over that type's rows).
+
+Nothing in a plan multiplies a block outside the support, so the MACs of the
+blocked backend equal the cost model exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from ..algebra.support import LayerSupport
+
+__all__ = ["BlockPlan", "Run", "make_plan"]
+
+#: ``(beta, d0, d1)``: source group ``beta`` feeds output groups ``d0 .. d1 - 1``.
+Run = tuple[int, int, int]
+
+
+def _runs(blocks: np.ndarray) -> tuple[Run, ...]:
+    """Group a ``(q, q)`` bool block mask by source into runs of output groups."""
+    out: list[Run] = []
+    q = blocks.shape[0]
+    for beta in range(q):
+        d = 0
+        while d < q:
+            if blocks[beta, d]:
+                d0 = d
+                while d < q and blocks[beta, d]:
+                    d += 1
+                out.append((beta, d0, d))
+            else:
+                d += 1
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """GEMM layout of a support for given widths (see module docstring)."""
+
+    q: int
+    in_offsets: tuple[int, ...]
+    out_offsets: tuple[int, ...]
+    common_is_diag: bool
+    equal_widths: bool
+    common_runs: tuple[Run, ...]
+    type_runs: tuple[tuple[Run, ...], ...]
+    used_blocks: np.ndarray  # (q, q) bool over (beta, delta)
+
+    @property
+    def in_features(self) -> int:
+        """Total input width ``K``."""
+        return self.in_offsets[-1]
+
+    @property
+    def out_features(self) -> int:
+        """Total output width ``N``."""
+        return self.out_offsets[-1]
+
+    @cached_property
+    def common_covers_outputs(self) -> bool:
+        """Every output group receives a common block (y needs no zero fill)."""
+        return {d for _, d0, d1 in self.common_runs for d in range(d0, d1)} == set(range(self.q))
+
+    @cached_property
+    def common_covers_inputs(self) -> bool:
+        """Every input group is the source of a common block (dX needs no zero fill)."""
+        return {b for b, _, _ in self.common_runs} == set(range(self.q))
+
+    @cached_property
+    def diag_plus_row(self) -> bool:
+        """The ``Q_q`` shape: type ``alpha`` adds exactly row ``alpha`` off the diagonal."""
+        if not (self.common_is_diag and self.equal_widths):
+            return False
+        q = self.q
+        for a, runs in enumerate(self.type_runs):
+            want = tuple(r for r in ((a, 0, a), (a, a + 1, q)) if r[1] < r[2])
+            if runs != want:
+                return False
+        return True
+
+
+def make_plan(
+    support: LayerSupport, in_widths: Sequence[int], out_widths: Sequence[int]
+) -> BlockPlan:
+    """Build the block plan of ``support`` for the given group widths."""
+    q = support.q
+    common = support.common_blocks
+    type_runs = tuple(_runs(support.mask[a] & ~common) for a in range(q))
+    s, r = list(in_widths), list(out_widths)
+    return BlockPlan(
+        q=q,
+        in_offsets=tuple(int(v) for v in np.concatenate([[0], np.cumsum(s)])),
+        out_offsets=tuple(int(v) for v in np.concatenate([[0], np.cumsum(r)])),
+        common_is_diag=bool((common == np.eye(q, dtype=bool)).all()),
+        equal_widths=len(set(s)) == 1 and len(set(r)) == 1,
+        common_runs=_runs(common),
+        type_runs=type_runs,
+        used_blocks=support.used_blocks.copy(),
+    )

@@ -1,0 +1,144 @@
+"""The blocked backend against the reference oracle: forward, dX and dW.
+
+Rule (flash-attention's): ``err(blocked) <= 2 * err(reference in the same dtype)``
+against a float64 reference computed from the same rounded inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from structlm import AlgebraLinear, get_algebra, support_of
+from structlm.ops import Backend
+from structlm.ops.blocked import use_gathered_layout
+
+ALGEBRAS = ["Q1", "Q2", "Q4", "Q2^2", "Q8", "graph:3:0-1,1-2,2-0", "Q2xQ3", "graph:4:"]
+
+
+def _types(kind: str, m: int, q: int, gen: torch.Generator) -> torch.Tensor:
+    p = torch.arange(m)
+    if kind == "cyclic":
+        return p % q
+    if kind == "block":
+        return (p // 5) % q
+    if kind == "single":
+        return torch.full((m,), q - 1)
+    return torch.randint(0, q, (m,), generator=gen)
+
+
+def _run(layer: AlgebraLinear, x: torch.Tensor, types: torch.Tensor, g: torch.Tensor,
+         backend: str) -> tuple[torch.Tensor, ...]:
+    layer.backend = Backend(backend)
+    x = x.detach().clone().requires_grad_(True)
+    y = layer(x, types)
+    dx, dw = torch.autograd.grad(y, [x, layer.weight], g)
+    return y.detach(), dx, dw
+
+
+def _check(layer: AlgebraLinear, x: torch.Tensor, types: torch.Tensor, dtype: torch.dtype,
+           gen: torch.Generator) -> None:
+    layer = layer.to(dtype)
+    xd = x.to(dtype)
+    out_shape = (*x.shape[:-1], layer.out_features)
+    g = torch.randn(out_shape, generator=gen).to(dtype)
+    fast = _run(layer, xd, types, g, "blocked")
+    plain = _run(layer, xd, types, g, "reference")
+    ref_layer = AlgebraLinear(layer.in_features, layer.out_features, layer.algebra_name,
+                              group_sizes=(layer.in_widths, layer.out_widths), dtype=torch.float64)
+    with torch.no_grad():
+        ref_layer.weight.copy_(layer.weight.double())
+    exact = _run(ref_layer, xd.double(), types, g.double(), "reference")
+    eps = torch.finfo(dtype).eps
+    # floor for when the plain path happens to be exact (float64): rounding of a
+    # reduction of length n is O(eps * sqrt(n)) relative to the output scale
+    n_red = max(x.numel() // x.shape[-1], layer.in_features, layer.out_features)
+    for name, f, p, e in zip(("y", "dx", "dw"), fast, plain, exact, strict=False):
+        assert f.dtype == dtype and f.shape == e.shape, name
+        assert torch.isfinite(f).all(), name
+        err_fast = (f.double() - e).abs().max().item()
+        err_plain = (p.double() - e).abs().max().item()
+        scale = e.abs().max().item() + 1e-30
+        bound = 2 * err_plain + 8 * eps * scale * n_red**0.5
+        assert err_fast <= bound, (name, err_fast, err_plain, scale)
+
+
+@pytest.mark.parametrize("algebra", ALGEBRAS)
+@pytest.mark.parametrize("kind", ["cyclic", "block", "random", "single"])
+@pytest.mark.parametrize("m", [1, 7, 97])
+def test_fp64_equal_widths(algebra: str, kind: str, m: int) -> None:
+    gen = torch.Generator().manual_seed(hash((algebra, kind, m)) % 2**31)
+    torch.manual_seed(m)
+    q = support_of(get_algebra(algebra)).q
+    layer = AlgebraLinear(5 * q, 3 * q, algebra)
+    x = torch.randn(m, 5 * q, generator=gen)
+    _check(layer, x, _types(kind, m, q, gen), torch.float64, gen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("algebra", ["Q4", "Q2^2", "graph:3:0-1,1-2,2-0"])
+def test_dtypes_m1025_unequal_widths(dtype: torch.dtype, algebra: str) -> None:
+    gen = torch.Generator().manual_seed(7)
+    torch.manual_seed(0)
+    q = support_of(get_algebra(algebra)).q
+    in_w = [3 + 2 * i for i in range(q)]
+    out_w = [7 - i % 3 for i in range(q)]
+    layer = AlgebraLinear(sum(in_w), sum(out_w), algebra, group_sizes=(in_w, out_w))
+    x = torch.randn(1025, sum(in_w), generator=gen)
+    for kind in ("cyclic", "random"):
+        _check(layer, x, _types(kind, 1025, q, gen), dtype, gen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["cyclic", "block", "random"])
+def test_leading_batch_dims(dtype: torch.dtype, kind: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    torch.manual_seed(1)
+    layer = AlgebraLinear(32, 16, "Q4", bias=True)
+    x = torch.randn(3, 2, 20, 32, generator=gen)
+    pos = torch.arange(20)
+    t = {"cyclic": pos % 4, "block": (pos // 3) % 4}.get(kind)
+    types = t.expand(3, 2, 20) if t is not None else torch.randint(0, 4, (3, 2, 20), generator=gen)
+    _check(layer, x, types, dtype, gen)
+
+
+@pytest.mark.parametrize("q", [2, 4, 8, 16])
+@pytest.mark.parametrize("rows_per_type", [1, 3, 64])
+def test_gathered_layout(q: int, rows_per_type: int) -> None:
+    """Balanced small batches take the row-first gathered path; check it and its grads."""
+    gen = torch.Generator().manual_seed(q * 100 + rows_per_type)
+    torch.manual_seed(q)
+    layer = AlgebraLinear(4 * q, 2 * q, f"Q{q}")
+    m = q * rows_per_type
+    for types in (torch.arange(m) % q, torch.randperm(m, generator=gen) % q):
+        assert use_gathered_layout(layer.plan, layer.partition(types))
+        x = torch.randn(m, 4 * q, generator=gen)
+        _check(layer, x, types, torch.float32, gen)
+
+
+def test_q1_equals_linear() -> None:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(13, 9)
+    layer = AlgebraLinear.from_linear(lin, "Q1")
+    x = torch.randn(4, 6, 13)
+    types = torch.zeros(4, 6, dtype=torch.long)
+    for backend in ("reference", "blocked"):
+        layer.backend = Backend(backend)
+        torch.testing.assert_close(layer(x, types), lin(x), rtol=1e-6, atol=1e-6)
+
+
+def test_empty_batch() -> None:
+    layer = AlgebraLinear(8, 8, "Q2")
+    y = layer(torch.randn(0, 8), torch.zeros(0, dtype=torch.long))
+    assert y.shape == (0, 8)
+
+
+def test_weight_grad_reaches_only_active_blocks() -> None:
+    torch.manual_seed(0)
+    layer = AlgebraLinear(8, 8, "Q4")
+    x = torch.randn(5, 8)
+    y = layer(x, torch.full((5,), 2))
+    y.sum().backward()
+    g = layer.weight.grad
+    active = layer.to_dense(2) != 0
+    assert (g[~active] == 0).all() and (g[active] != 0).all()
