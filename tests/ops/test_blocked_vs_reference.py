@@ -102,8 +102,8 @@ def test_leading_batch_dims(dtype: torch.dtype, kind: str) -> None:
     _check(layer, x, types, dtype, gen)
 
 
-@pytest.mark.parametrize("q", [2, 4, 8, 16])
-@pytest.mark.parametrize("rows_per_type", [1, 3, 64])
+@pytest.mark.parametrize("q", [4, 8, 16])
+@pytest.mark.parametrize("rows_per_type", [1, 3, 16])
 def test_gathered_layout(q: int, rows_per_type: int) -> None:
     """Balanced small batches take the row-first gathered path; check it and its grads."""
     gen = torch.Generator().manual_seed(q * 100 + rows_per_type)

@@ -30,14 +30,22 @@ from .plan import BlockPlan, Run
 __all__ = ["GATHER_MAX_ROWS_PER_TYPE", "blocked_linear", "use_gathered_layout"]
 
 #: Largest rows-per-type for which the row-first gathered layout is used.
-GATHER_MAX_ROWS_PER_TYPE = 64
+GATHER_MAX_ROWS_PER_TYPE = 16
+#: Smallest q for it: the gathered layout reads the diagonal blocks twice (1/q of
+#: the weight bytes extra), which only pays once q is large enough; below it the
+#: diag-first layout needs at most 1 + 2q <= 7 GEMM calls anyway.
+GATHER_MIN_Q = 4
 
 
 def use_gathered_layout(plan: BlockPlan, part: TypePartition) -> bool:
-    """Whether the row-first gathered layout applies to this plan and batch."""
+    """Whether the row-first gathered layout applies to this plan and batch.
+
+    Thresholds were measured on 2 CPU threads, K = N = 4096, fp32 (crossover at
+    8–32 rows per type): see the README's benchmark section.
+    """
     return (
         plan.diag_plus_row
-        and plan.q > 1
+        and plan.q >= GATHER_MIN_Q
         and part.balanced
         and part.counts[0] <= GATHER_MAX_ROWS_PER_TYPE
     )
@@ -284,4 +292,10 @@ def blocked_linear(x: torch.Tensor, weight: torch.Tensor, plan: BlockPlan,
     """
     if x.dtype != weight.dtype:
         raise TypeError(f"x has dtype {x.dtype} but the weight has {weight.dtype}")
-    return _BlockedLinearFn.apply(x.contiguous(), weight.contiguous(), plan, part)
+    x, weight = x.contiguous(), weight.contiguous()
+    if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        # inference: skip the autograd.Function machinery (it costs ~20 us a call)
+        if use_gathered_layout(plan, part):
+            return _forward_gathered(x, weight, plan, part)
+        return _forward_diag_first(x, weight, plan, part)
+    return _BlockedLinearFn.apply(x, weight, plan, part)

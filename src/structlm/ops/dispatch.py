@@ -64,7 +64,9 @@ def parse_backend(name: str | Backend) -> Backend:
 
 def resolve_backend(requested: str | Backend, device: torch.device) -> Backend:
     """The concrete backend to run for ``requested`` on ``device``."""
-    req = parse_backend(requested)
+    req = requested if isinstance(requested, Backend) else parse_backend(requested)
+    if req is Backend.BLOCKED or req is Backend.REFERENCE:
+        return req  # always available
     if req is Backend.AUTO:
         if _FORCED:
             req = _FORCED[-1]

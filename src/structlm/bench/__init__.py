@@ -1,0 +1,1 @@
+"""Benchmarks: timing helpers, the layer benchmark, CSV -> tables and plots."""

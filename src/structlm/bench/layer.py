@@ -1,0 +1,212 @@
+"""Layer benchmark: dense ``F.linear`` vs ``AlgebraLinear`` in the same run.
+
+Interleaved trials (order alternates), medians, ratio dense/algebra next to the
+ideal ``1/rho`` of the batch; CSV with the environment, a Markdown table and a
+plot, both drawn from the CSV.  Small batches (``M <= 32``) are timed
+cache-flushed: a 256 MiB buffer is written outside the timed region before each
+call, so the weights are not already in cache.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from ..nn import AlgebraLinear, get_schedule
+from ..ops.blocked import use_gathered_layout
+from .timing import CacheFlusher, environment, interleaved_medians, write_csv_atomic
+
+__all__ = ["PRESETS", "LayerBenchConfig", "markdown_from_csv", "plot_from_csv", "run_layer_bench"]
+
+
+@dataclass(frozen=True)
+class LayerBenchConfig:
+    """What to time. ``shapes`` are ``(K, N)``; ``modes`` are ``fwd`` / ``fwdbwd``."""
+
+    ms: Sequence[int] = (1, 32, 512, 2048)
+    shapes: Sequence[tuple[int, int]] = ((1024, 4096), (2048, 8192), (4096, 4096))
+    algebras: Sequence[str] = ("Q2", "Q4", "Q8", "Q16", "Q32", "Q2^2")
+    schedules: Sequence[str] = ("cyclic", "block")
+    modes: Sequence[str] = ("fwd", "fwdbwd")
+    trials: int = 7
+    threads: int = 2
+    flush_max_m: int = 32
+    seed: int = 0
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+PRESETS: dict[str, LayerBenchConfig] = {
+    # the issue's full grid (hours on 2 cores)
+    "full": LayerBenchConfig(),
+    # the headline point of the issue's targets
+    "target": LayerBenchConfig(ms=(2048,), shapes=((4096, 4096),),
+                               algebras=("Q4", "Q2^2", "Q8", "Q16", "Q32"),
+                               schedules=("cyclic",), trials=5),
+    # small batches: M = 32 with every type present, M = 1 decode
+    "small": LayerBenchConfig(ms=(1, 32), shapes=((4096, 4096),),
+                              algebras=("Q2", "Q4", "Q8", "Q16", "Q32", "Q2^2"),
+                              schedules=("cyclic",), trials=9),
+    # a one-minute look for the demo
+    "quick": LayerBenchConfig(ms=(1, 32, 512), shapes=((1024, 1024),),
+                              algebras=("Q2", "Q4", "Q2^2", "Q8", "Q16"),
+                              schedules=("cyclic",), trials=5),
+}
+
+
+def _time_one(cfg: LayerBenchConfig, m: int, k: int, n: int, algebra: str, schedule: str,
+              mode: str, flusher: CacheFlusher | None) -> dict[str, object]:
+    gen = torch.Generator().manual_seed(cfg.seed)
+    layer = AlgebraLinear(k, n, algebra, backend="blocked")
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n, k, generator=gen) / k**0.5)
+    w = layer.weight
+    types = get_schedule(schedule, layer.q)(torch.arange(m))
+    start = time.perf_counter()
+    part = layer.partition(types)
+    partition_us = (time.perf_counter() - start) * 1e6
+    x = torch.randn(m, k, generator=gen)
+    if mode == "fwd":
+        def dense() -> object:
+            with torch.no_grad():
+                return F.linear(x, w)
+
+        def algebra_fn() -> object:
+            with torch.no_grad():
+                return layer(x, part)
+    elif mode == "fwdbwd":
+        xg = x.clone().requires_grad_(True)
+        g = torch.randn(m, n, generator=gen)
+
+        def dense() -> object:
+            return torch.autograd.grad(F.linear(xg, w), [xg, w], g)
+
+        def algebra_fn() -> object:
+            return torch.autograd.grad(layer(xg, part), [xg, w], g)
+    else:
+        raise ValueError(f"unknown mode {mode!r}: expected 'fwd' or 'fwdbwd'")
+    flushed = flusher is not None and m <= cfg.flush_max_m
+    t_dense, t_alg = interleaved_medians([dense, algebra_fn], cfg.trials,
+                                         before_each=flusher if flushed else None)
+    rho = layer.mac_ratio(types)
+    speedup = t_dense / t_alg
+    return {
+        "algebra": algebra, "q": layer.q, "schedule": schedule, "mode": mode,
+        "M": m, "K": k, "N": n, "dtype": "float32",
+        "dense_ms": round(t_dense * 1e3, 4), "algebra_ms": round(t_alg * 1e3, 4),
+        "speedup": round(speedup, 4), "ideal": round(1 / float(rho), 4),
+        "frac_of_ideal": round(speedup * float(rho), 4), "rho": str(rho),
+        "types_present": len(part.present), "flushed": flushed,
+        "layout": "gathered" if use_gathered_layout(layer.plan, part) else "diag-first",
+        "partition_us": round(partition_us, 1), "trials": cfg.trials,
+    }
+
+
+def run_layer_bench(cfg: LayerBenchConfig, out_prefix: str, progress: bool = True
+                    ) -> list[dict[str, object]]:
+    """Run the grid, write ``<out_prefix>.csv`` / ``.md`` / ``.png``; return the rows."""
+    torch.set_num_threads(cfg.threads)
+    env = environment()
+    env.update(cfg.extra)
+    flusher = CacheFlusher() if any(m <= cfg.flush_max_m for m in cfg.ms) else None
+    grid = [(m, k, n, a, s, mode) for (k, n) in cfg.shapes for m in cfg.ms
+            for a in cfg.algebras for s in cfg.schedules for mode in cfg.modes]
+    rows: list[dict[str, object]] = []
+    os.makedirs(os.path.dirname(os.path.abspath(out_prefix)), exist_ok=True)
+    bar = tqdm(grid, desc="layer bench", disable=not progress, unit="cfg")
+    for m, k, n, a, s, mode in bar:
+        bar.set_postfix_str(f"M={m} {k}x{n} {a} {s} {mode}")
+        row = _time_one(cfg, m, k, n, a, s, mode, flusher)
+        rows.append({**row, **{f"env_{key}": v for key, v in env.items()}})
+        write_csv_atomic(out_prefix + ".csv", rows)  # partial results survive a stop
+    md = markdown_from_csv(out_prefix + ".csv")
+    with open(out_prefix + ".md.tmp", "w") as fh:
+        fh.write(md)
+    os.replace(out_prefix + ".md.tmp", out_prefix + ".md")
+    plot_from_csv(out_prefix + ".csv", out_prefix + ".png")
+    return rows
+
+
+def _read(csv_path: str) -> list[dict[str, str]]:
+    with open(csv_path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def markdown_from_csv(csv_path: str) -> str:
+    """A Markdown table (and the environment) from a layer-bench CSV."""
+    rows = _read(csv_path)
+    if not rows:
+        return "(no rows)\n"
+    env = {k[4:]: v for k, v in rows[0].items() if k.startswith("env_")}
+    lines = ["Environment: " + ", ".join(f"{k}={v}" for k, v in env.items()), "",
+             "| mode | M | K×N | algebra | schedule | dense ms | algebra ms | speed-up | "
+             "ideal 1/ρ | % of ideal | layout |",
+             "|---|---:|---|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        flush = " (flushed)" if r["flushed"] == "True" else ""
+        lines.append(
+            f"| {r['mode']}{flush} | {r['M']} | {r['K']}×{r['N']} | {r['algebra']} | "
+            f"{r['schedule']} | {float(r['dense_ms']):.3f} | {float(r['algebra_ms']):.3f} | "
+            f"{float(r['speedup']):.2f}× | {float(r['ideal']):.2f}× | "
+            f"{100 * float(r['frac_of_ideal']):.0f}% | {r['layout']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_from_csv(csv_path: str, png_path: str) -> None:
+    """Measured vs ideal speed-up (log–log), one panel per mode, from the CSV."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = _read(csv_path)
+    modes = sorted({r["mode"] for r in rows})
+    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 5), squeeze=False)
+    ms = sorted({int(r["M"]) for r in rows})
+    shapes = sorted({(int(r["K"]), int(r["N"])) for r in rows})
+    markers = "osD^v<>"
+    cmap = plt.get_cmap("viridis", max(2, len(ms)))
+    for ax, mode in zip(axes[0], modes, strict=True):
+        sub = [r for r in rows if r["mode"] == mode]
+        hi = max(max(float(r["ideal"]), float(r["speedup"])) for r in sub) * 1.3
+        ax.plot([0.5, hi], [0.5, hi], "k--", lw=1, label="ideal 1/ρ")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        for i, m in enumerate(ms):
+            for j, shape in enumerate(shapes):
+                pts = [r for r in sub if int(r["M"]) == m and (int(r["K"]), int(r["N"])) == shape]
+                if not pts:
+                    continue
+                ax.scatter([float(r["ideal"]) for r in pts], [float(r["speedup"]) for r in pts],
+                           color=cmap(i), marker=markers[j % len(markers)],
+                           label=f"M={m}, {shape[0]}×{shape[1]}")
+                for r in pts:
+                    ax.annotate(r["algebra"], (float(r["ideal"]), float(r["speedup"])),
+                                fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("ideal speed-up 1/ρ")
+        ax.set_ylabel("measured speed-up (dense / algebra)")
+        ax.set_title(f"AlgebraLinear (blocked) vs F.linear — {mode}")
+        ax.legend(fontsize=7)
+    env = {k[4:]: v for k, v in rows[0].items() if k.startswith("env_")}
+    fig.suptitle(f"{env.get('cpu', '')}, torch {env.get('torch', '')}, "
+                 f"{env.get('threads', '')} threads", fontsize=9)
+    fig.tight_layout()
+    tmp = png_path + ".tmp.png"
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, png_path)
+
+
+def config_from_args(preset: str, **overrides: object) -> LayerBenchConfig:
+    """A preset with command-line overrides (``None`` values are ignored)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}: expected one of {sorted(PRESETS)}")
+    kw = {k: v for k, v in overrides.items() if v is not None}
+    return replace(PRESETS[preset], **kw)

@@ -1,0 +1,99 @@
+"""Timing helpers: environment capture, interleaved trials, cache flushing."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = ["CacheFlusher", "environment", "interleaved_medians", "write_csv_atomic"]
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def environment() -> dict[str, str]:
+    """Where the numbers come from: device, library versions, threads, date."""
+    try:
+        import triton  # type: ignore[import-not-found]
+
+        triton_version = triton.__version__
+    except Exception:
+        triton_version = "n/a"
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return {
+        "cpu": _cpu_model(),
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "threads": str(torch.get_num_threads()),
+        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+class CacheFlusher:
+    """Evicts caches by *reading* a buffer much larger than the last-level cache.
+
+    Reading (not writing) leaves the cache full of clean lines, so the timed call
+    that follows pays for its own reads only, not for write-backs of the flush.
+    """
+
+    def __init__(self, mib: int = 512) -> None:
+        self.buf = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+
+    def __call__(self) -> None:
+        self.buf.sum()
+
+
+def interleaved_medians(
+    fns: Sequence[Callable[[], object]],
+    trials: int,
+    warmup: int = 1,
+    before_each: Callable[[], None] | None = None,
+) -> list[float]:
+    """Median seconds of each function over ``trials`` interleaved rounds.
+
+    Round ``i`` runs the functions in forward order for even ``i`` and reversed for
+    odd ``i`` so that neither side always runs first (warm-up rounds are untimed).
+    ``before_each`` (e.g. a cache flush) runs outside the timed region.
+    """
+    times: list[list[float]] = [[] for _ in fns]
+    for i in range(warmup + trials):
+        order = list(range(len(fns))) if i % 2 == 0 else list(range(len(fns)))[::-1]
+        for j in order:
+            if before_each is not None:
+                before_each()
+            t0 = time.perf_counter()
+            fns[j]()
+            dt = time.perf_counter() - t0
+            if i >= warmup:
+                times[j].append(dt)
+    return [statistics.median(t) for t in times]
+
+
+def write_csv_atomic(path: str, rows: list[dict[str, object]]) -> None:
+    """Write rows (dicts with the same keys) to ``path`` atomically."""
+    import csv
+
+    if not rows:
+        raise ValueError("no rows to write")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0].keys()))
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)

@@ -1,0 +1,183 @@
+"""``structlm`` command line.
+
+    structlm algebra info NAME [--json]
+    structlm algebra table [--json]
+    structlm bench layer [--preset quick|small|target|full] [overrides...]
+    structlm demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from .algebra import CATALOGUE_NAMES, AlgebraError, get_algebra, support_of
+
+__all__ = ["algebra_facts", "algebra_table_markdown", "main"]
+
+
+def algebra_facts(name: str) -> dict[str, object]:
+    """Every fact ``structlm algebra info`` reports, computed from the tensor."""
+    a = get_algebra(name)
+    rank = a.rank
+    facts: dict[str, object] = {
+        "name": a.name,
+        "dim": a.dim,
+        "t": a.num_maximal_ideals,
+        "rank_lower_bound": rank.lower_bound,
+        "explicit_products": rank.explicit_products,
+        "exact_rank": rank.exact,
+        "rank_interval": list(rank.interval),
+        "associative": a.is_associative,
+        "has_unit": a.has_unit,
+        "radical_dim": a.radical_dim,
+        "q": a.q,
+    }
+    if a.unit is not None:
+        facts["unit"] = [a.basis_names[i] for i, v in enumerate(a.unit) if v != 0] if all(
+            v in (0.0, 1.0) for v in a.unit) else [float(v) for v in a.unit]
+    try:
+        s = support_of(a)
+    except AlgebraError as err:
+        facts["mac_ratio"] = None
+        facts["layer_error"] = str(err)
+    else:
+        facts["mac_ratio"] = str(s.mac_ratio())
+        facts["layer_triples"] = s.num_triples
+        facts["dead_blocks"] = int((~s.used_blocks).sum())
+    return facts
+
+
+def _rank_text(f: dict[str, object]) -> str:
+    if f["exact_rank"] is not None:
+        return str(f["exact_rank"])
+    lo, hi = f["rank_interval"]  # type: ignore[misc]
+    return f"only known in [{lo}, {hi}]" if lo is not None else f"<= {hi} (t unknown)"
+
+
+def algebra_table_markdown(names: Sequence[str] = CATALOGUE_NAMES) -> str:
+    """The seed's table (SPEC §A.2) for the catalogue, as Markdown."""
+    lines = [
+        "| algebra | q | slots (dim) | t | block products of explicit algorithm | "
+        "layer triples | equal-width MAC ratio | exact rank |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for n in names:
+        f = algebra_facts(n)
+        lines.append(
+            f"| {f['name']} | {f['q']} | {f['dim']} | {f['t']} | {f['explicit_products']} | "
+            f"{f.get('layer_triples', '-')} | {f['mac_ratio']} | {_rank_text(f)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _cmd_algebra_info(args: argparse.Namespace) -> int:
+    f = algebra_facts(args.name)
+    if args.json:
+        print(json.dumps(f))
+        return 0
+    width = max(len(k) for k in f)
+    for k, v in f.items():
+        if k == "exact_rank":
+            v = _rank_text(f)
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def _cmd_algebra_table(args: argparse.Namespace) -> int:
+    if args.json:
+        print(json.dumps([algebra_facts(n) for n in CATALOGUE_NAMES]))
+    else:
+        print(algebra_table_markdown())
+    return 0
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(","))
+
+
+def _shapes(text: str) -> tuple[tuple[int, int], ...]:
+    out = []
+    for item in text.split(","):
+        k, n = item.lower().split("x")
+        out.append((int(k), int(n)))
+    return tuple(out)
+
+
+def _strs(text: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
+def _cmd_bench_layer(args: argparse.Namespace) -> int:
+    from .bench.layer import config_from_args, run_layer_bench
+
+    cfg = config_from_args(
+        args.preset, ms=args.m, shapes=args.shapes, algebras=args.algebras,
+        schedules=args.schedules, modes=args.modes, trials=args.trials, threads=args.threads)
+    out = args.out or f"bench-out/layer_{args.preset}"
+    run_layer_bench(cfg, out)
+    with open(out + ".md") as fh:
+        print(fh.read())
+    print(f"wrote {out}.csv, {out}.md, {out}.png")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    print("# structlm demo\n\n## The algebra catalogue (computed from structure tensors)\n")
+    print(algebra_table_markdown())
+    print("## A short layer benchmark (2 CPU threads, fp32)\n", flush=True)
+    ns = argparse.Namespace(preset="quick", m=None, shapes=None, algebras=None, schedules=None,
+                            modes=None, trials=args.trials, threads=None, out=args.out)
+    return _cmd_bench_layer(ns)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``structlm`` command."""
+    p = argparse.ArgumentParser(prog="structlm", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    alg = sub.add_parser("algebra", help="facts about algebras").add_subparsers(
+        dest="algebra_command", required=True)
+    info = alg.add_parser("info", help="facts of one algebra (Q4, Q2^2, graph:3:0-1,1-2, ...)")
+    info.add_argument("name")
+    info.add_argument("--json", action="store_true", help="one JSON object")
+    info.set_defaults(func=_cmd_algebra_info)
+    table = alg.add_parser("table", help="the seed's table for the catalogue")
+    table.add_argument("--json", action="store_true", help="a JSON list of info objects")
+    table.set_defaults(func=_cmd_algebra_table)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(
+        dest="bench_command", required=True)
+    layer = bench.add_parser("layer", help="dense F.linear vs AlgebraLinear (blocked)")
+    layer.add_argument("--preset", default="quick", choices=["quick", "small", "target", "full"])
+    layer.add_argument("--m", type=_ints, help="comma-separated batch sizes, e.g. 1,32,2048")
+    layer.add_argument("--shapes", type=_shapes, help="KxN list, e.g. 1024x4096,4096x4096")
+    layer.add_argument("--algebras", type=_strs, help="e.g. Q4,Q8,Q2^2")
+    layer.add_argument("--schedules", type=_strs, help="cyclic,block")
+    layer.add_argument("--modes", type=_strs, help="fwd,fwdbwd")
+    layer.add_argument("--trials", type=int, help="interleaved trials per configuration")
+    layer.add_argument("--threads", type=int, help="torch threads (default 2)")
+    layer.add_argument("--out", help="output prefix (default bench-out/layer_<preset>)")
+    layer.set_defaults(func=_cmd_bench_layer)
+
+    demo = sub.add_parser("demo", help="the algebra table and a short layer benchmark")
+    demo.add_argument("--trials", type=int, default=None)
+    demo.add_argument("--out", default="bench-out/demo_layer")
+    demo.set_defaults(func=_cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``structlm`` command."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (AlgebraError, ValueError) as err:
+        print(f"structlm: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""The command line: algebra facts as JSON and text, the table, the layer bench."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+
+import pytest
+
+from structlm.bench.layer import LayerBenchConfig, run_layer_bench
+from structlm.cli import main
+
+INFO_KEYS = {"name", "dim", "t", "rank_lower_bound", "explicit_products", "exact_rank",
+             "rank_interval", "mac_ratio", "associative", "has_unit"}
+
+
+def test_info_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["algebra", "info", "Q4", "--json"]) == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert INFO_KEYS <= facts.keys()
+    assert facts["mac_ratio"] == "7/16" and facts["exact_rank"] == 28 and facts["t"] == 4
+    assert main(["algebra", "info", "Q2^2", "--json"]) == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert facts["exact_rank"] is None and facts["rank_interval"] == [28, 36]
+    assert facts["mac_ratio"] == "9/16" and facts["associative"] and facts["has_unit"]
+
+
+def test_info_text_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["algebra", "info", "graph:3:0-1,1-2,2-0"]) == 0
+    out = capsys.readouterr().out
+    assert "explicit_products" in out and "dead_blocks        3" in out
+    assert main(["algebra", "info", "Q0"]) == 2
+    assert "Q<q> needs 1 <= q" in capsys.readouterr().err
+
+
+def test_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["algebra", "table"]) == 0
+    out = capsys.readouterr().out
+    assert "| Q2 | 2 | 4 | 2 | 6 | 6 | 3/4 | 6 |" in out
+    assert "| Q4 | 4 | 16 | 4 | 28 | 28 | 7/16 | 28 |" in out
+    assert "| Q2^2 | 4 | 16 | 4 | 36 | 36 | 9/16 | only known in [28, 36] |" in out
+
+
+def test_layer_bench_writes_csv_md_png(tmp_path: os.PathLike[str]) -> None:
+    cfg = LayerBenchConfig(ms=(1, 8), shapes=((32, 16),), algebras=("Q2", "Q2^2"),
+                           schedules=("cyclic", "block"), modes=("fwd", "fwdbwd"), trials=1,
+                           threads=1, flush_max_m=0)
+    prefix = os.path.join(tmp_path, "lb")
+    rows = run_layer_bench(cfg, prefix, progress=False)
+    assert len(rows) == 2 * 2 * 2 * 2
+    with open(prefix + ".csv") as fh:
+        read = list(csv.DictReader(fh))
+    assert len(read) == len(rows)
+    for r in read:
+        assert float(r["dense_ms"]) > 0 and float(r["algebra_ms"]) > 0
+        assert r["env_torch"] and r["env_cpu"]
+    block_m8 = next(r for r in read if r["schedule"] == "block" and r["M"] == "8")
+    assert block_m8["types_present"] == "1" and block_m8["rho"] in {"3/4", "9/16"}
+    assert "| fwd | 8 | 32×16 |" in open(prefix + ".md").read()
+    assert os.path.getsize(prefix + ".png") > 1000
