@@ -104,6 +104,15 @@ def test_blocked_flops_match_cost_model(algebra: str, m: int, kind: str) -> None
     assert arithmetic <= counted, arithmetic - counted
 
 
+@pytest.mark.parametrize("layout", ["diag-first", "block-major"])
+def test_every_layout_does_the_cost_model_flops(layout: str) -> None:
+    from structlm.ops.blocked import force_layout
+
+    with force_layout(layout):
+        test_blocked_flops_match_cost_model("Q2^2", 61, "random")
+        test_blocked_flops_match_cost_model("Q8", 64, "cyclic")
+
+
 def test_gemm_calls_bounded_for_small_balanced_batches() -> None:
     """M = 32, cyclic: the number of GEMM calls does not grow with q."""
     calls = {}

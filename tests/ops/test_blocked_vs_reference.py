@@ -11,7 +11,7 @@ import torch
 
 from structlm import AlgebraLinear, get_algebra, support_of
 from structlm.ops import Backend
-from structlm.ops.blocked import use_gathered_layout
+from structlm.ops.blocked import choose_layout, force_layout, use_gathered_layout
 
 ALGEBRAS = ["Q1", "Q2", "Q4", "Q2^2", "Q8", "graph:3:0-1,1-2,2-0", "Q2xQ3", "graph:4:"]
 
@@ -142,3 +142,31 @@ def test_weight_grad_reaches_only_active_blocks() -> None:
     g = layer.weight.grad
     active = layer.to_dense(2) != 0
     assert (g[~active] == 0).all() and (g[active] != 0).all()
+
+
+@pytest.mark.parametrize("layout", ["diag-first", "block-major"])
+@pytest.mark.parametrize("algebra", ["Q4", "Q2^2", "Q2^3", "graph:4:0-1,1-2,2-3,0-3", "Q2xQ3"])
+@pytest.mark.parametrize("kind", ["cyclic", "random", "single"])
+def test_every_layout_on_every_plan(layout: str, algebra: str, kind: str) -> None:
+    """Each general layout is exact on every support, not only where it is chosen."""
+    gen = torch.Generator().manual_seed(11)
+    torch.manual_seed(2)
+    q = support_of(get_algebra(algebra)).q
+    in_w = [2 + (i % 3) for i in range(q)]
+    out_w = [3 + (i % 2) for i in range(q)]
+    layer = AlgebraLinear(sum(in_w), sum(out_w), algebra, group_sizes=(in_w, out_w))
+    types = _types(kind, 97, q, gen)
+    with force_layout(layout):
+        assert choose_layout(layer.plan, layer.partition(types)) == layout
+        _check(layer, torch.randn(97, sum(in_w), generator=gen), types, torch.float64, gen)
+
+
+def test_layout_choice() -> None:
+    cyc = torch.arange(32)
+    q4, q22 = AlgebraLinear(16, 16, "Q4"), AlgebraLinear(16, 16, "Q2^2")
+    assert choose_layout(q4.plan, q4.partition(cyc % 4)) == "gathered"
+    assert choose_layout(q4.plan, q4.partition(torch.arange(4096) % 4)) == "diag-first"
+    assert choose_layout(q22.plan, q22.partition(cyc % 4)) == "block-major"
+    assert choose_layout(q22.plan, q22.partition(torch.zeros(1, dtype=torch.long))) == "diag-first"
+    with pytest.raises(ValueError, match="unknown layout"), force_layout("fused"):
+        pass

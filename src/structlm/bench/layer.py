@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..nn import AlgebraLinear, get_schedule
-from ..ops.blocked import use_gathered_layout
+from ..ops.blocked import choose_layout
 from .timing import CacheFlusher, environment, interleaved_medians, write_csv_atomic
 
 __all__ = ["PRESETS", "LayerBenchConfig", "markdown_from_csv", "plot_from_csv", "run_layer_bench"]
@@ -54,7 +54,7 @@ PRESETS: dict[str, LayerBenchConfig] = {
                               algebras=("Q2", "Q4", "Q8", "Q16", "Q32", "Q2^2"),
                               schedules=("cyclic",), trials=9),
     # a one-minute look for the demo
-    "quick": LayerBenchConfig(ms=(1, 32, 512), shapes=((1024, 1024),),
+    "quick": LayerBenchConfig(ms=(1, 32, 512), shapes=((2048, 4096),),
                               algebras=("Q2", "Q4", "Q2^2", "Q8", "Q16"),
                               schedules=("cyclic",), trials=5),
 }
@@ -103,7 +103,7 @@ def _time_one(cfg: LayerBenchConfig, m: int, k: int, n: int, algebra: str, sched
         "speedup": round(speedup, 4), "ideal": round(1 / float(rho), 4),
         "frac_of_ideal": round(speedup * float(rho), 4), "rho": str(rho),
         "types_present": len(part.present), "flushed": flushed,
-        "layout": "gathered" if use_gathered_layout(layer.plan, part) else "diag-first",
+        "layout": choose_layout(layer.plan, part),
         "partition_us": round(partition_us, 1), "trials": cfg.trials,
     }
 

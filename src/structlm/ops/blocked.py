@@ -20,6 +20,8 @@ Weight layout is ``nn.Linear``'s: ``weight[out, in]``; block ``(beta, delta)`` i
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,7 +29,13 @@ import torch
 from .partition import RowSet, TypePartition
 from .plan import BlockPlan, Run
 
-__all__ = ["GATHER_MAX_ROWS_PER_TYPE", "blocked_linear", "use_gathered_layout"]
+__all__ = [
+    "GATHER_MAX_ROWS_PER_TYPE",
+    "blocked_linear",
+    "choose_layout",
+    "force_layout",
+    "use_gathered_layout",
+]
 
 #: Largest rows-per-type for which the row-first gathered layout is used.
 GATHER_MAX_ROWS_PER_TYPE = 16
@@ -35,6 +43,40 @@ GATHER_MAX_ROWS_PER_TYPE = 16
 #: the weight bytes extra), which only pays once q is large enough; below it the
 #: diag-first layout needs at most 1 + 2q <= 7 GEMM calls anyway.
 GATHER_MIN_Q = 4
+#: Layout forced by :func:`force_layout` (tests run every layout on every plan).
+_FORCED_LAYOUT: list[str] = []
+
+
+def choose_layout(plan: BlockPlan, part: TypePartition) -> str:
+    """``"gathered"``, ``"block-major"`` or ``"diag-first"`` for this plan and batch.
+
+    Block-major reads every weight block once (rows of all the types using a block
+    are gathered), which pays for small batches of supports whose blocks are shared
+    by several types (``Q2^2``: per-type runs would read some blocks twice).
+    """
+    if _FORCED_LAYOUT:
+        forced = _FORCED_LAYOUT[-1]
+        if forced != "gathered" or use_gathered_layout(plan, part):
+            return forced
+    if use_gathered_layout(plan, part):
+        return "gathered"
+    # measured for Q2^2 at K = N = 4096: block-major is as fast or faster than
+    # diag-first from M = 8 to M = 2048, forward and fwd+bwd
+    if plan.has_shared_blocks and len(part.present) > 1:
+        return "block-major"
+    return "diag-first"
+
+
+@contextlib.contextmanager
+def force_layout(name: str) -> Iterator[None]:
+    """Within the block, use layout ``name`` wherever it applies (for tests)."""
+    if name not in _FORWARD:
+        raise ValueError(f"unknown layout {name!r}: expected one of {sorted(_FORWARD)}")
+    _FORCED_LAYOUT.append(name)
+    try:
+        yield
+    finally:
+        _FORCED_LAYOUT.pop()
 
 
 def use_gathered_layout(plan: BlockPlan, part: TypePartition) -> bool:
@@ -111,8 +153,8 @@ def _forward_runs(xr: torch.Tensor, yr: torch.Tensor, w: torch.Tensor, plan: Blo
             d = e
 
 
-def _forward_diag_first(x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
-                        part: TypePartition) -> torch.Tensor:
+def _forward_common(x: torch.Tensor, w: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
+    """``y`` with the common blocks applied to every row (one bmm for the diagonal)."""
     m, n = x.shape[0], plan.out_features
     if plan.common_covers_outputs:
         y = x.new_empty(m, n)
@@ -124,6 +166,12 @@ def _forward_diag_first(x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
     else:
         fresh = [plan.common_covers_outputs] * plan.q
         _forward_runs(x, y, w, plan, plan.common_runs, fresh)
+    return y
+
+
+def _forward_diag_first(x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
+                        part: TypePartition) -> torch.Tensor:
+    y = _forward_common(x, w, plan)
     for a in part.present:
         runs = plan.type_runs[a]
         if not runs:
@@ -184,9 +232,10 @@ def _dw_runs(gr: torch.Tensor, xr: torch.Tensor, dw: torch.Tensor, plan: BlockPl
                 written[beta, e0:e1] = True
 
 
-def _backward_diag_first(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
-                         part: TypePartition, need_dx: bool, need_dw: bool
-                         ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _backward_common(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
+                     need_dx: bool, need_dw: bool
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """``dX`` and ``dW`` of the common blocks (all rows); returns the written-block mask."""
     q = plan.q
     bmm_diag = plan.common_is_diag and plan.equal_widths and q > 1
     dx = dw = None
@@ -205,6 +254,20 @@ def _backward_diag_first(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, pla
             written.fill_diagonal_(True)
         else:
             _dw_runs(gy, x, dw, plan, plan.common_runs, written)
+    return dx, dw, written
+
+
+def _zero_unwritten(dw: torch.Tensor, plan: BlockPlan, written: torch.Tensor) -> None:
+    """Zero the gradient of blocks no row used (dead blocks, absent types)."""
+    io, oo = plan.in_offsets, plan.out_offsets
+    for beta, delta in (~written).nonzero().tolist():
+        dw[_cols(oo, delta, delta + 1), _cols(io, beta, beta + 1)].zero_()
+
+
+def _backward_diag_first(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
+                         part: TypePartition, need_dx: bool, need_dw: bool
+                         ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    dx, dw, written = _backward_common(gy, x, w, plan, need_dx, need_dw)
     for a in part.present:
         runs = plan.type_runs[a]
         if not runs:
@@ -226,9 +289,42 @@ def _backward_diag_first(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, pla
             if dw is not None:
                 _dw_runs(gr, x.index_select(0, rs.index), dw, plan, runs, written)
     if dw is not None:
-        io, oo = plan.in_offsets, plan.out_offsets
-        for beta, delta in (~written).nonzero().tolist():  # unused or absent blocks
-            dw[_cols(oo, delta, delta + 1), _cols(io, beta, beta + 1)].zero_()
+        _zero_unwritten(dw, plan, written)
+    return dx, dw
+
+
+# ------------------------------------------------------------- block-major
+def _forward_block_major(x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
+                         part: TypePartition) -> torch.Tensor:
+    y = _forward_common(x, w, plan)
+    io, oo = plan.in_offsets, plan.out_offsets
+    for beta, d0, d1, types in plan.shared_runs:
+        idx = part.rows_of(types)
+        if idx.numel() == 0:
+            continue
+        bs, cs = _cols(io, beta, beta + 1), _cols(oo, d0, d1)
+        y[:, cs].index_add_(0, idx, x[:, bs].index_select(0, idx) @ w[cs, bs].t())
+    return y
+
+
+def _backward_block_major(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
+                          part: TypePartition, need_dx: bool, need_dw: bool
+                          ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    dx, dw, written = _backward_common(gy, x, w, plan, need_dx, need_dw)
+    io, oo = plan.in_offsets, plan.out_offsets
+    for beta, d0, d1, types in plan.shared_runs:
+        idx = part.rows_of(types)
+        if idx.numel() == 0:
+            continue
+        bs, cs = _cols(io, beta, beta + 1), _cols(oo, d0, d1)
+        gr = gy[:, cs].index_select(0, idx)
+        if dx is not None:
+            dx[:, bs].index_add_(0, idx, gr @ w[cs, bs])
+        if dw is not None:  # every non-common block lies in exactly one shared run
+            torch.mm(gr.t(), x[:, bs].index_select(0, idx), out=dw[cs, bs])
+            written[beta, d0:d1] = True
+    if dw is not None:
+        _zero_unwritten(dw, plan, written)
     return dx, dw
 
 
@@ -256,24 +352,26 @@ def _backward_gathered(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, plan:
 
 
 # ----------------------------------------------------------------- autograd
+_FORWARD = {"gathered": _forward_gathered, "block-major": _forward_block_major,
+            "diag-first": _forward_diag_first}
+_BACKWARD = {"gathered": _backward_gathered, "block-major": _backward_block_major,
+             "diag-first": _backward_diag_first}
+
 class _BlockedLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
                 part: TypePartition) -> torch.Tensor:
-        gathered = use_gathered_layout(plan, part)
+        layout = choose_layout(plan, part)
         ctx.save_for_backward(x, w)
-        ctx.plan, ctx.part, ctx.gathered = plan, part, gathered
-        if gathered:
-            return _forward_gathered(x, w, plan, part)
-        return _forward_diag_first(x, w, plan, part)
+        ctx.plan, ctx.part, ctx.layout = plan, part, layout
+        return _FORWARD[layout](x, w, plan, part)
 
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[Any, ...]:
         x, w = ctx.saved_tensors
         gy = gy.contiguous()
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        fn = _backward_gathered if ctx.gathered else _backward_diag_first
-        dx, dw = fn(gy, x, w, ctx.plan, ctx.part, need_dx, need_dw)
+        dx, dw = _BACKWARD[ctx.layout](gy, x, w, ctx.plan, ctx.part, need_dx, need_dw)
         return dx, dw, None, None
 
 
@@ -295,7 +393,5 @@ def blocked_linear(x: torch.Tensor, weight: torch.Tensor, plan: BlockPlan,
     x, weight = x.contiguous(), weight.contiguous()
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         # inference: skip the autograd.Function machinery (it costs ~20 us a call)
-        if use_gathered_layout(plan, part):
-            return _forward_gathered(x, weight, plan, part)
-        return _forward_diag_first(x, weight, plan, part)
+        return _FORWARD[choose_layout(plan, part)](x, weight, plan, part)
     return _BlockedLinearFn.apply(x, weight, plan, part)

@@ -107,6 +107,24 @@ class TypePartition:
         """Every type has the same, non-zero number of rows."""
         return self.counts[0] > 0 and all(c == self.counts[0] for c in self.counts)
 
+    def rows_of(self, types: tuple[int, ...]) -> torch.Tensor:
+        """Row indices (on the data device) of all rows whose type is in ``types``."""
+        key = "rows" + ",".join(map(str, types))
+        if key not in self._device_cache:
+            parts = []
+            for a in types:
+                rs = self.sets[a]
+                if rs.count == 0:
+                    continue
+                if rs.index is not None:
+                    parts.append(rs.index.cpu())
+                else:
+                    assert rs.rows is not None
+                    parts.append(torch.arange(rs.rows.start, rs.rows.stop, rs.rows.step))
+            idx = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+            self._device_cache[key] = idx.to(self.device)
+        return self._device_cache[key]
+
     def sorted_index(self) -> torch.Tensor:
         """``(q, M/q)`` row indices grouped by type (balanced partitions only)."""
         if "sorted" not in self._device_cache:

@@ -22,10 +22,31 @@ import numpy as np
 
 from ..algebra.support import LayerSupport
 
-__all__ = ["BlockPlan", "Run", "make_plan"]
+__all__ = ["BlockPlan", "Run", "SharedRun", "make_plan"]
 
 #: ``(beta, d0, d1)``: source group ``beta`` feeds output groups ``d0 .. d1 - 1``.
 Run = tuple[int, int, int]
+#: ``(beta, d0, d1, types)``: the same blocks, used by exactly the types ``types``.
+SharedRun = tuple[int, int, int, tuple[int, ...]]
+
+
+def _shared_runs(mask: np.ndarray, common: np.ndarray) -> tuple[SharedRun, ...]:
+    """Non-common blocks grouped by source and by the set of types using them."""
+    q = mask.shape[0]
+    out: list[SharedRun] = []
+    for beta in range(q):
+        d = 0
+        while d < q:
+            users = tuple(int(a) for a in np.flatnonzero(mask[:, beta, d]))
+            if common[beta, d] or not users:
+                d += 1
+                continue
+            d0 = d
+            while d < q and not common[beta, d] and tuple(
+                    int(a) for a in np.flatnonzero(mask[:, beta, d])) == users:
+                d += 1
+            out.append((beta, d0, d, users))
+    return tuple(out)
 
 
 def _runs(blocks: np.ndarray) -> tuple[Run, ...]:
@@ -56,6 +77,7 @@ class BlockPlan:
     equal_widths: bool
     common_runs: tuple[Run, ...]
     type_runs: tuple[tuple[Run, ...], ...]
+    shared_runs: tuple[SharedRun, ...]
     used_blocks: np.ndarray  # (q, q) bool over (beta, delta)
 
     @property
@@ -77,6 +99,11 @@ class BlockPlan:
     def common_covers_inputs(self) -> bool:
         """Every input group is the source of a common block (dX needs no zero fill)."""
         return {b for b, _, _ in self.common_runs} == set(range(self.q))
+
+    @cached_property
+    def has_shared_blocks(self) -> bool:
+        """Some non-common block is used by more than one type (e.g. ``Q2^2``)."""
+        return any(len(types) > 1 for *_, types in self.shared_runs)
 
     @cached_property
     def diag_plus_row(self) -> bool:
@@ -107,5 +134,6 @@ def make_plan(
         equal_widths=len(set(s)) == 1 and len(set(r)) == 1,
         common_runs=_runs(common),
         type_runs=type_runs,
+        shared_runs=_shared_runs(support.mask, common),
         used_blocks=support.used_blocks.copy(),
     )
