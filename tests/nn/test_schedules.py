@@ -13,6 +13,11 @@ def test_cyclic_and_paper_block() -> None:
     assert paper == BlockSchedule(4, 192) and paper.period == 768
     assert torch.equal(paper(p), (p % 768) // 192)
     assert torch.equal(get_schedule("block:5", 3)(p), (p % 15) // 5)
+    assert torch.equal(get_schedule("block:5:10", 3)(p), (p % 10) // 5)
+    with pytest.raises(ValueError, match="at most q=2 blocks"):
+        BlockSchedule(2, 5, 15)
+    with pytest.raises(ValueError, match="multiple of block 5"):
+        BlockSchedule(4, 5, 12)
 
 
 def test_absolute_positions_chunking() -> None:

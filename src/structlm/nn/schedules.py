@@ -42,24 +42,30 @@ class CyclicSchedule(TypeSchedule):
 
 @dataclass(frozen=True)
 class BlockSchedule(TypeSchedule):
-    """``tau(p) = floor((p mod (q * block)) / block)``: runs of ``block`` positions.
+    """``tau(p) = floor((p mod period) / block)``: runs of ``block`` positions.
 
-    The paper's LM used ``q = 4``, ``block = 192`` (period 768).
+    ``period`` defaults to ``q * block`` (every type once per period). The paper's LM
+    used ``q = 4``, ``block = 192``, period 768.
     """
 
     q: int
     block: int = 192
+    period: int | None = None
 
     def __post_init__(self) -> None:
         if self.block < 1:
             raise ValueError(f"block size must be >= 1, got {self.block}")
-
-    @property
-    def period(self) -> int:
-        """Positions after which the pattern repeats."""
-        return self.q * self.block
+        if self.period is None:
+            object.__setattr__(self, "period", self.q * self.block)
+        assert self.period is not None
+        if self.period % self.block or not 0 < self.period // self.block <= self.q:
+            raise ValueError(
+                f"period {self.period} must be a multiple of block {self.block} with at "
+                f"most q={self.q} blocks (so types stay in [0, {self.q}))"
+            )
 
     def _types(self, positions: torch.Tensor) -> torch.Tensor:
+        assert self.period is not None
         return (positions % self.period) // self.block
 
 
@@ -84,7 +90,8 @@ class TableSchedule(TypeSchedule):
 
 def get_schedule(spec: str | TypeSchedule | Sequence[int], q: int) -> TypeSchedule:
     """Schedule from a name: ``cyclic``, ``block`` (= ``block:192``, the paper's),
-    ``block:<size>``, or ``table:<t0>,<t1>,...``; or a sequence of types (table)."""
+    ``block:<size>``, ``block:<size>:<period>``, or ``table:<t0>,<t1>,...``; or a
+    sequence of types (a table)."""
     if isinstance(spec, TypeSchedule):
         if spec.q != q:
             raise ValueError(f"schedule has q={spec.q} but the layer has q={q}")
@@ -97,10 +104,12 @@ def get_schedule(spec: str | TypeSchedule | Sequence[int], q: int) -> TypeSchedu
     if text in ("block", "paper"):
         return BlockSchedule(q, 192)
     if text.startswith("block:"):
-        return BlockSchedule(q, int(text.split(":", 1)[1]))
+        parts = text.split(":")[1:]
+        period = int(parts[1]) if len(parts) > 1 else None
+        return BlockSchedule(q, int(parts[0]), period)
     if text.startswith("table:"):
         return TableSchedule(q, tuple(int(t) for t in text.split(":", 1)[1].split(",")))
     raise ValueError(
-        f"unknown schedule {spec!r}: expected 'cyclic', 'block', 'block:<size>' or "
+        f"unknown schedule {spec!r}: expected 'cyclic', 'block', 'block:<size>[:<period>]' or "
         "'table:<t0>,<t1>,...'"
     )
