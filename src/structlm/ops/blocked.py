@@ -294,15 +294,20 @@ def _backward_diag_first(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, pla
 
 
 # ------------------------------------------------------------- block-major
-def _forward_block_major(x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
-                         part: TypePartition) -> torch.Tensor:
-    y = _forward_common(x, w, plan)
+def _shared_run_slices(plan: BlockPlan, part: TypePartition
+                       ) -> Iterator[tuple[torch.Tensor, slice, slice, int, int, int]]:
+    """``(rows, in cols, out cols, beta, d0, d1)`` of every shared run with rows."""
     io, oo = plan.in_offsets, plan.out_offsets
     for beta, d0, d1, types in plan.shared_runs:
         idx = part.rows_of(types)
-        if idx.numel() == 0:
-            continue
-        bs, cs = _cols(io, beta, beta + 1), _cols(oo, d0, d1)
+        if idx.numel():
+            yield idx, _cols(io, beta, beta + 1), _cols(oo, d0, d1), beta, d0, d1
+
+
+def _forward_block_major(x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
+                         part: TypePartition) -> torch.Tensor:
+    y = _forward_common(x, w, plan)
+    for idx, bs, cs, *_ in _shared_run_slices(plan, part):
         y[:, cs].index_add_(0, idx, x[:, bs].index_select(0, idx) @ w[cs, bs].t())
     return y
 
@@ -311,12 +316,7 @@ def _backward_block_major(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, pl
                           part: TypePartition, need_dx: bool, need_dw: bool
                           ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     dx, dw, written = _backward_common(gy, x, w, plan, need_dx, need_dw)
-    io, oo = plan.in_offsets, plan.out_offsets
-    for beta, d0, d1, types in plan.shared_runs:
-        idx = part.rows_of(types)
-        if idx.numel() == 0:
-            continue
-        bs, cs = _cols(io, beta, beta + 1), _cols(oo, d0, d1)
+    for idx, bs, cs, beta, d0, d1 in _shared_run_slices(plan, part):
         gr = gy[:, cs].index_select(0, idx)
         if dx is not None:
             dx[:, bs].index_add_(0, idx, gr @ w[cs, bs])
