@@ -197,6 +197,12 @@ class AlgebraLinear(nn.Module):
             raise TypeError(f"x has dtype {x.dtype} but the layer's weight is {self.weight.dtype}")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # (M, K)
+        backend = resolve_backend(self.backend, x.device, x.dtype)
+        if backend is Backend.TRITON:
+            y2 = self._forward_triton(x2, types, lead)  # (M, N)
+            if self.bias is not None:
+                y2 = y2 + self.bias
+            return y2.reshape(*lead, self.out_features)
         if isinstance(types, TypePartition):
             part = types
             if part.num_rows != x2.shape[0] or part.q != self.q:
@@ -206,12 +212,32 @@ class AlgebraLinear(nn.Module):
                 )
         else:
             part = TypePartition(check_types(types, self.q, lead).to(x.device), self.q)
-        backend = resolve_backend(self.backend, x.device)
         if backend is Backend.REFERENCE:
             y2 = reference_linear(x2, self.weight, part.types, self.support.mask,
                                   list(self.in_widths), list(self.out_widths))
-        else:  # BLOCKED (the GPU kernel slot dispatches here until it is filled)
+        else:
             y2 = blocked_linear(x2, self.weight, self.plan, part)  # (M, N)
         if self.bias is not None:
             y2 = y2 + self.bias
         return y2.reshape(*lead, self.out_features)
+
+    def _forward_triton(self, x2: torch.Tensor, types: torch.Tensor | TypePartition,
+                        lead: torch.Size) -> torch.Tensor:
+        """``(M, K) -> (M, N)`` with the Triton kernels; no host synchronisation on CUDA."""
+        from ..ops.triton import build_tables, register_tables, triton_linear
+
+        if isinstance(types, TypePartition):
+            flat = types.types
+        else:
+            flat = check_types(types, self.q, lead).to(x2.device)
+            if flat.device.type == "cuda" or torch.compiler.is_compiling():
+                # no host synchronisation: an out-of-range type fails asynchronously
+                torch._assert_async(((flat >= 0) & (flat < self.q)).all(),
+                                    f"position types must lie in [0, {self.q})")
+            elif flat.numel():
+                TypePartition(flat, self.q)  # eager CPU: host check with a clear message
+        key = str(x2.device)
+        cache = self.__dict__.setdefault("_triton_tables", {})
+        if key not in cache:
+            cache[key] = register_tables(build_tables(self.plan, self.support.mask, x2.device))
+        return triton_linear(x2, self.weight, flat, cache[key], self.q)

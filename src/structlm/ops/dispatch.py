@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import importlib
 import os
 from collections.abc import Callable, Iterator
 
@@ -62,7 +63,22 @@ def parse_backend(name: str | Backend) -> Backend:
         raise ValueError(f"unknown backend {name!r}: expected one of {choices}") from None
 
 
-def resolve_backend(requested: str | Backend, device: torch.device) -> Backend:
+_TRITON_IMPORT_TRIED: list[bool] = []
+
+
+def _try_import_triton_backend() -> None:
+    """Import (and so register) the Triton backend once, if Triton is installed."""
+    if _TRITON_IMPORT_TRIED:
+        return
+    _TRITON_IMPORT_TRIED.append(True)
+    try:
+        importlib.import_module("structlm.ops.triton")
+    except ImportError:
+        pass
+
+
+def resolve_backend(requested: str | Backend, device: torch.device,
+                    dtype: torch.dtype | None = None) -> Backend:
     """The concrete backend to run for ``requested`` on ``device``."""
     req = requested if isinstance(requested, Backend) else parse_backend(requested)
     if req is Backend.BLOCKED or req is Backend.REFERENCE:
@@ -73,9 +89,13 @@ def resolve_backend(requested: str | Backend, device: torch.device) -> Backend:
         elif os.environ.get("STRUCTLM_BACKEND"):
             req = parse_backend(os.environ["STRUCTLM_BACKEND"])
     if req is Backend.AUTO:
-        if device.type == "cuda" and Backend.TRITON in available_backends(device):
-            return Backend.TRITON
+        if device.type == "cuda" and dtype != torch.float64:
+            _try_import_triton_backend()
+            if Backend.TRITON in available_backends(device):
+                return Backend.TRITON
         return Backend.BLOCKED
+    if req is Backend.TRITON:
+        _try_import_triton_backend()
     if req not in _AVAILABLE or not _AVAILABLE[req](device):
         raise RuntimeError(
             f"backend {req.value!r} is not available on device {device}; available: "
