@@ -143,3 +143,23 @@ def test_auto_prefers_blocked_on_cpu() -> None:
     from structlm.ops import resolve_backend
 
     assert resolve_backend("auto", torch.device("cpu")) is Backend.BLOCKED
+
+
+def test_dispatch_table_loading(tmp_path) -> None:  # noqa: ANN001
+    import json
+
+    from structlm.ops.triton.op import DISPATCH, forward_mode, load_dispatch
+
+    path = tmp_path / "dispatch.json"
+    path.write_text(json.dumps({"8,4096,4096,2048": "two-stage"}))
+    try:
+        assert load_dispatch(str(path)) == 1
+        assert forward_mode(2048, 8, 4096, 4096) == "two-stage"
+        assert forward_mode(1500, 8, 4096, 4096) == "two-stage"  # same power-of-two bucket
+        assert forward_mode(512, 8, 4096, 4096) == "fused"
+        assert forward_mode(2, 8, 4096, 4096) == "decode"
+    finally:
+        DISPATCH.clear()
+    path.write_text(json.dumps({"8,1,1,1": "magic"}))
+    with pytest.raises(ValueError, match="'magic'"):
+        load_dispatch(str(path))

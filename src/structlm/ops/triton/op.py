@@ -9,6 +9,8 @@ never needs a host synchronisation.
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 import torch
@@ -16,7 +18,7 @@ import torch
 from .launch import DECODE_MAX_ROWS, launch_dw, launch_dx, launch_forward
 from .tables import SupportTables
 
-__all__ = ["algebra_linear", "register_tables", "triton_linear"]
+__all__ = ["algebra_linear", "load_dispatch", "register_tables", "triton_linear"]
 
 _TABLES: list[SupportTables] = []
 #: Forward mode per (q, K, N, M bucket), filled from measurements on a GPU; "fused"
@@ -32,6 +34,23 @@ def register_tables(tables: SupportTables) -> int:
 
 def _bucket(m: int) -> int:
     return 1 << max(0, (m - 1).bit_length())
+
+
+def load_dispatch(path: str) -> int:
+    """Load a ``dispatch.json`` written by ``benchmarks/gpu_kernels.py`` (keys
+    ``"q,K,N,M"``, values ``"fused"`` / ``"two-stage"``); returns the entries read."""
+    with open(path) as fh:
+        table = json.load(fh)
+    for key, mode in table.items():
+        q, k, n, m = (int(v) for v in key.split(","))
+        if mode not in ("fused", "two-stage"):
+            raise ValueError(f"{path}: mode {mode!r} for {key} is not 'fused' or 'two-stage'")
+        DISPATCH[(q, k, n, _bucket(m))] = mode
+    return len(table)
+
+
+if os.environ.get("STRUCTLM_TRITON_DISPATCH"):
+    load_dispatch(os.environ["STRUCTLM_TRITON_DISPATCH"])
 
 
 def forward_mode(m: int, q: int, k: int, n: int) -> str:
