@@ -145,7 +145,7 @@ def test_auto_prefers_blocked_on_cpu() -> None:
     assert resolve_backend("auto", torch.device("cpu")) is Backend.BLOCKED
 
 
-def test_dispatch_table_loading(tmp_path) -> None:  # noqa: ANN001
+def test_dispatch_table_loading(tmp_path) -> None:
     import json
 
     from structlm.ops.triton.op import DISPATCH, forward_mode, load_dispatch

@@ -29,25 +29,45 @@ __all__ = ["support_decode_kernel", "support_dw_kernel", "support_matmul_kernel"
 
 
 @triton.jit
+def _segment_of(pid, sizes, idx, BLOCK: tl.constexpr):
+    """Which segment tile ``pid`` falls in, when segment ``i`` (of ``sizes[i]``
+    items) is cut into tiles of ``BLOCK``; and the tile's index inside it."""
+    tiles = (sizes + BLOCK - 1) // BLOCK
+    cum = tl.cumsum(tiles, 0)
+    seg = tl.sum((cum <= pid).to(tl.int32), 0)
+    before = tl.sum(tl.where(idx < seg, tiles, 0), 0)
+    return seg, pid - before
+
+
+@triton.jit
 def _locate_tile(pid_m, seg_count_ptr, num_segs, NSEG_P2: tl.constexpr, BM: tl.constexpr):
     """Segment of row tile ``pid_m`` and the tile's index inside it."""
     segs = tl.arange(0, NSEG_P2)
     cnt = tl.load(seg_count_ptr + segs, mask=segs < num_segs, other=0)
-    tiles = (cnt + BM - 1) // BM
-    cum = tl.cumsum(tiles, 0)
-    seg = tl.sum((cum <= pid_m).to(tl.int32), 0)
-    before = tl.sum(tl.where(segs < seg, tiles, 0), 0)
-    return seg, pid_m - before
+    return _segment_of(pid_m, cnt, segs, BM)
+
+
+@triton.jit
+def _locate_cols(pid_n, col_off_ptr, q, Q_P2: tl.constexpr, BN: tl.constexpr):
+    """Output group, first and end column of column tile ``pid_n`` (tiles never
+    straddle two groups; ``grp >= q`` means an idle program)."""
+    g = tl.arange(0, Q_P2)
+    lo = tl.load(col_off_ptr + g, mask=g < q, other=0)
+    hi = tl.load(col_off_ptr + g + 1, mask=g < q, other=0)
+    grp, local = _segment_of(pid_n, hi - lo, g, BN)
+    n0 = tl.load(col_off_ptr + grp, mask=grp < q, other=0) + local * BN
+    n1 = tl.load(col_off_ptr + grp + 1, mask=grp < q, other=0)
+    return grp, n0, n1
 
 
 @triton.jit
 def support_matmul_kernel(
     a_ptr, w_ptr, out_ptr,
     perm_ptr, seg_start_ptr, seg_count_ptr, seg_sup_ptr, num_segs,
-    src_ptr, src_cnt_ptr, red_off_ptr, q,
-    tile_ptr,
+    src_ptr, src_cnt_ptr, red_off_ptr, col_off_ptr, q,
     stride_am, stride_ak, stride_wk, stride_wn, stride_om, stride_on,
-    MAXSRC: tl.constexpr, NSEG_P2: tl.constexpr, ACCUMULATE: tl.constexpr,
+    M_KEY, N_KEY, K_KEY,
+    MAXSRC: tl.constexpr, NSEG_P2: tl.constexpr, Q_P2: tl.constexpr, ACCUMULATE: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
@@ -59,9 +79,9 @@ def support_matmul_kernel(
     seg, local = _locate_tile(pid_m, seg_count_ptr, num_segs, NSEG_P2, BM)
     if seg >= num_segs:
         return
-    grp = tl.load(tile_ptr + pid_n * 3)
-    n0 = tl.load(tile_ptr + pid_n * 3 + 1)
-    n1 = tl.load(tile_ptr + pid_n * 3 + 2)
+    grp, n0, n1 = _locate_cols(pid_n, col_off_ptr, q, Q_P2, BN)
+    if grp >= q:
+        return
     sup = tl.load(seg_sup_ptr + seg)
     nsrc = tl.load(src_cnt_ptr + sup * q + grp)
     if ACCUMULATE:
@@ -103,18 +123,17 @@ def support_matmul_kernel(
 @triton.jit
 def support_decode_kernel(
     a_ptr, w_ptr, out_ptr, types_ptr,
-    src_ptr, src_cnt_ptr, red_off_ptr, q,
-    tile_ptr,
+    src_ptr, src_cnt_ptr, red_off_ptr, col_off_ptr, q,
     stride_am, stride_ak, stride_wk, stride_wn, stride_om, stride_on,
-    MAXSRC: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    MAXSRC: tl.constexpr, Q_P2: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     """One row, one output tile: ``out[m, cols] = sum_beta a[m, red(beta)] w[red(beta), cols]``."""
     m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     alpha = tl.load(types_ptr + m).to(tl.int32)
-    grp = tl.load(tile_ptr + pid_n * 3)
-    n0 = tl.load(tile_ptr + pid_n * 3 + 1)
-    n1 = tl.load(tile_ptr + pid_n * 3 + 2)
+    grp, n0, n1 = _locate_cols(pid_n, col_off_ptr, q, Q_P2, BN)
+    if grp >= q:
+        return
     nsrc = tl.load(src_cnt_ptr + alpha * q + grp)
     cols = n0 + tl.arange(0, BN)
     cmask = cols < n1

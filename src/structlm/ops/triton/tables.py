@@ -27,15 +27,6 @@ def _pad_lists(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     return table, count
 
 
-def _col_tiles(offsets: tuple[int, ...], block: int) -> np.ndarray:
-    """``(T, 3)``: (group, first column, end column) of every tile of every group."""
-    rows = []
-    for g in range(len(offsets) - 1):
-        for c in range(offsets[g], offsets[g + 1], block):
-            rows.append((g, c, offsets[g + 1]))
-    return np.array(rows, dtype=np.int32).reshape(-1, 3)
-
-
 @dataclass
 class SupportTables:
     """All tables of one plan on one device (see :func:`build_tables`)."""
@@ -58,14 +49,6 @@ class SupportTables:
     has_dead_blocks: bool
     max_sources: int
 
-    def out_tiles(self, block_n: int) -> torch.Tensor:
-        """``(T, 3)`` tiles over the output groups for a tile width."""
-        return self._tiles("out", block_n)
-
-    def in_tiles(self, block_k: int) -> torch.Tensor:
-        """``(T, 3)`` tiles over the input groups (for ``dX``)."""
-        return self._tiles("in", block_k)
-
     def dw_tiles(self, block_n: int, block_k: int) -> torch.Tensor:
         """``(T, 3)``: (block id, first output row, first input column) of dW tiles."""
         key = ("dw", block_n, block_k)
@@ -79,14 +62,6 @@ class SupportTables:
                         rows.append((b, n0, k0))
             arr = np.array(rows, dtype=np.int32).reshape(-1, 3)
             self._cache[key] = torch.as_tensor(arr, device=self.in_off.device)
-        return self._cache[key]
-
-    def _tiles(self, side: str, block: int) -> torch.Tensor:
-        key = (side, block)
-        if key not in self._cache:
-            off = self.out_off if side == "out" else self.in_off
-            arr = _col_tiles(tuple(off.tolist()), block)
-            self._cache[key] = torch.as_tensor(arr, device=off.device)
         return self._cache[key]
 
     def __post_init__(self) -> None:
