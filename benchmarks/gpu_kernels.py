@@ -1,6 +1,6 @@
 """GPU check + benchmark of the Triton kernels (one prepared run for a lent GPU).
 
-    python benchmarks/gpu_kernels.py [--out DIR] [--quick]
+    PYTHONPATH=src python benchmarks/gpu_kernels.py [--out DIR] [--quick]
 
 1. Correctness on the GPU: every kernel (fused, two-stage, decode forward; dX; dW)
    against the reference backend on random data, fp32 and bf16, awkward shapes.
@@ -28,6 +28,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
 from structlm import AlgebraLinear
 from structlm.bench.timing import environment
 from structlm.ops.reference import reference_linear
@@ -42,6 +44,8 @@ SHAPES = {
 }
 # the paper's warm speed-ups for the shapes we time (dense / algebra)
 PAPER = {("qwen3-8b", 2048, 32, "fwd"): 5.04, ("qwen3-32b", 2048, 32, "fwd"): 5.06,
+         ("qwen3-32b", 32768, 256, "fwd"): 11.51, ("square-32768", 32768, 256, "fwd"): 39.85,
+         ("square-4096", 4096, 32, "fwd"): 4.81,
          ("qwen3-30b-a3b-expert", 2048, 16, "fwd"): 1.57,
          ("qwen3-30b-a3b-expert", 2048, 32, "fwdbwd-up"): 0.65}
 
@@ -161,6 +165,48 @@ def time_case(name: str, m: int, q: int, mode: str, flush: torch.Tensor) -> list
     return rows
 
 
+def time_swiglu(name: str, m: int, q: int, flush: torch.Tensor) -> list[dict]:
+    """Full SwiGLU forward: fused gate/up projection, the same activation on both
+    sides (``silu(g) * u``), down projection."""
+    d, f = SHAPES[name]
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    up = AlgebraLinear(d, 2 * f, f"Q{q}", device=dev, dtype=dtype)  # gate|up per group
+    down = AlgebraLinear(f, d, f"Q{q}", device=dev, dtype=dtype)
+    t_up = build_tables(up.plan, up.support.mask, dev)
+    t_down = build_tables(down.plan, down.support.mask, dev)
+    wu, wd = up.weight.detach(), down.weight.detach()
+    x = torch.randn(m, d, device=dev, dtype=dtype)
+    t = torch.arange(m, device=dev) % q
+    r = f // q  # output group g of `up` holds [gate_g | up_g]
+
+    def act(h: torch.Tensor) -> torch.Tensor:
+        h = h.view(m, q, 2, r)
+        return (F.silu(h[:, :, 0]) * h[:, :, 1]).reshape(m, f)
+
+    mode = "decode" if m <= 4 else "fused"
+    dense = lambda: F.linear(act(F.linear(x, wu)), wd)  # noqa: E731
+    alg = lambda: launch_forward(act(launch_forward(x, wu, t, t_up, mode)), wd, t,  # noqa: E731
+                                 t_down, mode)
+    graphs = [_graph(dense), _graph(alg)]
+    rows = []
+    for label, fl in (("warm", None), ("flushed", flush)):
+        dense_us, alg_us = _time_graphs(graphs, 12, fl)
+        rows.append({"shape": name, "K": d, "N": f, "M": m, "q": q, "mode": "swiglu-fwd",
+                     "kernel": mode, "timing": label, "dense_us": round(dense_us, 2),
+                     "algebra_us": round(alg_us, 2), "speedup": round(dense_us / alg_us, 3),
+                     "ideal": round(q * q / (2 * q - 1), 3), "paper": ""})
+    return rows
+
+
+def time_square(n: int, leaf: int, flush: torch.Tensor) -> list[dict]:
+    """Fixed-leaf square product ``(n × n) · (n × n)`` with ``q = n / leaf``."""
+    SHAPES[f"square-{n}"] = (n, n)
+    rows = time_case(f"square-{n}", n, n // leaf, "fwd", flush)
+    for r in rows:
+        r["mode"] = f"square-b{leaf}"
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -189,9 +235,19 @@ def main() -> int:
     if not args.quick:
         cases += [(s, m, q, "fwd") for s in ("qwen3-1.7b", "qwen3-4b", "deepseek-v3-expert")
                   for m in (32, 512, 2048) for q in (4, 8, 16, 32)]
+        SHAPES["qwen3-32b-down"] = (25600, 5120)
+        cases += [(s, m, q, "fwd") for s in ("qwen3-32b", "qwen3-32b-down")
+                  for m in (2048, 8192, 32768) for q in (32, 64, 128, 256)]
     rows = []
     for case in cases:
         rows += time_case(*case, flush=flush)
+        print(rows[-1], flush=True)
+    for name in ("qwen3-8b", "qwen3-30b-a3b-expert"):
+        for m in (1, 2048):
+            rows += time_swiglu(name, m, 32 if name == "qwen3-8b" else 16, flush)
+            print(rows[-1], flush=True)
+    for n in ((4096, 8192) if args.quick else (4096, 8192, 16384, 32768)):
+        rows += time_square(n, 128, flush)
         print(rows[-1], flush=True)
     path = os.path.join(args.out, "gpu_kernels.csv")
     with open(path + ".tmp", "w", newline="") as fh:

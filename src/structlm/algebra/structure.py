@@ -21,7 +21,7 @@ import numpy as np
 __all__ = ["Algebra", "AlgebraError", "RankFacts"]
 
 # Largest dimension for which the dense radical / quotient computations run.
-_MAX_DENSE_QUOTIENT = 512
+_MAX_DENSE_QUOTIENT = 256
 _TOL = 1e-9
 
 
@@ -146,9 +146,9 @@ class Algebra:
         return out
 
     # ----------------------------------------------------------- associativity
-    def _triple_products(self, left: bool) -> dict[tuple[int, int, int, int], float]:
+    def _triple_products(self, left: bool) -> dict[tuple[int, ...], float]:
         """Coefficient of ``b_l`` in ``(b_i b_j) b_k`` (left) or ``b_i (b_j b_k)``."""
-        e, v, d = self.entries, self.values, self.dim
+        e, v = self.entries, self.values
         if left:  # (b_i b_j) = sum_m c[i,j,m] b_m ; b_m b_k = sum_l c[m,k,l] b_l
             join_a, join_b = e[:, 2], e[:, 0]
         else:  # (b_j b_k) = sum_m c[j,k,m] b_m ; b_i b_m = sum_l c[i,m,l] b_l
@@ -169,11 +169,13 @@ class Algebra:
             i, j, k, l_ = ea[:, 0], ea[:, 1], eb[:, 1], eb[:, 2]
         else:  # ea = (j, k, m), eb = (i, m, l)
             i, j, k, l_ = eb[:, 0], ea[:, 0], ea[:, 1], eb[:, 2]
-        key = ((i * d + j) * d + k) * d + l_
-        uniq, inv = np.unique(key, return_inverse=True)
+        keys = np.stack([i, j, k, l_], 1)  # no packed integer key: d^4 overflows int64
+        uniq, inv = np.unique(keys, axis=0, return_inverse=True)
         summed = np.zeros(uniq.shape[0])
-        np.add.at(summed, inv, val)
-        return {int(kk): float(s) for kk, s in zip(uniq, summed, strict=False) if abs(s) > _TOL}
+        np.add.at(summed, inv.reshape(-1), val)
+        keep = np.abs(summed) > _TOL
+        return {tuple(int(v) for v in kk): float(s)
+                for kk, s in zip(uniq[keep], summed[keep], strict=True)}
 
     @cached_property
     def associativity_defect(self) -> float:
@@ -203,14 +205,20 @@ class Algebra:
 
         d = self.dim
         i, j, k = self.entries.T
+        # equations (j, k) of the left unit and (i, k) of the right unit; only rows with
+        # a coefficient or a non-zero right-hand side (the diagonal ones) matter
         rows = np.concatenate([j * d + k, d * d + i * d + k])
+        diag = np.arange(d) * (d + 1)
+        diag_rows = np.concatenate([diag, d * d + diag])
+        if not np.isin(diag_rows, rows).all():
+            return None  # some delta_jj = 1 equation has no term at all
+        used = np.unique(np.concatenate([rows, diag_rows]))
         cols = np.concatenate([i, j])
         vals = np.concatenate([self.values, self.values])
-        a = coo_matrix((vals, (rows, cols)), shape=(2 * d * d, d)).tocsr()
-        b = np.zeros(2 * d * d)
-        diag = np.arange(d) * d + np.arange(d)
-        b[diag] = 1.0
-        b[d * d + diag] = 1.0
+        a = coo_matrix((vals, (np.searchsorted(used, rows), cols)),
+                       shape=(used.shape[0], d)).tocsr()
+        b = np.zeros(used.shape[0])
+        b[np.searchsorted(used, diag_rows)] = 1.0
         u = lsqr(a, b, atol=1e-14, btol=1e-14, iter_lim=20 * d + 100)[0]
         snapped = np.array([float(Fraction(x).limit_denominator(1000)) for x in u])
         for cand in (snapped, u):
@@ -266,18 +274,16 @@ class Algebra:
         if qb is None:
             return None
         active, basis = qb
-        s = basis.shape[1]
-        full = np.zeros((self.dim, s))
-        full[active] = basis
-        out = np.zeros((s, s, s))
-        i, j, k = self.entries.T
-        for a in range(s):
-            xa = full[:, a]
-            for b in range(s):
-                prod = np.zeros(self.dim)
-                np.add.at(prod, k, self.values * xa[i] * full[j, b])
-                out[a, b] = basis.T @ prod[active]
-        return out
+        n = active.shape[0]
+        pos = np.full(self.dim, -1)
+        pos[active] = np.arange(n)
+        i, j, k = (pos[c] for c in self.entries.T)
+        inside = (i >= 0) & (j >= 0) & (k >= 0)  # the complement of J lives on `active`
+        c_act = np.zeros((n, n, n))
+        np.add.at(c_act, (i[inside], j[inside], k[inside]), self.values[inside])
+        out = np.tensordot(basis, c_act, axes=(0, 0))  # (a, j, k)
+        out = np.tensordot(out, basis, axes=(1, 0))  # (a, k, b)
+        return np.tensordot(out, basis, axes=(1, 0)).transpose(0, 2, 1)  # (a, b, c)
 
     @cached_property
     def num_maximal_ideals(self) -> int | None:
