@@ -3,6 +3,7 @@
     structlm algebra info NAME [--json]
     structlm algebra table [--json]
     structlm bench layer [--preset quick|small|target|full] [overrides...]
+    structlm cost [--preset paper-110m] [--algebra Q2^2] [--json]
     structlm demo
 """
 
@@ -12,6 +13,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from fractions import Fraction
 
 from .algebra import CATALOGUE_NAMES, AlgebraError, get_algebra, support_of
 
@@ -123,6 +125,27 @@ def _cmd_bench_layer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_cost(args: argparse.Namespace) -> int:
+    from .models import config_from_preset
+    from .models.cost import model_cost
+
+    cost = model_cost(config_from_preset(args.preset, args.algebra))
+    if args.json:
+        print(json.dumps(cost))
+        return 0
+    print(f"preset {args.preset}, FFN algebra {args.algebra} (rho = {cost['rho_ffn']})")
+    print(f"trainable parameters      {cost['parameters']:,}")
+    dec = cost["decode_macs_per_token"]
+    print(f"decode MACs / token       dense {dec['dense']:,}  algebra {dec['algebra']:,}  "
+          f"(ratio {cost['decode_ratio']} = {float(Fraction(cost['decode_ratio'])):.4f})")
+    print(f"decode projections        algebra/dense = {cost['projection_mac_ratio']} "
+          f"= {float(Fraction(cost['projection_mac_ratio'])):.4f}")
+    print("training MACs / token     component: dense -> algebra")
+    for name, v in cost["training_macs_per_token"].items():
+        print(f"  {name:<24}{v['dense']:>16,} -> {v['algebra']:>16,}")
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     print("# structlm demo\n\n## The algebra catalogue (computed from structure tensors)\n")
     print(algebra_table_markdown())
@@ -161,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     layer.add_argument("--threads", type=int, help="torch threads (default 2)")
     layer.add_argument("--out", help="output prefix (default bench-out/layer_<preset>)")
     layer.set_defaults(func=_cmd_bench_layer)
+
+    cost = sub.add_parser("cost", help="parameters and MACs of a model preset")
+    cost.add_argument("--preset", default="paper-110m")
+    cost.add_argument("--algebra", default="Q2^2", help="FFN algebra (dense, Q4, Q2^2, ...)")
+    cost.add_argument("--json", action="store_true", help="one JSON object")
+    cost.set_defaults(func=_cmd_cost)
 
     demo = sub.add_parser("demo", help="the algebra table and a short layer benchmark")
     demo.add_argument("--trials", type=int, default=None)

@@ -1,0 +1,65 @@
+"""``StructLMConfig``: a Hugging Face config for the paper's decoder with algebra FFNs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PretrainedConfig
+
+__all__ = ["StructLMConfig"]
+
+
+class StructLMConfig(PretrainedConfig):
+    """Pre-norm decoder: learned absolute positions, LayerNorm, biased multi-head
+    attention, bias-free SwiGLU FFN whose three projections are ``AlgebraLinear``
+    (or dense), tied LM head.
+
+    Args:
+        vocab_size: tokens (50,257 for GPT-2 BPE).
+        n_positions: context length (learned position embeddings).
+        hidden_size: model width ``D``.
+        num_hidden_layers: blocks.
+        num_attention_heads: heads (``D`` must be divisible by it).
+        intermediate_size: SwiGLU width ``F``.
+        algebra: ``"dense"`` or a catalogue name (``"Q2^2"``, ``"Q4"``, ...) for the FFN.
+        type_schedule: position types from absolute positions: ``"block"`` (the paper's
+            ``floor((p mod 768) / 192)`` for q = 4), ``"block:<size>"``, ``"cyclic"``.
+        layer_norm_epsilon: LayerNorm epsilon.
+        initializer_range: std of the normal initialisation.
+    """
+
+    model_type = "structlm"
+
+    def __init__(
+        self,
+        vocab_size: int = 50257,
+        n_positions: int = 1536,
+        hidden_size: int = 768,
+        num_hidden_layers: int = 12,
+        num_attention_heads: int = 32,
+        intermediate_size: int = 1536,
+        algebra: str = "dense",
+        type_schedule: str = "block",
+        layer_norm_epsilon: float = 1e-5,
+        initializer_range: float = 0.02,
+        tie_word_embeddings: bool = True,
+        bos_token_id: int = 50256,
+        eos_token_id: int = 50256,
+        **kwargs: Any,
+    ) -> None:
+        if hidden_size % num_attention_heads:
+            raise ValueError(f"hidden_size={hidden_size} is not divisible by "
+                             f"num_attention_heads={num_attention_heads}")
+        self.vocab_size = vocab_size
+        self.n_positions = n_positions
+        self.max_position_embeddings = n_positions
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.intermediate_size = intermediate_size
+        self.algebra = algebra
+        self.type_schedule = type_schedule
+        self.layer_norm_epsilon = layer_norm_epsilon
+        self.initializer_range = initializer_range
+        super().__init__(tie_word_embeddings=tie_word_embeddings, bos_token_id=bos_token_id,
+                         eos_token_id=eos_token_id, **kwargs)

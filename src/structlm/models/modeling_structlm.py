@@ -1,0 +1,233 @@
+"""The paper's decoder as a Hugging Face model, with ``AlgebraLinear`` SwiGLU FFNs.
+
+Position types come from *absolute* positions (``position_ids``) through the
+config's schedule, identically in training, full or chunked prefill and cached
+decoding; during decode only the new tokens' types are computed. The row sets of the
+types are computed once per forward and shared by every FFN projection.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache, GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from ..algebra import get_algebra
+from ..nn import AlgebraLinear, get_schedule
+from ..ops.partition import TypePartition
+from .configuration_structlm import StructLMConfig
+
+__all__ = ["StructLMForCausalLM", "StructLMModel", "StructLMPreTrainedModel"]
+
+
+def _is_dense(config: StructLMConfig) -> bool:
+    return config.algebra.strip().lower() in ("dense", "q1")
+
+
+class StructLMAttention(nn.Module):
+    """Multi-head causal self-attention with biased projections (dense)."""
+
+    def __init__(self, config: StructLMConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.n_head = config.num_attention_heads
+        self.d_model = config.hidden_size
+        self.layer_idx = layer_idx
+        self.qkv = nn.Linear(self.d_model, 3 * self.d_model, bias=True)
+        self.proj = nn.Linear(self.d_model, self.d_model, bias=True)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor,
+                cache: DynamicCache | None) -> torch.Tensor:
+        b, t, d = x.shape  # (B, T, D)
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2)
+                   for z in (q, k, v))  # (B, nh, T, hs)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)  # (B, nh, S, hs)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, nh, T, hs)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class StructLMMLP(nn.Module):
+    """Bias-free SwiGLU whose three projections follow the config's algebra."""
+
+    def __init__(self, config: StructLMConfig) -> None:
+        super().__init__()
+        d, f = config.hidden_size, config.intermediate_size
+        if _is_dense(config):
+            make = lambda i, o: nn.Linear(i, o, bias=False)  # noqa: E731
+        else:
+            make = lambda i, o: AlgebraLinear(i, o, config.algebra, bias=False)  # noqa: E731
+        self.gate, self.up, self.down = make(d, f), make(d, f), make(f, d)
+
+    def forward(self, x: torch.Tensor, types: torch.Tensor | TypePartition | None
+                ) -> torch.Tensor:
+        if types is None:  # dense
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+        h = F.silu(self.gate(x, types)) * self.up(x, types)  # (B, T, F)
+        return self.down(h, types)  # (B, T, D)
+
+
+class StructLMBlock(nn.Module):
+    """Pre-norm block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
+
+    def __init__(self, config: StructLMConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.attn = StructLMAttention(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.mlp = StructLMMLP(config)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, cache: DynamicCache | None,
+                types: torch.Tensor | TypePartition | None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask, cache)
+        return x + self.mlp(self.ln_2(x), types)
+
+
+class StructLMPreTrainedModel(PreTrainedModel):
+    """Weight initialisation and the Hugging Face plumbing."""
+
+    config_class = StructLMConfig
+    base_model_prefix = "transformer"
+    _no_split_modules: ClassVar[list[str]] = ["StructLMBlock"]
+    _supports_sdpa = True
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear | AlgebraLinear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+
+
+class StructLMModel(StructLMPreTrainedModel):
+    """Embeddings, blocks and the final LayerNorm."""
+
+    def __init__(self, config: StructLMConfig) -> None:
+        super().__init__(config)
+        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.wpe = nn.Embedding(config.n_positions, config.hidden_size)
+        self.h = nn.ModuleList([StructLMBlock(config, i) for i in range(config.num_hidden_layers)])
+        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.q = 1 if _is_dense(config) else int(get_algebra(config.algebra).q or 1)
+        self.schedule = None if _is_dense(config) else get_schedule(config.type_schedule, self.q)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.wte
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.wte = value
+
+    def position_types(self, position_ids: torch.Tensor) -> torch.Tensor | TypePartition | None:
+        """Types of absolute positions ``(B, T)``; on the CPU already as row sets."""
+        if self.schedule is None:
+            return None
+        types = self.schedule(position_ids)
+        if types.device.type == "cpu":
+            return TypePartition(types.reshape(-1), self.q)
+        return types
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: DynamicCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Any,
+    ) -> BaseModelOutputWithPast:
+        if cache is None:
+            cache = kwargs.pop("past_key_values", None)  # transformers < 5 name
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        x = self.wte(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, D)
+        b, t = x.shape[:2]
+        if use_cache and cache is None:
+            cache = DynamicCache()
+        past = cache.get_seq_length() if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + t, device=x.device).expand(b, t)
+        if x.device.type == "cpu" and position_ids.numel() and not torch.compiler.is_compiling():
+            top = int(position_ids.max())
+            if top >= self.config.n_positions:
+                raise ValueError(f"position {top} is beyond the context "
+                                 f"n_positions={self.config.n_positions}")
+        x = x + self.wpe(position_ids)
+        mask = self._attention_mask(attention_mask, b, t, past, x.device)  # (B, 1, T, S)
+        types = self.position_types(position_ids)
+        for block in self.h:
+            x = block(x, mask, cache, types)
+        return BaseModelOutputWithPast(last_hidden_state=self.ln_f(x), cache=cache)
+
+    @staticmethod
+    def _attention_mask(attention_mask: torch.Tensor | None, b: int, t: int, past: int,
+                        device: torch.device) -> torch.Tensor:
+        """Boolean ``(B, 1, T, past + T)``: causal over cache order, minus padding; a
+        query always sees itself (fully padded rows stay finite)."""
+        s = past + t
+        qpos = torch.arange(past, s, device=device)[:, None]
+        kpos = torch.arange(s, device=device)[None, :]
+        mask = (kpos <= qpos).expand(b, 1, t, s)
+        if attention_mask is not None:
+            keep = attention_mask[:, -s:].to(torch.bool)[:, None, None, :]
+            mask = (mask & keep) | (kpos == qpos)
+        return mask
+
+
+class StructLMForCausalLM(StructLMPreTrainedModel, GenerationMixin):
+    """Causal LM head (tied to the token embedding)."""
+
+    _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "transformer.wte.weight"}
+
+    def __init__(self, config: StructLMConfig) -> None:
+        super().__init__(config)
+        self.transformer = StructLMModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.transformer.wte
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.transformer.wte = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: DynamicCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        out = self.transformer(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=position_ids, cache=cache,
+                               inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+        h = out.last_hidden_state
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        logits = self.lm_head(h)  # (B, T, V)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
+                                   labels[:, 1:].flatten(), ignore_index=-100)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache)

@@ -1,0 +1,39 @@
+"""``structlm cost`` and the model MAC accounting."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from structlm.cli import main  # noqa: E402
+from structlm.models import StructLMForCausalLM, config_from_preset  # noqa: E402
+from structlm.models.cost import model_cost, parameter_count  # noqa: E402
+
+
+@pytest.mark.parametrize("preset", ["tiny", "cpu-small"])
+@pytest.mark.parametrize("algebra", ["dense", "Q2^2", "Q4"])
+def test_parameter_formula_matches_model(preset: str, algebra: str) -> None:
+    cfg = config_from_preset(preset, algebra)
+    model = StructLMForCausalLM(cfg)
+    assert parameter_count(cfg) == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_paper_numbers() -> None:
+    cost = model_cost(config_from_preset("paper-110m", "Q2^2"))
+    assert cost["parameters"] == 110_631_168
+    assert cost["projection_mac_ratio"] == "59/80" and cost["rho_ffn"] == "9/16"
+    train = cost["training_macs_per_token"]
+    assert train["ffn"]["algebra"] * 16 == train["ffn"]["dense"] * 9
+    assert train["attention_projections"]["algebra"] == train["attention_projections"]["dense"]
+
+
+def test_cost_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["cost", "--preset", "paper-110m", "--algebra", "Q2^2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert isinstance(out["parameters"], int) and out["parameters"] == 110_631_168
+    assert out["projection_mac_ratio"] == "59/80"
+    assert main(["cost", "--preset", "nope"]) == 2
+    assert "unknown preset 'nope'" in capsys.readouterr().err

@@ -1,0 +1,99 @@
+"""The decoder LM: parameter counts, KV cache, chunked prefill, left padding, HF contract."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from structlm.models import StructLMForCausalLM, config_from_preset  # noqa: E402
+
+
+def _model(algebra: str = "Q2^2", schedule: str = "block:3", seed: int = 0
+           ) -> StructLMForCausalLM:
+    torch.manual_seed(seed)
+    model = StructLMForCausalLM(config_from_preset("tiny", algebra, type_schedule=schedule))
+    return model.eval()
+
+
+@pytest.mark.parametrize("algebra", ["dense", "Q2^2"])
+def test_paper_110m_parameter_count(algebra: str) -> None:
+    model = StructLMForCausalLM(config_from_preset("paper-110m", algebra))
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == 110_631_168
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied
+
+
+@pytest.mark.parametrize(("algebra", "schedule"), [("Q2^2", "block:3"), ("Q4", "cyclic"),
+                                                   ("dense", "block")])
+def test_cached_generation_matches_full_forward(algebra: str, schedule: str) -> None:
+    model = _model(algebra, schedule)
+    prompt = torch.randint(0, 512, (2, 7))
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=9,
+                         do_sample=False, return_dict_in_generate=True, output_logits=True,
+                         pad_token_id=0)
+    seq = out.sequences
+    with torch.no_grad():
+        full = model(seq).logits
+    steps = torch.stack(out.logits, 1)  # (B, new, V)
+    torch.testing.assert_close(steps, full[:, prompt.shape[1] - 1:-1], rtol=1e-4, atol=1e-4)
+
+
+def test_chunked_prefill_equals_one_shot() -> None:
+    model = _model()
+    ids = torch.randint(0, 512, (3, 23))
+    with torch.no_grad():
+        one = model(ids).logits
+        cache, parts = None, []
+        for a in range(0, 23, 5):
+            out = model(ids[:, a:a + 5], cache=cache, use_cache=True)
+            cache = out.cache
+            parts.append(out.logits)
+    torch.testing.assert_close(torch.cat(parts, 1), one, rtol=1e-5, atol=1e-5)
+
+
+def test_left_padding_keeps_absolute_positions() -> None:
+    model = _model()
+    long = torch.randint(1, 512, (9,))
+    short = torch.randint(1, 512, (4,))
+    batch = torch.zeros(2, 9, dtype=torch.long)
+    mask = torch.zeros(2, 9, dtype=torch.long)
+    batch[0], mask[0] = long, 1
+    batch[1, 5:], mask[1, 5:] = short, 1
+    kw = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True,
+              output_logits=True, pad_token_id=0)
+    both = model.generate(batch, attention_mask=mask, **kw)
+    for row, prompt in ((0, long), (1, short)):
+        alone = model.generate(prompt[None], attention_mask=torch.ones(1, len(prompt),
+                                                                       dtype=torch.long), **kw)
+        torch.testing.assert_close(torch.stack(both.logits, 1)[row],
+                                   torch.stack(alone.logits, 1)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_save_and_load_round_trip(tmp_path) -> None:  # noqa: ANN001
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = _model("Q4", "cyclic")
+    model.save_pretrained(tmp_path)
+    assert AutoConfig.from_pretrained(tmp_path).model_type == "structlm"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is StructLMForCausalLM and loaded.config.algebra == "Q4"
+    ids = torch.randint(0, 512, (2, 11))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+def test_loss_and_backward() -> None:
+    model = _model().train()
+    ids = torch.randint(0, 512, (2, 16))
+    out = model(ids, labels=ids)
+    assert out.loss is not None and torch.isfinite(out.loss)
+    out.loss.backward()
+    ffn = model.transformer.h[0].mlp.gate
+    assert ffn.weight.grad is not None and ffn.weight.grad.abs().sum() > 0
+
+
+def test_context_overflow_error() -> None:
+    model = _model()
+    with pytest.raises(ValueError, match="beyond the context n_positions=128"):
+        model(torch.zeros(1, 129, dtype=torch.long))
