@@ -8,9 +8,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from structlm.cli import main  # noqa: E402
-from structlm.models import StructLMForCausalLM, config_from_preset  # noqa: E402
-from structlm.models.cost import model_cost, parameter_count  # noqa: E402
+from structlm.cli import main
+from structlm.models import StructLMForCausalLM, config_from_preset
+from structlm.models.cost import model_cost, parameter_count
 
 
 @pytest.mark.parametrize("preset", ["tiny", "cpu-small"])

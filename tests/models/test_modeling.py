@@ -70,7 +70,7 @@ def test_left_padding_keeps_absolute_positions() -> None:
                                    torch.stack(alone.logits, 1)[0], rtol=1e-4, atol=1e-4)
 
 
-def test_save_and_load_round_trip(tmp_path) -> None:  # noqa: ANN001
+def test_save_and_load_round_trip(tmp_path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model = _model("Q4", "cyclic")
