@@ -8,7 +8,7 @@ STAMP := $(VENV)/.structlm-installed
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev,lm]"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev,lm,eval]"
 	@touch $(STAMP)
 
 setup: $(STAMP)
