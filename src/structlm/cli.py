@@ -4,6 +4,7 @@
     structlm algebra table [--json]
     structlm bench layer [--preset quick|small|target|full] [overrides...]
     structlm cost [--preset paper-110m] [--algebra Q2^2] [--json]
+    structlm train CONFIG.yaml [CONFIG.yaml ...] [--max-steps N] [--plot PNG]
     structlm demo
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from fractions import Fraction
@@ -146,6 +148,23 @@ def _cmd_cost(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from .train import load_config, train
+    from .train.plot import plot_loss_curves
+
+    runs = []
+    for path in args.configs:
+        cfg = load_config(path, max_steps=args.max_steps)
+        metrics = train(cfg)
+        runs.append((f"{cfg.algebra} ({os.path.basename(path)})", str(metrics)))
+        print(f"{path}: metrics {metrics}, model {os.path.join(cfg.out_dir, 'model')}")
+    if len(runs) > 1:
+        out = args.plot or "loss_curves.png"
+        plot_loss_curves(runs, out)
+        print(f"wrote {out}")
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     print("# structlm demo\n\n## The algebra catalogue (computed from structure tensors)\n")
     print(algebra_table_markdown())
@@ -184,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     layer.add_argument("--threads", type=int, help="torch threads (default 2)")
     layer.add_argument("--out", help="output prefix (default bench-out/layer_<preset>)")
     layer.set_defaults(func=_cmd_bench_layer)
+
+    tr = sub.add_parser("train", help="train (or resume) from YAML configs")
+    tr.add_argument("configs", nargs="+", help="YAML files (see configs/)")
+    tr.add_argument("--max-steps", type=int, default=None, help="override max_steps")
+    tr.add_argument("--plot", default=None, help="combined loss plot when several configs")
+    tr.set_defaults(func=_cmd_train)
 
     cost = sub.add_parser("cost", help="parameters and MACs of a model preset")
     cost.add_argument("--preset", default="paper-110m")

@@ -1,0 +1,133 @@
+"""Tokenise a corpus once into memory-mapped token files, split by document.
+
+``build_token_dataset(corpus, out_dir)`` writes ``train.bin`` / ``val.bin`` (uint16
+GPT-2 ids, each document followed by ``<|endoftext|>``) and ``meta.json`` atomically,
+and reuses them when the meta matches. Exact duplicate documents (after whitespace
+and case normalisation) are removed first; the validation split is a deterministic
+set of whole documents.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .corpora import Document, load_corpus
+from .tokenizer import gpt2_encoding
+
+__all__ = ["TokenDataset", "build_token_dataset", "dedup_exact", "split_documents"]
+
+_VERSION = 1
+
+
+def dedup_exact(docs: list[Document]) -> tuple[list[Document], int]:
+    """Drop exact duplicates (whitespace- and case-normalised); returns (kept, removed)."""
+    seen: set[str] = set()
+    kept = []
+    for d in docs:
+        key = hashlib.sha1(" ".join(d.text.lower().split()).encode()).hexdigest()
+        if key not in seen:
+            seen.add(key)
+            kept.append(d)
+    return kept, len(docs) - len(kept)
+
+
+def split_documents(docs: list[Document], val_fraction: float, seed: int
+                    ) -> tuple[list[Document], list[Document]]:
+    """Whole documents to validation by a seeded hash of their names (at least one
+    document on each side when there are two or more)."""
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+
+    def score(d: Document) -> float:
+        return int(hashlib.sha1(f"{seed}:{d.name}".encode()).hexdigest()[:12], 16) / 16**12
+
+    ranked = sorted(docs, key=score)
+    n_val = round(val_fraction * len(docs))
+    if val_fraction > 0 and len(docs) >= 2:
+        n_val = min(max(n_val, 1), len(docs) - 1)
+    val = {d.name for d in ranked[:n_val]}
+    return [d for d in docs if d.name not in val], [d for d in docs if d.name in val]
+
+
+def _write_tokens(path: Path, docs: list[Document]) -> int:
+    enc = gpt2_encoding()
+    eot = enc.eot_token
+    ids = enc.encode_ordinary_batch([d.text for d in docs]) if docs else []
+    total = sum(len(x) + 1 for x in ids)
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    arr = np.memmap(tmp, dtype=np.uint16, mode="w+", shape=(max(total, 1),))
+    pos = 0
+    for x in ids:
+        arr[pos:pos + len(x)] = x
+        arr[pos + len(x)] = eot
+        pos += len(x) + 1
+    arr.flush()
+    del arr
+    os.replace(tmp, path)
+    return total
+
+
+def build_token_dataset(corpus: str, out_dir: str | os.PathLike[str], val_fraction: float = 0.1,
+                        seed: int = 0) -> TokenDataset:
+    """Tokenise ``corpus`` (see :func:`~structlm.data.corpora.load_corpus`) into
+    ``out_dir``; reuse an existing build with the same corpus, split and tokenizer."""
+    out = Path(out_dir)
+    want = {"version": _VERSION, "corpus": corpus, "tokenizer": "gpt2-r50k",
+            "val_fraction": val_fraction, "seed": seed}
+    meta_path = out / "meta.json"
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        if all(meta.get(k) == v for k, v in want.items()):
+            return TokenDataset(out)
+    out.mkdir(parents=True, exist_ok=True)
+    docs, removed = dedup_exact(load_corpus(corpus))
+    train, val = split_documents(docs, val_fraction, seed)
+    meta = dict(want)
+    meta.update(
+        duplicates_removed=removed,
+        train_documents=[d.name for d in train], val_documents=[d.name for d in val],
+        train_tokens=_write_tokens(out / "train.bin", train),
+        val_tokens=_write_tokens(out / "val.bin", val),
+    )
+    tmp = meta_path.with_name(f"meta.json.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, meta_path)
+    return TokenDataset(out)
+
+
+@dataclass
+class TokenDataset:
+    """Memory-mapped train/val tokens of a built dataset folder."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root)
+        self.meta = json.loads((self.root / "meta.json").read_text())
+        self._maps = {s: np.memmap(self.root / f"{s}.bin", dtype=np.uint16, mode="r")[
+            : self.meta[f"{s}_tokens"]] for s in ("train", "val")}
+
+    def tokens(self, split: str) -> np.ndarray:
+        """All tokens of ``split`` (``train`` or ``val``)."""
+        if split not in self._maps:
+            raise ValueError(f"unknown split {split!r}: expected 'train' or 'val'")
+        return self._maps[split]
+
+    def batch(self, split: str, batch_size: int, seq_len: int, gen: torch.Generator
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Random windows: inputs ``(B, T)`` and next-token targets ``(B, T)``."""
+        data = self.tokens(split)
+        if len(data) <= seq_len + 1:
+            raise ValueError(f"split {split!r} has {len(data)} tokens, fewer than a window of "
+                             f"{seq_len + 1}")
+        starts = torch.randint(0, len(data) - seq_len - 1, (batch_size,), generator=gen)
+        win = np.stack([data[s:s + seq_len + 1].astype(np.int64) for s in starts.tolist()])
+        t = torch.from_numpy(win)
+        return t[:, :-1], t[:, 1:]

@@ -1,0 +1,233 @@
+"""``structlm train CONFIG.yaml``: one training loop, resumable, with CSV metrics.
+
+AdamW (decay on matrices and embeddings only), linear warm-up then cosine to
+``min_lr_ratio`` of the peak, gradient accumulation, clipping, evaluation loss every
+``eval_every`` steps (accumulated in float64), atomic checkpoints (model in
+safetensors; optimiser, scheduler, data-sampler and RNG state beside it) and exact
+resumption: a killed run restarted with the same config continues the same loss curve.
+A non-finite loss stops the run with an error.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+__all__ = ["TrainConfig", "load_config", "train"]
+
+
+@dataclass
+class TrainConfig:
+    """A training run (every field can be set in the YAML file)."""
+
+    out_dir: str = "runs/cpu-small"
+    """Where metrics, checkpoints and the plot go."""
+    preset: str = "cpu-small"
+    """Model preset (``paper-110m``, ``cpu-small``, ``tiny``)."""
+    algebra: str = "dense"
+    """FFN algebra: ``dense`` or a catalogue name (``Q2^2``, ``Q4``, ...)."""
+    type_schedule: str = "block"
+    """Position types: ``block`` (the paper's 192-blocks), ``block:<n>``, ``cyclic``."""
+    model_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Config fields to change on top of the preset (e.g. ``n_positions``)."""
+    corpus: str = "shakespeare"
+    """Corpus spec (see ``structlm.data.corpora.load_corpus``)."""
+    data_dir: str = ""
+    """Token cache folder (default: ``<out_dir>/data``)."""
+    val_fraction: float = 0.1
+    seq_len: int = 256
+    batch_size: int = 8
+    grad_accum: int = 1
+    max_steps: int = 200
+    lr: float = 3e-4
+    warmup_steps: int = 500
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    eval_every: int = 50
+    eval_batches: int = 8
+    save_every: int = 100
+    seed: int = 0
+    threads: int = 2
+
+
+def load_config(path: str, **overrides: Any) -> TrainConfig:
+    """A :class:`TrainConfig` from YAML; unknown keys are an error naming them."""
+    import yaml
+
+    with open(path) as fh:
+        raw = yaml.safe_load(fh) or {}
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ValueError(f"{path}: unknown keys {unknown}; expected some of {sorted(names)}")
+    return TrainConfig(**raw)
+
+
+def _lr_factor(step: int, cfg: TrainConfig) -> float:
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.max_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _build(cfg: TrainConfig) -> tuple[Any, torch.optim.Optimizer, Any]:
+    from ..models import StructLMForCausalLM, config_from_preset
+
+    torch.manual_seed(cfg.seed)
+    mcfg = config_from_preset(cfg.preset, cfg.algebra, type_schedule=cfg.type_schedule,
+                              **cfg.model_overrides)
+    model = StructLMForCausalLM(mcfg)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg))
+    return model, opt, sched
+
+
+@torch.no_grad()
+def _evaluate(model: Any, data: Any, cfg: TrainConfig) -> float:
+    model.eval()
+    gen = torch.Generator().manual_seed(10_000 + cfg.seed)  # the same windows every time
+    total = 0.0
+    for _ in range(cfg.eval_batches):
+        x, y = data.batch("val", cfg.batch_size, cfg.seq_len, gen)
+        logits = model(x).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).double(), y.flatten())
+        if not torch.isfinite(loss):
+            raise FloatingPointError("non-finite validation loss")
+        total += float(loss)
+    model.train()
+    return total / cfg.eval_batches
+
+
+def _save(ckpt: Path, model: Any, opt: Any, sched: Any, gen: torch.Generator, step: int) -> None:
+    from safetensors.torch import save_model
+
+    tmp = ckpt.with_name(ckpt.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_model(model, str(tmp / "model.safetensors"))
+    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step,
+                "sampler": gen.get_state(), "torch_rng": torch.get_rng_state()},
+               tmp / "state.pt")
+    old = ckpt.with_name(ckpt.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if ckpt.exists():
+        os.replace(ckpt, old)
+    os.replace(tmp, ckpt)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def train(cfg: TrainConfig, stop_after: int | None = None, progress: bool = True) -> Path:
+    """Run (or resume) ``cfg``; returns the metrics CSV. ``stop_after`` ends the process
+    early as if killed after that step's checkpoint (for tests)."""
+    from safetensors.torch import load_model
+
+    from ..data.tokens import build_token_dataset
+
+    torch.set_num_threads(cfg.threads)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_path = out / "config.json"
+    cfg_json = json.dumps(dataclasses.asdict(cfg), indent=1, sort_keys=True)
+    ckpt = out / "checkpoint"
+    if ckpt.exists() and cfg_path.exists() and cfg_path.read_text() != cfg_json:
+        raise ValueError(f"{out} holds a run with a different config; use another out_dir")
+    cfg_path.write_text(cfg_json)
+    data = build_token_dataset(cfg.corpus, cfg.data_dir or out / "data", cfg.val_fraction,
+                               cfg.seed)
+    model, opt, sched = _build(cfg)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    step = 0
+    metrics = out / "metrics.csv"
+    if ckpt.exists():
+        load_model(model, str(ckpt / "model.safetensors"))
+        state = torch.load(ckpt / "state.pt", weights_only=False)
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        gen.set_state(state["sampler"])
+        torch.set_rng_state(state["torch_rng"])
+        step = state["step"]
+        rows = list(csv.DictReader(metrics.open())) if metrics.exists() else []
+        _write_rows(metrics, [r for r in rows if int(r["step"]) <= step])
+    elif metrics.exists():
+        metrics.unlink()
+    model.train()
+    start = time.perf_counter()
+    bar = tqdm(total=cfg.max_steps, initial=step, desc=f"train {cfg.algebra}",
+               disable=not progress, unit="step")
+    while step < cfg.max_steps:
+        opt.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for _ in range(cfg.grad_accum):
+            x, y = data.batch("train", cfg.batch_size, cfg.seq_len, gen)
+            logits = model(x).logits  # (B, T, V)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"non-finite training loss at step {step + 1}")
+            (loss / cfg.grad_accum).backward()
+            loss_sum += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        lr = opt.param_groups[0]["lr"]
+        opt.step()
+        sched.step()
+        step += 1
+        row: dict[str, Any] = {"step": step, "lr": lr, "train_loss": loss_sum / cfg.grad_accum,
+                               "val_loss": "", "tokens": step * cfg.batch_size * cfg.seq_len
+                               * cfg.grad_accum, "seconds": round(time.perf_counter() - start, 3)}
+        if step % cfg.eval_every == 0 or step == cfg.max_steps:
+            row["val_loss"] = _evaluate(model, data, cfg)
+        _append_row(metrics, row)
+        bar.update(1)
+        bar.set_postfix(loss=f"{row['train_loss']:.3f}")
+        if step % cfg.save_every == 0 or step == cfg.max_steps:
+            _save(ckpt, model, opt, sched, gen, step)
+        if stop_after is not None and step >= stop_after:
+            break
+    bar.close()
+    if step >= cfg.max_steps:
+        from .plot import plot_loss_curves
+
+        model.save_pretrained(out / "model")
+        plot_loss_curves([(cfg.algebra, str(metrics))], str(out / "loss.png"))
+    return metrics
+
+
+_FIELDS = ["step", "lr", "train_loss", "val_loss", "tokens", "seconds"]
+
+
+def _write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    with tmp.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=_FIELDS)
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, path)
+
+
+def _append_row(path: Path, row: dict[str, Any]) -> None:
+    new = not path.exists()
+    with path.open("a", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=_FIELDS)
+        if new:
+            w.writeheader()
+        w.writerow(row)
+        fh.flush()
