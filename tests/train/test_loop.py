@@ -59,3 +59,32 @@ def test_config_change_is_refused(tmp_path) -> None:
     cfg.lr = 1e-3
     with pytest.raises(ValueError, match="different config"):
         train(cfg, progress=False)
+
+
+def test_torchrun_two_processes_match_one(tmp_path) -> None:
+    """A real 2-process ``torchrun`` (gloo, CPU) equals one process on the same global
+    batch, with gradient accumulation."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    data = str(tmp_path / "tokens")
+    base = _cfg(str(tmp_path / "single"), data)
+    base.max_steps, base.grad_accum, base.threads = 4, 2, 1
+    single = _rows(train(base, progress=False))
+    cfg = {**{k: getattr(base, k) for k in base.__dataclass_fields__}, "out_dir":
+           str(tmp_path / "ddp")}
+    path = tmp_path / "ddp.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "structlm.cli", "train", str(path)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ddp = _rows(os.path.join(tmp_path, "ddp", "metrics.csv"))
+    assert [r["step"] for r in ddp] == [r["step"] for r in single]
+    for a, b in zip(ddp, single, strict=True):
+        assert float(a["train_loss"]) == pytest.approx(float(b["train_loss"]), rel=1e-5)
+        if b["val_loss"]:
+            assert float(a["val_loss"]) == pytest.approx(float(b["val_loss"]), rel=1e-5)

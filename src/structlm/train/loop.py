@@ -10,6 +10,7 @@ A non-finite loss stops the run with an error.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import json
@@ -109,6 +110,8 @@ def _evaluate(model: Any, data: Any, cfg: TrainConfig) -> float:
     total = 0.0
     for _ in range(cfg.eval_batches):
         x, y = data.batch("val", cfg.batch_size, cfg.seq_len, gen)
+        device = next(model.parameters()).device
+        x, y = x.to(device), y.to(device)
         logits = model(x).logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).double(), y.flatten())
         if not torch.isfinite(loss):
@@ -136,78 +139,125 @@ def _save(ckpt: Path, model: Any, opt: Any, sched: Any, gen: torch.Generator, st
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _distributed() -> tuple[int, int]:
+    """(rank, world size); initialises the process group under ``torchrun``."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), world
+
+
 def train(cfg: TrainConfig, stop_after: int | None = None, progress: bool = True) -> Path:
     """Run (or resume) ``cfg``; returns the metrics CSV. ``stop_after`` ends the process
-    early as if killed after that step's checkpoint (for tests)."""
-    from safetensors.torch import load_model
+    early as if killed after that step's checkpoint (for tests).
 
-    from ..data.tokens import build_token_dataset
+    Under ``torchrun`` the same command trains with DDP: ``batch_size`` is the global
+    batch, split evenly over the ranks (every rank draws the same windows and keeps
+    its share), so a run gives the same curve on any number of processes; rank 0
+    logs and saves."""
+    import torch.distributed as dist
+    from safetensors.torch import load_model
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ..data.tokens import TokenDataset, build_token_dataset
 
     torch.set_num_threads(cfg.threads)
+    rank, world = _distributed()
+    if cfg.batch_size % world:
+        raise ValueError(f"batch_size={cfg.batch_size} is not divisible by the "
+                         f"{world} processes")
+    per_rank = cfg.batch_size // world
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+                          if torch.cuda.is_available() else "cpu")
     out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "config.json"
     cfg_json = json.dumps(dataclasses.asdict(cfg), indent=1, sort_keys=True)
     ckpt = out / "checkpoint"
-    if ckpt.exists() and cfg_path.exists() and cfg_path.read_text() != cfg_json:
-        raise ValueError(f"{out} holds a run with a different config; use another out_dir")
-    cfg_path.write_text(cfg_json)
-    data = build_token_dataset(cfg.corpus, cfg.data_dir or out / "data", cfg.val_fraction,
-                               cfg.seed)
+    data_dir = cfg.data_dir or out / "data"
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        if ckpt.exists() and cfg_path.exists() and cfg_path.read_text() != cfg_json:
+            raise ValueError(f"{out} holds a run with a different config; use another out_dir")
+        cfg_path.write_text(cfg_json)
+        build_token_dataset(cfg.corpus, data_dir, cfg.val_fraction, cfg.seed)
+    if world > 1:
+        dist.barrier()
+    data = TokenDataset(Path(data_dir))
     model, opt, sched = _build(cfg)
+    model.to(device)
     gen = torch.Generator().manual_seed(cfg.seed)
     step = 0
     metrics = out / "metrics.csv"
     if ckpt.exists():
-        load_model(model, str(ckpt / "model.safetensors"))
-        state = torch.load(ckpt / "state.pt", weights_only=False)
+        load_model(model, str(ckpt / "model.safetensors"), device=str(device))
+        state = torch.load(ckpt / "state.pt", weights_only=False, map_location=device)
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         gen.set_state(state["sampler"])
         torch.set_rng_state(state["torch_rng"])
         step = state["step"]
-        rows = list(csv.DictReader(metrics.open())) if metrics.exists() else []
-        _write_rows(metrics, [r for r in rows if int(r["step"]) <= step])
-    elif metrics.exists():
+        if rank == 0:
+            rows = list(csv.DictReader(metrics.open())) if metrics.exists() else []
+            _write_rows(metrics, [r for r in rows if int(r["step"]) <= step])
+    elif rank == 0 and metrics.exists():
         metrics.unlink()
+    net = DistributedDataParallel(model) if world > 1 else model
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     model.train()
     start = time.perf_counter()
     bar = tqdm(total=cfg.max_steps, initial=step, desc=f"train {cfg.algebra}",
-               disable=not progress, unit="step")
+               disable=not progress or rank != 0, unit="step")
     while step < cfg.max_steps:
         opt.zero_grad(set_to_none=True)
-        loss_sum = 0.0
-        for _ in range(cfg.grad_accum):
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        for micro in range(cfg.grad_accum):
             x, y = data.batch("train", cfg.batch_size, cfg.seq_len, gen)
-            logits = model(x).logits  # (B, T, V)
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"non-finite training loss at step {step + 1}")
-            (loss / cfg.grad_accum).backward()
-            loss_sum += float(loss.detach())
+            x, y = (t[rank * per_rank:(rank + 1) * per_rank].to(device) for t in (x, y))
+            sync = world == 1 or micro == cfg.grad_accum - 1
+            ctx = net.no_sync() if not sync else contextlib.nullcontext()
+            with ctx:  # no gradient all-reduce until the last micro-batch
+                with autocast:
+                    logits = net(x).logits  # (B/world, T, V)
+                    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                                             y.flatten())
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"non-finite training loss at step {step + 1}")
+                (loss / cfg.grad_accum).backward()
+            loss_sum += loss.detach().double()
+        if world > 1:
+            dist.all_reduce(loss_sum)
+            loss_sum /= world
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         lr = opt.param_groups[0]["lr"]
         opt.step()
         sched.step()
         step += 1
-        row: dict[str, Any] = {"step": step, "lr": lr, "train_loss": loss_sum / cfg.grad_accum,
-                               "val_loss": "", "tokens": step * cfg.batch_size * cfg.seq_len
-                               * cfg.grad_accum, "seconds": round(time.perf_counter() - start, 3)}
+        row: dict[str, Any] = {"step": step, "lr": lr,
+                               "train_loss": float(loss_sum) / cfg.grad_accum, "val_loss": "",
+                               "tokens": step * cfg.batch_size * cfg.seq_len * cfg.grad_accum,
+                               "seconds": round(time.perf_counter() - start, 3)}
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
             row["val_loss"] = _evaluate(model, data, cfg)
-        _append_row(metrics, row)
+        if rank == 0:
+            _append_row(metrics, row)
+            if step % cfg.save_every == 0 or step == cfg.max_steps:
+                _save(ckpt, model, opt, sched, gen, step)
         bar.update(1)
         bar.set_postfix(loss=f"{row['train_loss']:.3f}")
-        if step % cfg.save_every == 0 or step == cfg.max_steps:
-            _save(ckpt, model, opt, sched, gen, step)
         if stop_after is not None and step >= stop_after:
             break
     bar.close()
-    if step >= cfg.max_steps:
+    if rank == 0 and step >= cfg.max_steps:
         from .plot import plot_loss_curves
 
         model.save_pretrained(out / "model")
         plot_loss_curves([(cfg.algebra, str(metrics))], str(out / "loss.png"))
+    if world > 1:
+        dist.barrier()
     return metrics
 
 
