@@ -5,6 +5,8 @@
     structlm bench layer [--preset quick|small|target|full] [overrides...]
     structlm cost [--preset paper-110m] [--algebra Q2^2] [--json]
     structlm train CONFIG.yaml [CONFIG.yaml ...] [--max-steps N] [--plot PNG]
+    structlm generate --prompt TEXT [--model DIR] [--max-new-tokens N] [...]
+    structlm bench generate [--preset paper-110m] [--algebra Q2^2] [--modes fixed,paper]
     structlm demo
 """
 
@@ -148,6 +150,51 @@ def _cmd_cost(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from .data import gpt2_tokenizer
+    from .models import StructLMForCausalLM, config_from_preset
+
+    torch.set_num_threads(args.threads)
+    tok = gpt2_tokenizer()
+    if args.model:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+    else:
+        torch.manual_seed(args.seed)
+        model = StructLMForCausalLM(config_from_preset(args.preset, args.algebra)).eval()
+        print(f"(random {args.preset} weights with {args.algebra} FFNs: pass --model DIR for a "
+              "trained model)")
+    tok.padding_side = "left"
+    enc = tok(list(args.prompt), return_tensors="pt", padding=True)
+    torch.manual_seed(args.seed)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=args.max_new_tokens,
+                             do_sample=args.temperature > 0, temperature=args.temperature or None,
+                             top_p=args.top_p, top_k=args.top_k, pad_token_id=tok.eos_token_id)
+    for prompt, row in zip(args.prompt, out, strict=True):
+        text = tok.decode(row[enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        print(f"### {prompt}\n{text}\n")
+    return 0
+
+
+def _cmd_bench_generate(args: argparse.Namespace) -> int:
+    from .bench.generate import GenerateBenchConfig, run_generate_bench
+
+    cfg = GenerateBenchConfig(preset=args.preset, algebra=args.algebra,
+                              dense_model=args.dense_model or "",
+                              algebra_model=args.algebra_model or "",
+                              modes=tuple(args.modes), max_new_tokens=args.max_new_tokens,
+                              runs=args.runs, threads=args.threads,
+                              **({"prompts": tuple(args.prompt)} if args.prompt else {}))
+    run_generate_bench(cfg, args.out)
+    with open(args.out + ".md") as fh:
+        print(fh.read())
+    return 0
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from .train import load_config, train
     from .train.plot import plot_loss_curves
@@ -215,6 +262,32 @@ def build_parser() -> argparse.ArgumentParser:
     cost.add_argument("--algebra", default="Q2^2", help="FFN algebra (dense, Q4, Q2^2, ...)")
     cost.add_argument("--json", action="store_true", help="one JSON object")
     cost.set_defaults(func=_cmd_cost)
+
+    gen = sub.add_parser("generate", help="sample text with the KV cache")
+    gen.add_argument("--model", default=None, help="a saved model folder (save_pretrained)")
+    gen.add_argument("--preset", default="cpu-small")
+    gen.add_argument("--algebra", default="Q2^2")
+    gen.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=0.95)
+    gen.add_argument("--top-k", type=int, default=50)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--threads", type=int, default=2)
+    gen.set_defaults(func=_cmd_generate)
+
+    bgen = bench.add_parser("generate", help="dense vs algebra generation throughput")
+    bgen.add_argument("--preset", default="paper-110m")
+    bgen.add_argument("--algebra", default="Q2^2")
+    bgen.add_argument("--dense-model", default=None)
+    bgen.add_argument("--algebra-model", default=None)
+    bgen.add_argument("--modes", type=_strs, default=("fixed", "paper"))
+    bgen.add_argument("--max-new-tokens", type=int, default=256)
+    bgen.add_argument("--runs", type=int, default=4, help="the first is dropped")
+    bgen.add_argument("--prompt", action="append", default=None)
+    bgen.add_argument("--threads", type=int, default=2)
+    bgen.add_argument("--out", default="bench-out/generate")
+    bgen.set_defaults(func=_cmd_bench_generate)
 
     demo = sub.add_parser("demo", help="the algebra table and a short layer benchmark")
     demo.add_argument("--trials", type=int, default=None)

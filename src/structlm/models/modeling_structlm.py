@@ -150,6 +150,13 @@ class StructLMModel(StructLMPreTrainedModel):
             cache = kwargs.pop("past_key_values", None)  # transformers < 5 name
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if (input_ids is not None and input_ids.device.type == "cpu" and input_ids.numel()
+                and not torch.compiler.is_compiling()):
+            top = int(input_ids.max())
+            if top >= self.config.vocab_size:
+                raise ValueError(f"token id {top} is outside the vocabulary "
+                                 f"(vocab_size={self.config.vocab_size}): tokenizer and model "
+                                 "do not match")
         x = self.wte(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, D)
         b, t = x.shape[:2]
         if use_cache and cache is None:

@@ -1,0 +1,157 @@
+"""Generation throughput: dense vs algebra model on the same prompts, same harness.
+
+Two modes:
+
+* ``fixed`` — every sequence is forced to exactly ``max_new_tokens`` new tokens
+  (EOS ignored), so both models do the same number of decode steps: the layer's effect
+  alone (the paper lacked this mode; its models generated different lengths);
+* ``paper`` — seed 000 §3.3: sampling (temperature 0.8, top-p 0.95, top-k 50) until
+  EOS or ``max_new_tokens``.
+
+Each (model, mode) runs ``runs`` times over all prompts, the first run is dropped
+(warm-up), and tokens/s is reported as mean ± 95% Student-t half-width; tokenisation
+and sampling are inside the timed region. The runs of the two models alternate.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..algebra.cost import decode_macs
+from .timing import environment, write_csv_atomic
+
+__all__ = ["DEFAULT_PROMPTS", "GenerateBenchConfig", "ideal_decode_speedup", "run_generate_bench"]
+
+DEFAULT_PROMPTS = (
+    "Write a short function that returns the sum of a list of numbers.",
+    "A farmer has 17 sheep and buys 5 more. How many sheep does the farmer have?",
+    "What is the capital of France, and why is it famous?",
+    "Translate into English: Я люблю читать книги по вечерам.",
+)
+
+
+@dataclass(frozen=True)
+class GenerateBenchConfig:
+    """What to run (models are built from a preset with random weights unless paths
+    to trained models are given)."""
+
+    preset: str = "paper-110m"
+    algebra: str = "Q2^2"
+    dense_model: str = ""
+    algebra_model: str = ""
+    prompts: Sequence[str] = DEFAULT_PROMPTS
+    modes: Sequence[str] = ("fixed", "paper")
+    max_new_tokens: int = 256
+    runs: int = 4
+    threads: int = 2
+    seed: int = 0
+
+
+def ideal_decode_speedup(cfg: Any, context: float) -> float:
+    """MAC ratio dense/algebra of one decode step at an average ``context``, over the
+    whole model (projections, attention, LM head)."""
+    from ..models.cost import _rho
+
+    d, f, v, n = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers
+
+    def total(rho: Any) -> float:
+        return float(n * decode_macs(d, d, d, f, 0, rho)) + n * 2 * context * d + d * v
+
+    return total(1) / total(_rho(cfg))
+
+
+def _student_t_half_width(xs: list[float]) -> float:
+    if len(xs) < 2:
+        return float("nan")
+    from scipy.stats import t
+
+    return float(t.ppf(0.975, len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs)))
+
+
+def _load(path: str, preset: str, algebra: str, seed: int) -> Any:
+    from ..models import StructLMForCausalLM, config_from_preset
+
+    if path:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(path).eval()
+    torch.manual_seed(seed)  # the same random weights for both models
+    return StructLMForCausalLM(config_from_preset(preset, algebra)).eval()
+
+
+def _one_run(model: Any, tok: Any, prompts: Sequence[str], mode: str, max_new: int,
+             seed: int) -> tuple[int, float]:
+    torch.manual_seed(seed)
+    new_tokens, t0 = 0, time.perf_counter()
+    for prompt in prompts:
+        ids = tok(prompt, return_tensors="pt")
+        kw: dict[str, Any] = dict(max_new_tokens=max_new, pad_token_id=tok.eos_token_id)
+        if mode == "fixed":
+            kw.update(do_sample=False, min_new_tokens=max_new)
+        else:
+            kw.update(do_sample=True, temperature=0.8, top_p=0.95, top_k=50)
+        with torch.no_grad():
+            out = model.generate(**ids, **kw)
+        new_tokens += int(out.shape[1] - ids["input_ids"].shape[1])
+        tok.decode(out[0, ids["input_ids"].shape[1]:])
+    return new_tokens, time.perf_counter() - t0
+
+
+def run_generate_bench(cfg: GenerateBenchConfig, out_prefix: str) -> list[dict[str, Any]]:
+    """Time both models; write ``<out_prefix>.csv`` and ``.md``; return the rows."""
+    from ..data import gpt2_tokenizer
+
+    torch.set_num_threads(cfg.threads)
+    tok = gpt2_tokenizer()
+    models = {"dense": _load(cfg.dense_model, cfg.preset, "dense", cfg.seed),
+              "algebra": _load(cfg.algebra_model, cfg.preset, cfg.algebra, cfg.seed)}
+    env = environment()
+    rows: list[dict[str, Any]] = []
+    prompt_len = statistics.mean(len(tok(p)["input_ids"]) for p in cfg.prompts)
+    for mode in cfg.modes:
+        rates: dict[str, list[float]] = {k: [] for k in models}
+        lengths: dict[str, list[int]] = {k: [] for k in models}
+        for run in range(cfg.runs):
+            order = list(models) if run % 2 == 0 else list(models)[::-1]
+            for name in order:
+                n, sec = _one_run(models[name], tok, cfg.prompts, mode, cfg.max_new_tokens,
+                                  cfg.seed + run)
+                if run > 0:  # the first run is a warm-up
+                    rates[name].append(n / sec)
+                    lengths[name].append(n)
+        mean_new = statistics.mean(lengths["algebra"]) / len(cfg.prompts)
+        ideal = ideal_decode_speedup(models["algebra"].config, prompt_len + mean_new / 2)
+        for name in models:
+            rows.append({
+                "mode": mode, "model": name, "algebra": models[name].config.algebra,
+                "tokens_per_s": round(statistics.mean(rates[name]), 3),
+                "ci95": round(_student_t_half_width(rates[name]), 3),
+                "mean_new_tokens": round(statistics.mean(lengths[name]) / len(cfg.prompts), 1),
+                "runs_kept": len(rates[name]),
+                "speedup_vs_dense": round(statistics.mean(rates[name])
+                                          / statistics.mean(rates["dense"]), 4),
+                "ideal_mac_speedup": round(ideal, 4) if name == "algebra" else 1.0,
+                **{f"env_{k}": v for k, v in env.items()},
+            })
+    os.makedirs(os.path.dirname(os.path.abspath(out_prefix)), exist_ok=True)
+    write_csv_atomic(out_prefix + ".csv", rows)
+    lines = ["| mode | model | tokens/s (mean ± 95% CI) | new tokens / prompt | speed-up | "
+             "MAC ideal |", "|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['mode']} | {r['model']} ({r['algebra']}) | {r['tokens_per_s']:.2f} "
+                     f"± {r['ci95']:.2f} | {r['mean_new_tokens']} | "
+                     f"{r['speedup_vs_dense']:.3f}× | {r['ideal_mac_speedup']:.3f}× |")
+    text = "\n".join(lines) + "\n"
+    tmp = out_prefix + ".md.tmp"
+    with open(tmp, "w") as fh:
+        fh.write(f"Environment: {env}\n\n" + text)
+    os.replace(tmp, out_prefix + ".md")
+    return rows
