@@ -75,12 +75,15 @@ def _write_tokens(path: Path, docs: list[Document]) -> int:
 
 
 def build_token_dataset(corpus: str, out_dir: str | os.PathLike[str], val_fraction: float = 0.1,
-                        seed: int = 0) -> TokenDataset:
+                        seed: int = 0, heldout: str = "") -> TokenDataset:
     """Tokenise ``corpus`` (see :func:`~structlm.data.corpora.load_corpus`) into
-    ``out_dir``; reuse an existing build with the same corpus, split and tokenizer."""
+    ``out_dir``; reuse an existing build with the same corpus, split and tokenizer.
+
+    ``heldout``: a corpus spec (e.g. a benchmark's ``.jsonl``) whose texts the training
+    documents are decontaminated against (Jaccard >= 0.8 on 3-character shingles)."""
     out = Path(out_dir)
     want = {"version": _VERSION, "corpus": corpus, "tokenizer": "gpt2-r50k",
-            "val_fraction": val_fraction, "seed": seed}
+            "val_fraction": val_fraction, "seed": seed, "heldout": heldout}
     meta_path = out / "meta.json"
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())
@@ -89,9 +92,15 @@ def build_token_dataset(corpus: str, out_dir: str | os.PathLike[str], val_fracti
     out.mkdir(parents=True, exist_ok=True)
     docs, removed = dedup_exact(load_corpus(corpus))
     train, val = split_documents(docs, val_fraction, seed)
+    contaminated: list[tuple[str, int, float]] = []
+    if heldout:
+        from .decontam import decontaminate
+
+        train, report = decontaminate(train, [d.text for d in load_corpus(heldout)])
+        contaminated = report.removed
     meta = dict(want)
     meta.update(
-        duplicates_removed=removed,
+        duplicates_removed=removed, decontaminated=contaminated,
         train_documents=[d.name for d in train], val_documents=[d.name for d in val],
         train_tokens=_write_tokens(out / "train.bin", train),
         val_tokens=_write_tokens(out / "val.bin", val),

@@ -46,6 +46,8 @@ class TrainConfig:
     """Corpus spec (see ``structlm.data.corpora.load_corpus``)."""
     data_dir: str = ""
     """Token cache folder (default: ``<out_dir>/data``)."""
+    heldout: str = ""
+    """Corpus spec of held-out/benchmark texts to decontaminate the training data against."""
     val_fraction: float = 0.1
     seq_len: int = 256
     batch_size: int = 8
@@ -183,7 +185,7 @@ def train(cfg: TrainConfig, stop_after: int | None = None, progress: bool = True
         if ckpt.exists() and cfg_path.exists() and cfg_path.read_text() != cfg_json:
             raise ValueError(f"{out} holds a run with a different config; use another out_dir")
         cfg_path.write_text(cfg_json)
-        build_token_dataset(cfg.corpus, data_dir, cfg.val_fraction, cfg.seed)
+        build_token_dataset(cfg.corpus, data_dir, cfg.val_fraction, cfg.seed, cfg.heldout)
     if world > 1:
         dist.barrier()
     data = TokenDataset(Path(data_dir))
