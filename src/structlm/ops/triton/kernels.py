@@ -40,6 +40,18 @@ def _segment_of(pid, sizes, idx, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _dot_acc(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """``acc + a @ b`` in fp32 (IEEE products for fp32 inputs; fp32 tiles under the
+    interpreter for bf16/fp16)."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _locate_tile(pid_m, seg_count_ptr, num_segs, NSEG_P2: tl.constexpr, BM: tl.constexpr):
     """Segment of row tile ``pid_m`` and the tile's index inside it."""
     segs = tl.arange(0, NSEG_P2)
@@ -106,13 +118,7 @@ def support_matmul_kernel(
                         mask=rmask[:, None] & kmask[None, :], other=0.0)
             w = tl.load(w_ptr + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
                         mask=kmask[:, None] & cmask[None, :], other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-                w = w.to(tl.float32)
-            if IEEE:
-                acc = tl.dot(a, w, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, w, acc)
+            acc = _dot_acc(a, w, acc, UPCAST, IEEE)
     out = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
     omask = rmask[:, None] & cmask[None, :]
     if ACCUMULATE:
@@ -190,13 +196,7 @@ def support_dw_kernel(
                         mask=rmask[None, :] & nmask[:, None], other=0.0)
             xx = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk,
                          mask=rmask[:, None] & kmask[None, :], other=0.0)
-            if UPCAST:
-                g = g.to(tl.float32)
-                xx = xx.to(tl.float32)
-            if IEEE:
-                acc = tl.dot(g, xx, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(g, xx, acc)
+            acc = _dot_acc(g, xx, acc, UPCAST, IEEE)
     tl.store(dw_ptr + ns[:, None] * stride_dn + ks[None, :] * stride_dk,
              acc.to(dw_ptr.dtype.element_ty), mask=nmask[:, None] & kmask[None, :])
 
