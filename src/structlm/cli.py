@@ -213,12 +213,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    print("# structlm demo\n\n## The algebra catalogue (computed from structure tensors)\n")
-    print(algebra_table_markdown())
-    print("## A short layer benchmark (2 CPU threads, fp32)\n", flush=True)
-    ns = argparse.Namespace(preset="quick", m=None, shapes=None, algebras=None, schedules=None,
-                            modes=None, trials=args.trials, threads=None, out=args.out)
-    return _cmd_bench_layer(ns)
+    from .demo import run_demo
+
+    run_demo(args.out, steps=args.steps, algebra=args.algebra)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -289,9 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     bgen.add_argument("--out", default="bench-out/generate")
     bgen.set_defaults(func=_cmd_bench_generate)
 
-    demo = sub.add_parser("demo", help="the algebra table and a short layer benchmark")
-    demo.add_argument("--trials", type=int, default=None)
-    demo.add_argument("--out", default="bench-out/demo_layer")
+    demo = sub.add_parser("demo", help="dense vs algebra LMs end to end (about 8 min on 2 cores)")
+    demo.add_argument("--steps", type=int, default=120, help="training steps per model")
+    demo.add_argument("--algebra", default="Q2^2")
+    demo.add_argument("--out", default="demo-report")
     demo.set_defaults(func=_cmd_demo)
     return p
 
