@@ -288,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     bgen.set_defaults(func=_cmd_bench_generate)
 
     demo = sub.add_parser("demo", help="dense vs algebra LMs end to end (about 8 min on 2 cores)")
-    demo.add_argument("--steps", type=int, default=120, help="training steps per model")
+    demo.add_argument("--steps", type=int, default=100, help="training steps per model")
     demo.add_argument("--algebra", default="Q2^2")
     demo.add_argument("--out", default="demo-report")
     demo.set_defaults(func=_cmd_demo)
