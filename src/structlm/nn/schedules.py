@@ -6,6 +6,7 @@ chunked) and cached decoding see the same type for the same position.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -14,7 +15,7 @@ import torch
 __all__ = ["BlockSchedule", "CyclicSchedule", "TableSchedule", "TypeSchedule", "get_schedule"]
 
 
-class TypeSchedule:
+class TypeSchedule(abc.ABC):
     """Base class: ``schedule(positions) -> types`` (same shape, int64)."""
 
     q: int
@@ -26,8 +27,9 @@ class TypeSchedule:
             raise ValueError(f"positions must be >= 0, got min {int(positions.min())}")
         return self._types(positions.long())
 
-    def _types(self, positions: torch.Tensor) -> torch.Tensor:  # pragma: no cover
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _types(self, positions: torch.Tensor) -> torch.Tensor:
+        """Types of validated, int64 ``positions``."""
 
 
 @dataclass(frozen=True)
