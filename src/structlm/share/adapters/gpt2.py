@@ -1,0 +1,104 @@
+"""GPT-2 family (``GPT2LMHeadModel``): ``Conv1D`` weights stored ``(in, out)``, a fused
+``c_attn`` holding Q, K and V side by side, biases everywhere."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .base import LayerAdapter, MatrixType, ModelAdapter
+from .modules import ConcatProjection, linear_from
+
+__all__ = ["GPT2Adapter"]
+
+_QKV = (MatrixType.Q, MatrixType.K, MatrixType.V)
+
+
+def _as_out_in(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight ``(out, in)``, bias) of a ``Conv1D`` or ``nn.Linear``."""
+    if isinstance(module, nn.Linear):
+        return module.weight.detach(), None if module.bias is None else module.bias.detach()
+    if type(module).__name__ == "Conv1D":  # transformers.pytorch_utils.Conv1D: (in, out)
+        return module.weight.detach().t(), module.bias.detach()
+    raise TypeError(f"expected Conv1D or nn.Linear, got {type(module).__name__}")
+
+
+class GPT2LayerAdapter(LayerAdapter):
+    """One ``GPT2Block``."""
+
+    def __init__(self, index: int, block: nn.Module, d: int) -> None:
+        super().__init__(index)
+        self.block, self.d = block, d
+
+    def _qkv_split(self) -> ConcatProjection:
+        """``c_attn`` as three ``nn.Linear`` (done once, on the first Q/K/V replacement)."""
+        attn = self.block.attn
+        if not isinstance(attn.c_attn, ConcatProjection):
+            w, b = _as_out_in(attn.c_attn)
+            parts = [linear_from(w[i * self.d:(i + 1) * self.d],
+                                 None if b is None else b[i * self.d:(i + 1) * self.d])
+                     for i in range(3)]
+            attn.c_attn = ConcatProjection(parts)
+        return attn.c_attn
+
+    def module(self, t: MatrixType) -> nn.Module:
+        if t in _QKV:
+            c = self.block.attn.c_attn
+            if isinstance(c, ConcatProjection):
+                return c.parts[_QKV.index(t)]
+            return c
+        return {MatrixType.O: self.block.attn.c_proj, MatrixType.MLP_IN: self.block.mlp.c_fc,
+                MatrixType.MLP_OUT: self.block.mlp.c_proj}[t]
+
+    def _weight_bias(self, t: MatrixType) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if t in _QKV and not isinstance(self.block.attn.c_attn, ConcatProjection):
+            w, b = _as_out_in(self.block.attn.c_attn)
+            i = _QKV.index(t)
+            sl = slice(i * self.d, (i + 1) * self.d)
+            return w[sl], None if b is None else b[sl]
+        return _as_out_in(self.module(t))
+
+    def weight(self, t: MatrixType) -> torch.Tensor:
+        return self._weight_bias(t)[0].float().clone()
+
+    def bias(self, t: MatrixType) -> torch.Tensor | None:
+        b = self._weight_bias(t)[1]
+        return None if b is None else b.float().clone()
+
+    def site_module(self, site: str) -> nn.Module:
+        return {"attn_in": self.block.attn.c_attn, "attn_out": self.block.attn.c_proj,
+                "mlp_in": self.block.mlp.c_fc, "mlp_out": self.block.mlp.c_proj}[site]
+
+    def replace(self, t: MatrixType, module: nn.Module) -> None:
+        if t in _QKV:
+            self._qkv_split().parts[_QKV.index(t)] = module
+        elif t is MatrixType.O:
+            self.block.attn.c_proj = module
+        elif t is MatrixType.MLP_IN:
+            self.block.mlp.c_fc = module
+        else:
+            self.block.mlp.c_proj = module
+
+
+class GPT2Adapter(ModelAdapter):
+    """``GPT2LMHeadModel`` (gpt2, gpt2-medium, distilgpt2, ...)."""
+
+    family = "gpt2"
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        d = model.config.n_embd
+        self._layers = [GPT2LayerAdapter(i, b, d) for i, b in enumerate(model.transformer.h)]
+        self._d = d
+
+    @classmethod
+    def handles(cls, model: nn.Module) -> bool:
+        return getattr(getattr(model, "config", None), "model_type", None) == "gpt2"
+
+    @property
+    def layers(self) -> list[LayerAdapter]:
+        return list(self._layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return self._d

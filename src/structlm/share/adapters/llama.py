@@ -1,0 +1,109 @@
+"""LLaMA family (``LlamaForCausalLM`` and look-alikes: SmolLM2, Mistral, Qwen2):
+separate ``q/k/v/o_proj`` (K and V narrower under grouped-query attention), a gated MLP
+``down(silu(gate(x)) * up(x))`` whose MLP-in is the stacked ``[gate; up]``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .base import LayerAdapter, MatrixType, ModelAdapter
+from .modules import GatedMLP
+
+__all__ = ["LlamaAdapter"]
+
+_ATTN = {MatrixType.Q: "q_proj", MatrixType.K: "k_proj", MatrixType.V: "v_proj",
+         MatrixType.O: "o_proj"}
+
+
+def _wb(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if not isinstance(module, nn.Linear):
+        raise TypeError(f"expected nn.Linear, got {type(module).__name__}")
+    return module.weight.detach(), None if module.bias is None else module.bias.detach()
+
+
+class LlamaLayerAdapter(LayerAdapter):
+    """One ``LlamaDecoderLayer``."""
+
+    def __init__(self, index: int, block: nn.Module) -> None:
+        super().__init__(index)
+        self.block = block
+
+    def module(self, t: MatrixType) -> nn.Module:
+        if t in _ATTN:
+            return getattr(self.block.self_attn, _ATTN[t])
+        mlp = self.block.mlp
+        if isinstance(mlp, GatedMLP):
+            return mlp.proj_in if t is MatrixType.MLP_IN else mlp.down
+        if t is MatrixType.MLP_IN:
+            raise ValueError("MLP-in of an unreplaced LLaMA MLP is two modules (gate_proj, "
+                             "up_proj); use weight() for the stacked matrix")
+        return mlp.down_proj
+
+    def _weight_bias(self, t: MatrixType) -> tuple[torch.Tensor, torch.Tensor | None]:
+        mlp = self.block.mlp
+        if t is MatrixType.MLP_IN and not isinstance(mlp, GatedMLP):
+            (wg, bg), (wu, bu) = _wb(mlp.gate_proj), _wb(mlp.up_proj)
+            bias = None if bg is None else torch.cat([bg, bu])
+            return torch.cat([wg, wu]), bias
+        return _wb(self.module(t))
+
+    def weight(self, t: MatrixType) -> torch.Tensor:
+        return self._weight_bias(t)[0].float().clone()
+
+    def bias(self, t: MatrixType) -> torch.Tensor | None:
+        b = self._weight_bias(t)[1]
+        return None if b is None else b.float().clone()
+
+    def site_module(self, site: str) -> nn.Module:
+        attn, mlp = self.block.self_attn, self.block.mlp
+        if site == "attn_in":
+            return attn.q_proj
+        if site == "attn_out":
+            return attn.o_proj
+        if isinstance(mlp, GatedMLP):
+            return mlp.proj_in if site == "mlp_in" else mlp.down
+        return mlp.gate_proj if site == "mlp_in" else mlp.down_proj
+
+    def _gated(self) -> GatedMLP:
+        mlp = self.block.mlp
+        if not isinstance(mlp, GatedMLP):
+            from .modules import linear_from
+
+            w, b = self._weight_bias(MatrixType.MLP_IN)
+            width = mlp.gate_proj.out_features
+            self.block.mlp = GatedMLP(linear_from(w, b), mlp.down_proj, width, mlp.act_fn)
+        return self.block.mlp
+
+    def replace(self, t: MatrixType, module: nn.Module) -> None:
+        if t in _ATTN:
+            setattr(self.block.self_attn, _ATTN[t], module)
+        elif t is MatrixType.MLP_IN:
+            self._gated().proj_in = module
+        elif isinstance(self.block.mlp, GatedMLP):
+            self.block.mlp.down = module
+        else:
+            self.block.mlp.down_proj = module
+
+
+class LlamaAdapter(ModelAdapter):
+    """LLaMA-architecture causal LMs (SmolLM2, TinyLlama, Mistral, Qwen2, ...)."""
+
+    family = "llama"
+    model_types = ("llama", "mistral", "qwen2", "qwen3")
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self._layers = [LlamaLayerAdapter(i, b) for i, b in enumerate(model.model.layers)]
+
+    @classmethod
+    def handles(cls, model: nn.Module) -> bool:
+        return getattr(getattr(model, "config", None), "model_type", None) in cls.model_types
+
+    @property
+    def layers(self) -> list[LayerAdapter]:
+        return list(self._layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.hidden_size)

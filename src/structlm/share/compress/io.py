@@ -1,0 +1,96 @@
+"""Save a compressed model to a folder and load it back with one call.
+
+The folder holds ``model.safetensors`` (every parameter of the compressed model: the
+untouched weights of the source model plus the factors; a shared basis is stored once)
+and ``structlm_compression.json`` (method, ranks per type, source model, calibration,
+accounting). :func:`load_compressed` rebuilds the source architecture, puts factorised
+modules of the recorded shapes in place and loads the tensors — the result runs
+``generate()`` and perplexity like any causal LM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..adapters import MatrixType, get_adapter
+from ..loading import LoadedModel, load_model
+from .apply import CompressionConfig, build_modules
+from .factorize import TypeFactors
+
+__all__ = ["MANIFEST", "load_compressed", "save_compressed"]
+
+MANIFEST = "structlm_compression.json"
+
+
+def save_compressed(loaded: LoadedModel, report: dict[str, Any], folder: str | Path,
+                    calibration: dict[str, Any] | None = None) -> Path:
+    """Write the compressed model in ``loaded`` and its manifest atomically."""
+    from safetensors.torch import save_model
+
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-compressed-"))
+    try:
+        save_model(loaded.model, str(tmp / "model.safetensors"))
+        manifest = {"format": 1, "source_model": loaded.model_id, "source_note": loaded.note,
+                    "compression": report, "calibration": calibration or {}}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _placeholder(method: str, k: int, r: int, out: int, inn: int, L: int) -> TypeFactors:
+    z = torch.zeros
+    tf = TypeFactors(method, k, r)
+    if method == "svd":
+        tf.per_layer = [{"B": z(out, k), "C": z(k, inn)} for _ in range(L)]
+    elif method == "onesided":
+        tf.P = z(k, inn)
+        tf.per_layer = [{"D": z(out, k)} for _ in range(L)]
+    else:
+        tf.P, tf.U = z(k, inn), z(out, k)
+        tf.per_layer = [{"core": z(k, k)} | ({"res_b": z(out, r), "res_c": z(r, inn)}
+                                            if r else {}) for _ in range(L)]
+    return tf
+
+
+def load_compressed(folder: str | Path) -> LoadedModel:
+    """The compressed model saved in ``folder`` (by :func:`save_compressed`)."""
+    from safetensors.torch import load_model as load_tensors
+
+    folder = Path(folder)
+    path = folder / MANIFEST
+    if not path.exists():
+        raise ValueError(f"{folder} is not a compressed model folder (no {MANIFEST})")
+    manifest = json.loads(path.read_text())
+    loaded = load_model(manifest["source_model"])
+    CompressionConfig.from_dict(manifest["compression"]["config"])  # validates
+    adapter = get_adapter(loaded.model)
+    L = adapter.num_layers
+    for name, t in manifest["compression"]["types"].items():
+        mt = MatrixType(name)
+        out, inn = t["shape"]
+        factors = _placeholder(t["method"], t["k"], t["r"], out, inn, L)
+        biases = [adapter.layers[i].bias(mt) for i in range(L)]
+        for layer, mod in zip(adapter.layers, build_modules(factors, biases), strict=True):
+            layer.replace(mt, mod)
+    missing, unexpected = load_tensors(loaded.model, str(folder / "model.safetensors"),
+                                       strict=True)
+    del missing, unexpected
+    loaded.model.eval()
+    loaded.note = (manifest.get("source_note") or "") + \
+        ("; " if manifest.get("source_note") else "") + \
+        f"compressed ({manifest['compression']['config']['method']}) from {loaded.model_id}"
+    loaded.model_id = str(folder)
+    return loaded

@@ -1,0 +1,108 @@
+"""Factorised linear modules that replace a model's matrices (no dense matrix is ever
+rebuilt at run time).
+
+* :class:`SharedBasisLinear` — ``y = U (A_l (P x)) [+ B_l (C_l x)] + b`` with the
+  shared input map ``P = V^T S^+`` ``(k, in)`` and output basis ``U`` ``(out, k)``
+  held by a :class:`SharedBasis` module (stored once per matrix type, frozen), the
+  per-layer core ``A_l`` ``(k, k)`` and an optional per-layer residual ``B_l C_l`` of
+  rank ``r``.
+* :class:`LowRankLinear` — ``y = B (C x) + b``: per-layer whitened SVD factors
+  (``B = U_r Σ_r``, ``C = V_r^T S_l^+``), trained as free factors.
+* :class:`OneSidedLinear` — ``y = D_l (P x) + b``: one input basis shared across
+  layers with full per-layer coefficients ``D_l`` ``(out, k)`` (the Basis Sharing
+  design).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["LowRankLinear", "OneSidedLinear", "SharedBasis", "SharedBasisLinear"]
+
+
+class SharedBasis(nn.Module):
+    """The shared part of one matrix type: input map ``P`` ``(k, in)`` (``None`` for
+    none) and output basis ``U`` ``(out, k)`` (``None`` for none), frozen."""
+
+    def __init__(self, P: torch.Tensor | None, U: torch.Tensor | None) -> None:
+        super().__init__()
+        self.P = None if P is None else nn.Parameter(P.float().contiguous(), requires_grad=False)
+        self.U = None if U is None else nn.Parameter(U.float().contiguous(), requires_grad=False)
+
+
+class SharedBasisLinear(nn.Module):
+    """``U A P x (+ B C x) + b`` for one layer; ``basis`` is shared between layers."""
+
+    def __init__(self, basis: SharedBasis, core: torch.Tensor, bias: torch.Tensor | None,
+                 residual: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        super().__init__()
+        if basis.P is None or basis.U is None:
+            raise ValueError("SharedBasisLinear needs both a shared input map P and basis U")
+        self.basis = basis
+        self.core = nn.Parameter(core.float().contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.float().clone(),
+                                                           requires_grad=False)
+        self.res_b = self.res_c = None
+        if residual is not None:
+            self.res_b = nn.Parameter(residual[0].float().contiguous())
+            self.res_c = nn.Parameter(residual[1].float().contiguous())
+
+    @property
+    def in_features(self) -> int:
+        return self.basis.P.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.basis.U.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = x @ self.basis.P.T  # (..., k)
+        y = (z @ self.core.T) @ self.basis.U.T  # (..., out)
+        if self.res_b is not None:
+            y = y + (x @ self.res_c.T) @ self.res_b.T  # (..., out)
+        return y if self.bias is None else y + self.bias
+
+    def dense_weight(self) -> torch.Tensor:
+        """The equivalent ``(out, in)`` matrix (for analysis and tests only)."""
+        W = self.basis.U @ self.core @ self.basis.P
+        return W if self.res_b is None else W + self.res_b @ self.res_c
+
+
+class LowRankLinear(nn.Module):
+    """``B (C x) + b`` with per-layer factors ``B`` ``(out, r)``, ``C`` ``(r, in)``."""
+
+    def __init__(self, B: torch.Tensor, C: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.B = nn.Parameter(B.float().contiguous())
+        self.C = nn.Parameter(C.float().contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.float().clone(),
+                                                           requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = (x @ self.C.T) @ self.B.T  # (..., r) then (..., out)
+        return y if self.bias is None else y + self.bias
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.B @ self.C
+
+
+class OneSidedLinear(nn.Module):
+    """``D (P x) + b`` with the shared input map ``P`` ``(k, in)`` and per-layer
+    coefficients ``D`` ``(out, k)``."""
+
+    def __init__(self, basis: SharedBasis, D: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        if basis.P is None:
+            raise ValueError("OneSidedLinear needs a shared input map P")
+        self.basis = basis
+        self.D = nn.Parameter(D.float().contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.float().clone(),
+                                                           requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = (x @ self.basis.P.T) @ self.D.T  # (..., k) then (..., out)
+        return y if self.bias is None else y + self.bias
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.D @ self.basis.P

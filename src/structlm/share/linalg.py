@@ -1,0 +1,135 @@
+"""Linear algebra used by the tests, in float64: PSD square roots with an eigenvalue
+floor, subspaces, energies, random nulls."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["captured_energy", "effective_rank", "energy_weighted_basis", "psd_inv_sqrt",
+           "psd_sqrt", "random_like_spectrum", "random_orthonormal", "singular_values",
+           "subspace_overlap", "thin_svd", "top_subspace"]
+
+EXPLICIT_EIGH_MAX = 1024
+"""Above this dimension the shared basis is found by subspace iteration, not ``eigh``."""
+
+
+def _eigh_floored(C: torch.Tensor, rel_floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigen-decomposition of symmetric ``C`` with eigenvalues floored at
+    ``rel_floor * max eigenvalue`` (damping against rank deficiency)."""
+    C = C.double()
+    C = 0.5 * (C + C.T)
+    evals, evecs = torch.linalg.eigh(C)
+    floor = rel_floor * float(evals.max().clamp_min(0))
+    return evals.clamp_min(max(floor, 1e-300)), evecs
+
+
+def psd_sqrt(C: torch.Tensor, rel_floor: float = 1e-8) -> torch.Tensor:
+    """``C^{1/2}`` of a PSD matrix (float64)."""
+    e, V = _eigh_floored(C, rel_floor)
+    return (V * e.sqrt()) @ V.T
+
+
+def psd_inv_sqrt(C: torch.Tensor, rel_floor: float = 1e-8) -> torch.Tensor:
+    """``C^{-1/2}`` with eigenvalues floored (a damped pseudo-inverse root, float64)."""
+    e, V = _eigh_floored(C, rel_floor)
+    return (V * e.rsqrt()) @ V.T
+
+
+def thin_svd(W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Thin SVD ``(U, S, Vh)`` of ``W`` (float64) through the eigen-decomposition of its
+    smaller Gram matrix — several times faster than LAPACK's SVD for tall or wide
+    matrices; directions with ``S`` below ~1e-8 of the largest lose relative accuracy,
+    which no energy-based quantity here can see."""
+    W = W.double()
+    wide = W.shape[0] < W.shape[1]
+    A = W if wide else W.T  # (small, large)
+    evals, evecs = torch.linalg.eigh(A @ A.T)
+    evals, evecs = evals.flip(0).clamp_min(0), evecs.flip(1)
+    S = evals.sqrt()
+    inv = torch.where(S > S[0] * 1e-12, 1.0 / S.clamp_min(1e-300), torch.zeros_like(S))
+    other = (A.T @ evecs) * inv  # (large, small): the other side's singular vectors
+    if wide:
+        return evecs, S, other.T
+    return other, S, evecs.T
+
+
+def singular_values(W: torch.Tensor) -> torch.Tensor:
+    """Singular values of ``W`` (float64, descending) from its smaller Gram matrix."""
+    W = W.double()
+    A = W if W.shape[0] < W.shape[1] else W.T
+    return torch.linalg.eigvalsh(A @ A.T).flip(0).clamp_min(0).sqrt()
+
+
+def top_subspace(W: torch.Tensor, k: int, side: str) -> torch.Tensor:
+    """Orthonormal basis ``(dim, k)`` of the top-``k`` singular subspace of ``W``
+    ``(out, in)``: ``side="input"`` → right singular vectors, ``"output"`` → left."""
+    U, _, Vh = thin_svd(W)
+    if side == "output":
+        return U[:, :k]
+    if side == "input":
+        return Vh[:k].T
+    raise ValueError(f"side must be 'input' or 'output', got {side!r}")
+
+
+def captured_energy(W: torch.Tensor, basis: torch.Tensor, side: str) -> float:
+    """Fraction of ``||W||_F^2`` kept by projecting ``W`` onto ``basis`` on ``side``."""
+    W = W.double()
+    proj = W @ basis if side == "input" else basis.T @ W
+    return float(proj.pow(2).sum() / W.pow(2).sum())
+
+
+def energy_weighted_basis(mats: list[torch.Tensor], k: int, side: str,
+                          iters: int = 16) -> torch.Tensor:
+    """Shared basis: top-``k`` eigenvectors of ``G = sum_l W_l^T W_l`` (input side) or
+    ``sum_l W_l W_l^T`` (output side) — each layer weighted by its energy.
+
+    Explicit ``eigh`` up to :data:`EXPLICIT_EIGH_MAX` dimensions; above, block subspace
+    iteration with ``k/2`` oversampling applying ``G`` implicitly (``iters`` rounds, then
+    Rayleigh–Ritz), which avoids forming and diagonalising a large ``G``."""
+    mats = [W.double() for W in mats]
+    dim = mats[0].shape[1] if side == "input" else mats[0].shape[0]
+
+    def apply(X: torch.Tensor) -> torch.Tensor:
+        if side == "input":
+            return sum(W.T @ (W @ X) for W in mats)
+        return sum(W @ (W.T @ X) for W in mats)
+
+    if dim <= EXPLICIT_EIGH_MAX:
+        _, V = torch.linalg.eigh(apply(torch.eye(dim, dtype=torch.float64)))
+        return V[:, -k:].flip(1)
+    gen = torch.Generator().manual_seed(0)
+    X = torch.linalg.qr(torch.randn(dim, min(dim, k + max(8, k // 2)), generator=gen,
+                                    dtype=torch.float64))[0]
+    for _ in range(iters):
+        X = torch.linalg.qr(apply(X))[0]
+    T = X.T @ apply(X)
+    _, V = torch.linalg.eigh(0.5 * (T + T.T))
+    return X @ V[:, -k:].flip(1)
+
+
+def random_orthonormal(dim: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """A Haar-random ``(dim, k)`` orthonormal basis."""
+    Q, R = torch.linalg.qr(torch.randn(dim, k, generator=gen, dtype=torch.float64))
+    return Q * torch.sign(torch.diagonal(R))
+
+
+def random_like_spectrum(W: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A random matrix with exactly the singular values of ``W`` (Haar-random singular
+    vectors)."""
+    out, inn = W.shape
+    s = singular_values(W)
+    r = s.numel()
+    return (random_orthonormal(out, r, gen) * s) @ random_orthonormal(inn, r, gen).T
+
+
+def subspace_overlap(A: torch.Tensor, B: torch.Tensor) -> float:
+    """Mean squared cosine of the principal angles between two ``(dim, k)`` orthonormal
+    bases: ``||A^T B||_F^2 / k`` (chance level for random subspaces: ``k / dim``)."""
+    return float((A.T @ B).pow(2).sum() / A.shape[1])
+
+
+def effective_rank(W: torch.Tensor, energy: float = 0.9) -> int:
+    """Fewest singular directions holding ``energy`` of ``||W||_F^2``."""
+    s2 = singular_values(W).pow(2)
+    cum = torch.cumsum(s2, 0) / s2.sum()
+    return int(torch.searchsorted(cum, torch.tensor(energy, dtype=cum.dtype)).item()) + 1

