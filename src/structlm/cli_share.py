@@ -77,6 +77,39 @@ def _cmd_share_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_share_compress(args: argparse.Namespace) -> int:
+    import torch
+    import yaml
+
+    from .share.compress import CompressionConfig
+    from .share.compress.finetune import FinetuneConfig
+    from .share.compress.run import run_compress
+
+    torch.set_num_threads(args.threads)
+    raw: dict[str, Any] = {}
+    if args.config:
+        with open(args.config) as fh:
+            raw = yaml.safe_load(fh) or {}
+    ft_raw = raw.pop("finetune", {}) or {}
+    for key in ("method", "types", "target_reduction", "residual_rank", "k_fraction"):
+        if getattr(args, key) is not None:
+            raw[key] = getattr(args, key)
+    ccfg = CompressionConfig.from_dict(raw)
+    if args.finetune_steps is not None:
+        ft_raw["steps"] = args.finetune_steps
+    ft = FinetuneConfig(**ft_raw) if ft_raw.get("steps") else None
+    res = run_compress(args.model, ccfg, args.out, corpus=args.corpus,
+                       second_corpus=args.second_corpus, calib_tokens=args.calib_tokens,
+                       eval_tokens=args.eval_tokens, ft=ft, seed=args.seed)
+    c = res["compression"]
+    print(f"{ccfg.method} on {ccfg.types}: {c['ratio']:.2f}x fewer stored parameters in the "
+          f"compressed matrices; ppl " + ", ".join(
+              f"{k}: {v['ppl']:.2f} -> {res['ppl_compressed'][k]['ppl']:.2f}"
+              for k, v in res["ppl_original"].items()))
+    print(f"{args.out.rstrip('/')}/report.md written ({res['seconds']:.0f} s)")
+    return 0
+
+
 def add_share_commands(sub: Any) -> None:
     """Register ``eval`` and ``share`` on the top-level subparsers."""
     ev = sub.add_parser("eval", help="evaluate pretrained models").add_subparsers(
@@ -117,3 +150,24 @@ def add_share_commands(sub: Any) -> None:
     an.add_argument("--threads", type=int, default=2)
     an.add_argument("--out", default="share-report")
     an.set_defaults(func=_cmd_share_analyze)
+
+    cp = share.add_parser("compress", help="compress with shared bases or a baseline, "
+                          "evaluate, (fine-tune,) save")
+    cp.add_argument("model", help="smollm2 (built in), a local folder, or a hub id")
+    cp.add_argument("--config", default=None,
+                    help="YAML with CompressionConfig fields (+ a 'finetune' mapping)")
+    cp.add_argument("--method", default=None, choices=["shared", "hybrid", "svd", "onesided"])
+    cp.add_argument("--types", default=None, help="attn, mlp, all or q,k,v,o,mlp_in,mlp_out")
+    cp.add_argument("--target-reduction", type=float, default=None,
+                    help="fraction of the compressed matrices' parameters to remove")
+    cp.add_argument("--k-fraction", type=float, default=None, help="k = this × hidden size")
+    cp.add_argument("--residual-rank", type=int, default=None, help="hybrid residual rank")
+    cp.add_argument("--finetune-steps", type=int, default=None, help="0 = none")
+    cp.add_argument("--corpus", default="austen")
+    cp.add_argument("--second-corpus", default="shakespeare")
+    cp.add_argument("--calib-tokens", type=int, default=32768)
+    cp.add_argument("--eval-tokens", type=int, default=8192)
+    cp.add_argument("--seed", type=int, default=0)
+    cp.add_argument("--threads", type=int, default=2)
+    cp.add_argument("--out", default="share-compressed")
+    cp.set_defaults(func=_cmd_share_compress)

@@ -97,7 +97,7 @@ def test_compress_model_save_load_round_trip(method: str, tmp_path) -> None:
         assert isinstance(ad.layers[0].module(MatrixType.Q), SharedBasisLinear)
         assert ad.layers[0].module(MatrixType.Q).basis is ad.layers[2].module(MatrixType.Q).basis
     out = tmp_path / "compressed"
-    save_compressed(LoadedModel(model, None, "unused", ""), rep, out)
+    save_compressed(LoadedModel(model, None, "tiny-llama", "", source="unused"), rep, out)
     # load_compressed rebuilds the source from its id: save a source folder to point at
     src = tmp_path / "source"
     _llama().save_pretrained(src)

@@ -116,3 +116,15 @@ def test_psd_roots_and_spectrum_null() -> None:
     N = random_like_spectrum(W, g)
     torch.testing.assert_close(torch.linalg.svdvals(N), torch.linalg.svdvals(W))
     assert (N - W).norm() > W.norm()
+
+
+def test_stacked_gated_rows_move_together() -> None:
+    """A stacked [gate; up] whose hidden units (row i of both blocks) are permuted
+    together aligns to zero with row_blocks=2."""
+    g = _gen(7)
+    R = torch.randn(2 * 23, 17, generator=g, dtype=torch.float64)
+    perm, cols = torch.randperm(23, generator=g), torch.randperm(17, generator=g)
+    W = torch.cat([R[:23][perm], R[23:][perm]])[:, cols] * 2.0
+    assert align(R, W, row_blocks=2)["perm_diag"] < 1e-10
+    with pytest.raises(ValueError, match="row_blocks=3 must divide"):
+        align(R, W, row_blocks=3)

@@ -8,10 +8,9 @@ any test runs (``config.json``), so verdicts are decided by numbers fixed in adv
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,15 +19,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .adapters import MATRIX_TYPES, MatrixType, ModelAdapter, get_adapter, parse_types
+from .adapters import MATRIX_TYPES, MatrixType, ModelAdapter, parse_types
 from .alignment import MOVES, align
-from .calibration import Calibration, load_or_calibrate
 from .linalg import psd_sqrt, random_like_spectrum, thin_svd
-from .loading import load_model
-from .perplexity import perplexity
+from .pipeline import evaluate_all, prepare
 from .roles import FEATURE_NAMES, role_features, transfer_test
 from .subspaces import functional_matrices, subspace_scores
-from .text import split_corpus, token_stream
 
 __all__ = ["AnalysisConfig", "Thresholds", "run_analysis"]
 
@@ -90,28 +86,32 @@ class AnalysisConfig:
         return cls(**raw)
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("STRUCTLM_CACHE", os.path.join(Path.home(), ".cache", "structlm"))
-    return Path(root) / "calibration"
-
-
 def _median(xs: list[float]) -> float:
     return float(np.median(xs)) if xs else float("nan")
 
 
 def _alignment_test(weights: dict[int, torch.Tensor], ref: int, gen: torch.Generator,
-                    th: Thresholds, bar: Any) -> dict[str, Any]:
+                    th: Thresholds, bar: Any, row_blocks: int = 1) -> dict[str, Any]:
     R = weights[ref]
-    per_layer: dict[str, dict[str, Any]] = {}
-    for layer, W in weights.items():
+    jobs: list[tuple[int, str, torch.Tensor]] = []
+    for layer, W in weights.items():  # nulls drawn first, in a fixed order (reproducible)
         if layer == ref:
             continue
         g = torch.randn(W.shape, generator=gen, dtype=torch.float64)
-        gauss = g * (W.double().norm() / g.norm())
-        per_layer[str(layer)] = {"distance": abs(layer - ref), "real": align(R, W),
-                                 "null_gaussian": align(R, gauss),
-                                 "null_spectrum": align(R, random_like_spectrum(W, gen))}
-        bar.update(1)
+        jobs += [(layer, "real", W), (layer, "null_gaussian", g * (W.double().norm() / g.norm())),
+                 (layer, "null_spectrum", random_like_spectrum(W, gen))]
+    per_layer: dict[str, dict[str, Any]] = {
+        str(layer): {"distance": abs(layer - ref)} for layer in weights if layer != ref}
+
+    def run(job: tuple[int, str, torch.Tensor]) -> tuple[int, str, dict[str, float]]:
+        return job[0], job[1], align(R, job[2], row_blocks)
+
+    # the Hungarian solver is single-threaded and releases the GIL: two at a time
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for layer, kind, res in pool.map(run, jobs):
+            per_layer[str(layer)][kind] = res
+            if kind == "null_spectrum":
+                bar.update(1)
     summary = {kind: {m: _median([v[kind][m] for v in per_layer.values()]) for m in MOVES}
                for kind in ("real", "null_gaussian", "null_spectrum")}
     real, null = summary["real"], summary["null_gaussian"]
@@ -182,45 +182,30 @@ def run_analysis(cfg: AnalysisConfig, out_dir: str | Path, progress: bool = True
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
-    loaded = load_model(cfg.model)
-    adapter = get_adapter(loaded.model)
+    if cfg.layers is not None and len(cfg.layers) < 3:
+        raise ValueError(f"layers must hold at least 3 indices, got {cfg.layers}")
+    prep = prepare(cfg.model, cfg.corpus, cfg.second_corpus, cfg.eval_fraction,
+                   cfg.calib_tokens, cfg.eval_tokens, cfg.seq_len, cfg.batch_size, cfg.seed,
+                   layers=cfg.layers, progress=progress)
+    loaded, adapter, cal = prep.loaded, prep.adapter, prep.calibration
+    assert cal is not None
     types = parse_types(cfg.types)
     layers = list(range(adapter.num_layers)) if cfg.layers is None else list(cfg.layers)
     bad = [i for i in layers if not 0 <= i < adapter.num_layers]
-    if bad or len(layers) < 3:
-        raise ValueError(f"layers must be >= 3 indices in [0, {adapter.num_layers}), "
-                         f"got {layers}")
+    if bad:
+        raise ValueError(f"layers {bad} out of range [0, {adapter.num_layers})")
     ref = layers[len(layers) // 2] if cfg.reference_layer is None else cfg.reference_layer
     if ref not in layers:
         raise ValueError(f"reference_layer {ref} is not among the analysed layers {layers}")
-    split = split_corpus(cfg.corpus, cfg.eval_fraction, cfg.seed)
-    tok = loaded.tokenizer
     results: dict[str, Any] = {"model": loaded.model_id, "model_note": loaded.note,
                                "family": adapter.family, "num_layers": adapter.num_layers,
                                "hidden_size": adapter.hidden_size, "layers": layers,
-                               "types": [t.value for t in types], "split": split.describe()}
+                               "types": [t.value for t in types],
+                               "split": prep.split.describe()}
     # perplexity of the unmodified model (same protocol as every compressed model)
-    results["perplexity"] = {}
-    if cfg.eval_tokens:
-        evals = {"in_domain:" + cfg.corpus: split.evaluation}
-        if cfg.second_corpus:
-            evals["other_domain:" + cfg.second_corpus] = \
-                split_corpus(cfg.second_corpus, cfg.eval_fraction, cfg.seed).evaluation
-        for name, docs in evals.items():
-            ids = token_stream(tok, docs, cfg.eval_tokens)
-            results["perplexity"][name] = perplexity(
-                loaded.model, ids, window=cfg.seq_len, batch_size=cfg.batch_size,
-                progress=progress).as_dict()
-    # calibration (cached by model, corpus, documents, token count, seed)
-    meta = {"model": loaded.model_id, "corpus": cfg.corpus, "calib_tokens": cfg.calib_tokens,
-            "seed": cfg.seed, "documents": [d.name for d in split.calibration]}
-    key = hashlib.sha1(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:16]
-    cal_path = _cache_dir() / f"{key}.safetensors"
-    calib_ids = token_stream(tok, split.calibration, cfg.calib_tokens)
-    cal: Calibration = load_or_calibrate(cal_path, adapter, calib_ids, meta, layers=layers,
-                                         seq_len=cfg.seq_len, batch_size=cfg.batch_size,
-                                         progress=progress)
-    results["calibration"] = {**cal.meta, "path": str(cal_path)}
+    results["perplexity"] = evaluate_all(loaded.model, prep.eval_ids, cfg.seq_len,
+                                         cfg.batch_size, progress)
+    results["calibration"] = dict(cal.meta)
     # tests 1-3 per matrix type
     results["tests"] = {}
     bar = tqdm(total=len(types) * (len(layers) - 1), desc="test 1 (alignment)",
@@ -228,8 +213,9 @@ def run_analysis(cfg: AnalysisConfig, out_dir: str | Path, progress: bool = True
     weights = {t: dict(zip(layers, adapter.weights(t, layers), strict=True)) for t in types}
     for t in types:
         results["tests"][t.value] = {"shape": list(weights[t][ref].shape),
-                                     "alignment": _alignment_test(weights[t], ref, gen,
-                                                                  cfg.thresholds, bar)}
+                                     "alignment": _alignment_test(
+                                         weights[t], ref, gen, cfg.thresholds, bar,
+                                         adapter.row_blocks(t))}
     bar.close()
     for t in tqdm(types, desc="tests 2-3 (subspaces)", unit="type", disable=not progress):
         W = [weights[t][i].double() for i in layers]

@@ -79,32 +79,32 @@ def captured_energy(W: torch.Tensor, basis: torch.Tensor, side: str) -> float:
 
 
 def energy_weighted_basis(mats: list[torch.Tensor], k: int, side: str,
-                          iters: int = 16) -> torch.Tensor:
+                          iters: int = 5) -> torch.Tensor:
     """Shared basis: top-``k`` eigenvectors of ``G = sum_l W_l^T W_l`` (input side) or
     ``sum_l W_l W_l^T`` (output side) — each layer weighted by its energy.
 
-    Explicit ``eigh`` up to :data:`EXPLICIT_EIGH_MAX` dimensions; above, block subspace
-    iteration with ``k/2`` oversampling applying ``G`` implicitly (``iters`` rounds, then
-    Rayleigh–Ritz), which avoids forming and diagonalising a large ``G``."""
-    mats = [W.double() for W in mats]
+    Explicit ``eigh`` up to :data:`EXPLICIT_EIGH_MAX` dimensions; above, a randomised
+    block Krylov method (``iters`` powers of ``G`` applied implicitly, Rayleigh–Ritz on
+    the whole Krylov span in float64), which avoids forming and diagonalising a large
+    ``G`` and keeps ≥ 99.9% of the optimal captured energy in the tests."""
     dim = mats[0].shape[1] if side == "input" else mats[0].shape[0]
-
-    def apply(X: torch.Tensor) -> torch.Tensor:
-        if side == "input":
-            return sum(W.T @ (W @ X) for W in mats)
-        return sum(W @ (W.T @ X) for W in mats)
-
     if dim <= EXPLICIT_EIGH_MAX:
-        _, V = torch.linalg.eigh(apply(torch.eye(dim, dtype=torch.float64)))
+        A = torch.cat([W.double() if side == "input" else W.double().T for W in mats])
+        _, V = torch.linalg.eigh(A.T @ A)  # (dim, dim), float64
         return V[:, -k:].flip(1)
+    # block Krylov (float32 iterations, float64 Rayleigh-Ritz): the span of
+    # [X, G X, ..., G^q X] holds the top-k subspace far better than G^q X alone
+    A32 = torch.cat([W.float() if side == "output" else W.float().T for W in mats], 1)
     gen = torch.Generator().manual_seed(0)
-    X = torch.linalg.qr(torch.randn(dim, min(dim, k + max(8, k // 2)), generator=gen,
-                                    dtype=torch.float64))[0]
+    X = torch.linalg.qr(torch.randn(dim, k + max(8, k // 4), generator=gen))[0]
+    blocks = [X]
     for _ in range(iters):
-        X = torch.linalg.qr(apply(X))[0]
-    T = X.T @ apply(X)
-    _, V = torch.linalg.eigh(0.5 * (T + T.T))
-    return X @ V[:, -k:].flip(1)
+        X = torch.linalg.qr(A32 @ (A32.T @ X))[0]
+        blocks.append(X)
+    Q = torch.linalg.qr(torch.cat(blocks, 1).double())[0]  # (dim, (q+1)(k+p))
+    B = A32.T @ Q.float()  # (sum of widths, (q+1)(k+p))
+    _, V = torch.linalg.eigh((B.T @ B).double())
+    return torch.linalg.qr(Q @ V[:, -k:].flip(1))[0]
 
 
 def random_orthonormal(dim: int, k: int, gen: torch.Generator) -> torch.Tensor:

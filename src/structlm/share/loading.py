@@ -8,6 +8,7 @@ model as a Q4_1 GGUF file: ``transformers`` + ``gguf`` + ``accelerate`` de-quant
 values** (each block of 32 weights has at most 16 distinct values): every result measured
 on it says so.
 
+A folder written by ``structlm share compress`` loads as the compressed model it holds.
 Anything else is passed to ``AutoModelForCausalLM.from_pretrained`` (a hub id such as
 ``gpt2`` / ``gpt2-medium`` for users with the hub, or a local folder, including folders
 written by ``structlm train``).
@@ -40,6 +41,8 @@ class LoadedModel:
     tokenizer: Any
     model_id: str
     note: str = ""
+    source: str = ""
+    """What to pass to :func:`load_model` to load the same model again."""
 
 
 def _cache_root() -> Path:
@@ -85,6 +88,10 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
 
     import structlm.models  # noqa: F401  (registers model_type "structlm" with the Auto classes)
 
+    if (Path(spec) / "structlm_compression.json").exists():  # written by share compress
+        from .compress.io import load_compressed
+
+        return load_compressed(spec)
     note = ""
     if spec.lower() in BUILTIN_MODELS:
         folder, model_id = str(_smollm2_folder()), BUILTIN_MODELS[spec.lower()]
@@ -100,7 +107,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
                          f"id ({e})") from e
     tokenizer = _tokenizer(folder, model)
     model.eval()
-    return LoadedModel(model, tokenizer, model_id, note)
+    return LoadedModel(model, tokenizer, model_id, note, source=spec)
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")

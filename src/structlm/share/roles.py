@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .linalg import singular_values
+
 __all__ = ["FEATURE_NAMES", "role_features", "transfer_test"]
 
 FEATURE_NAMES = ("entry_kurtosis", "log_max_over_rms", "row_norm_cv", "col_norm_cv",
@@ -35,7 +37,7 @@ def role_features(W: torch.Tensor) -> np.ndarray:
     W = W.double()
     rows, cols = W.norm(dim=1), W.norm(dim=0)
     rms = W.pow(2).mean().sqrt()
-    s2 = torch.linalg.svdvals(W).pow(2)
+    s2 = singular_values(W).pow(2)
     feats = [
         np.log1p(max(_kurtosis(W.flatten()), -0.999) + 1.0),
         float((W.abs().max() / rms).log()),

@@ -135,6 +135,14 @@ class ModelAdapter(ABC):
         idx = range(self.num_layers) if layers is None else layers
         return [self.layers[i].weight(t) for i in idx]
 
+    def row_blocks(self, t: MatrixType) -> int:
+        """Equal row blocks of matrix ``t`` that one hidden-unit permutation moves
+        together (2 for a gated MLP's stacked ``[gate; up]``, else 1)."""
+        return 2 if t is MatrixType.MLP_IN and self.gated_mlp else 1
+
+    gated_mlp: bool = False
+    """Whether MLP-in is a stacked ``[gate; up]``."""
+
     def writes_residual(self, t: MatrixType) -> bool:
         """True for residual-stream writers (O, MLP-out), False for readers."""
         return t in (MatrixType.O, MatrixType.MLP_OUT)

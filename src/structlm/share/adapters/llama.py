@@ -90,6 +90,7 @@ class LlamaAdapter(ModelAdapter):
     """LLaMA-architecture causal LMs (SmolLM2, TinyLlama, Mistral, Qwen2, ...)."""
 
     family = "llama"
+    gated_mlp = True
     model_types = ("llama", "mistral", "qwen2", "qwen3")
 
     def __init__(self, model: nn.Module) -> None:

@@ -104,6 +104,7 @@ class StructLMAdapter(ModelAdapter):
     """``StructLMForCausalLM`` (model_type ``structlm``)."""
 
     family = "structlm"
+    gated_mlp = True
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)

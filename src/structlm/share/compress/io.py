@@ -39,7 +39,8 @@ def save_compressed(loaded: LoadedModel, report: dict[str, Any], folder: str | P
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-compressed-"))
     try:
         save_model(loaded.model, str(tmp / "model.safetensors"))
-        manifest = {"format": 1, "source_model": loaded.model_id, "source_note": loaded.note,
+        manifest = {"format": 1, "source_model": loaded.source or loaded.model_id,
+                    "source_name": loaded.model_id, "source_note": loaded.note,
                     "compression": report, "calibration": calibration or {}}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         if folder.exists():
@@ -93,4 +94,5 @@ def load_compressed(folder: str | Path) -> LoadedModel:
         ("; " if manifest.get("source_note") else "") + \
         f"compressed ({manifest['compression']['config']['method']}) from {loaded.model_id}"
     loaded.model_id = str(folder)
+    loaded.source = str(folder)
     return loaded

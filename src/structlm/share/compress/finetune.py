@@ -1,0 +1,113 @@
+"""Fine-tune only the per-layer parts of a compressed model (tests 5, 6, 9).
+
+Everything is frozen except: the cores ``A_l`` of :class:`SharedBasisLinear` (plus the
+residual factors ``B_l, C_l`` for the hybrid), both factors of :class:`LowRankLinear`
+(the free-factor control) and the coefficients ``D_l`` of :class:`OneSidedLinear`.
+AdamW, linear warm-up, cosine to ``min_lr_ratio``, gradient clipping; the LM loss on
+random windows of the calibration split; perplexity of the evaluation split at
+intervals (same protocol as everywhere). A non-finite loss stops with an error.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from ..perplexity import perplexity
+from .modules import LowRankLinear, OneSidedLinear, SharedBasisLinear
+
+__all__ = ["FinetuneConfig", "finetune", "trainable_parameters"]
+
+
+@dataclass
+class FinetuneConfig:
+    """A fine-tuning budget."""
+
+    steps: int = 60
+    lr: float = 1e-3
+    warmup: int = 6
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    batch_size: int = 2
+    seq_len: int = 256
+    eval_every: int = 20
+    eval_tokens: int = 2048
+    eval_window: int = 512
+    seed: int = 0
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Freeze ``model`` except the per-layer factors of its compressed modules."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    params: list[torch.nn.Parameter] = []
+    for m in model.modules():
+        if isinstance(m, SharedBasisLinear):
+            params += [m.core] + ([m.res_b, m.res_c] if m.res_b is not None else [])
+        elif isinstance(m, LowRankLinear):
+            params += [m.B, m.C]
+        elif isinstance(m, OneSidedLinear):
+            params += [m.D]
+    if not params:
+        raise ValueError("the model has no compressed modules to fine-tune")
+    for p in params:
+        p.requires_grad_(True)
+    return params
+
+
+def finetune(model: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.Tensor,
+             cfg: FinetuneConfig, progress: bool = True) -> list[dict[str, Any]]:
+    """Train the per-layer factors; returns the curve (step, loss, lr, eval ppl)."""
+    params = trainable_parameters(model)
+    n_windows = train_ids.numel() - cfg.seq_len - 1
+    if n_windows < 1:
+        raise ValueError(f"{train_ids.numel()} training tokens are fewer than one window of "
+                         f"{cfg.seq_len + 1}")
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup:
+            return (step + 1) / cfg.warmup
+        t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    device = next(model.parameters()).device
+    curve: list[dict[str, Any]] = []
+
+    def evaluate(step: int, loss: float | None) -> None:
+        model.eval()
+        ppl = perplexity(model, eval_ids, window=cfg.eval_window, progress=False).ppl
+        curve.append({"step": step, "loss": loss, "lr": opt.param_groups[0]["lr"],
+                      "eval_ppl": ppl})
+
+    evaluate(0, None)
+    bar = tqdm(range(1, cfg.steps + 1), desc="fine-tune", unit="step", disable=not progress)
+    for step in bar:
+        model.train()
+        starts = torch.randint(0, n_windows, (cfg.batch_size,), generator=gen)
+        batch = torch.stack([train_ids[s:s + cfg.seq_len + 1] for s in starts]).to(device)
+        out = model(input_ids=batch, labels=batch, use_cache=False)
+        loss = out.loss  # HF shifts the labels: position t predicts token t + 1
+        lv = loss.item()
+        if not math.isfinite(lv):
+            raise FloatingPointError(f"non-finite loss {lv} at fine-tuning step {step}")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        sched.step()
+        bar.set_postfix(loss=f"{lv:.3f}")
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            evaluate(step, lv)
+        else:
+            curve.append({"step": step, "loss": lv, "lr": opt.param_groups[0]["lr"],
+                          "eval_ppl": None})
+    model.eval()
+    return curve

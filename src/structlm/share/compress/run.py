@@ -1,0 +1,86 @@
+"""``structlm share compress``: calibrate, compress, evaluate (before, after, after
+fine-tuning), save the compressed model and a report."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..pipeline import evaluate_all, prepare
+from ..report import atomic_write_text, clean_json
+from .apply import CompressionConfig, compress_model
+from .finetune import FinetuneConfig, finetune
+from .io import save_compressed
+
+__all__ = ["run_compress"]
+
+
+def run_compress(model: str, ccfg: CompressionConfig, out_dir: str | Path,
+                 corpus: str = "austen", second_corpus: str = "shakespeare",
+                 calib_tokens: int = 32768, eval_tokens: int = 8192,
+                 ft: FinetuneConfig | None = None, seed: int = 0, save: bool = True,
+                 progress: bool = True) -> dict[str, Any]:
+    """Compress ``model`` under ``ccfg``; writes ``compress.json``, ``report.md`` and (with
+    ``save``) the model folder ``model/`` into ``out_dir``; returns the results."""
+    t0 = time.time()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    prep = prepare(model, corpus, second_corpus, calib_tokens=calib_tokens,
+                   eval_tokens=eval_tokens, seed=seed, progress=progress)
+    assert prep.calibration is not None
+    res: dict[str, Any] = {"model": prep.loaded.model_id, "model_note": prep.loaded.note,
+                           "split": prep.split.describe(),
+                           "calibration": dict(prep.calibration.meta)}
+    res["ppl_original"] = evaluate_all(prep.loaded.model, prep.eval_ids, progress=progress)
+    t1 = time.time()
+    res["compression"] = compress_model(prep.adapter, prep.calibration, ccfg)
+    res["compress_seconds"] = time.time() - t1
+    res["ppl_compressed"] = evaluate_all(prep.loaded.model, prep.eval_ids, progress=progress)
+    if ft is not None and ft.steps > 0:
+        in_domain = next(iter(prep.eval_ids.values()))
+        res["finetune"] = {"config": dataclasses.asdict(ft),
+                           "curve": finetune(prep.loaded.model, prep.calib_ids,
+                                             in_domain[: ft.eval_tokens], ft, progress)}
+        res["ppl_finetuned"] = evaluate_all(prep.loaded.model, prep.eval_ids,
+                                            progress=progress)
+    if save:
+        save_compressed(prep.loaded, res["compression"], out / "model", res["calibration"])
+        res["saved_to"] = str(out / "model")
+    res["seconds"] = time.time() - t0
+    atomic_write_text(out / "compress.json", json.dumps(clean_json(res), indent=1))
+    atomic_write_text(out / "report.md", _markdown(res))
+    return res
+
+
+def _markdown(res: dict[str, Any]) -> str:
+    c = res["compression"]
+    cfg = c["config"]
+    lines = [f"# Compression of {res['model']} ({cfg['method']}, types {cfg['types']})", ""]
+    if res.get("model_note"):
+        lines += [f"**Note:** {res['model_note']}.", ""]
+    lines += [f"Stored parameters of the compressed matrices: {c['stored_parameters']:,} of "
+              f"{c['original_parameters']:,} ({c['ratio']:.2f}× smaller, reduction "
+              f"{c['reduction']:.1%}); whole model {c['model_parameters_after']:,} of "
+              f"{c['model_parameters_before']:,}.", "",
+              "| type | method | k | r | shape | original | stored | ratio | energy kept |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for t, d in c["types"].items():
+        lines.append(f"| {t} | {d['method']} | {d['k']} | {d['r']} | {d['shape'][0]}×"
+                     f"{d['shape'][1]} | {d['original_parameters']:,} | "
+                     f"{d['stored_parameters']:,} | {d['ratio']:.2f}× | "
+                     f"{d['mean_energy_kept']:.3f} |")
+    lines += ["", "| text | original ppl | compressed ppl | fine-tuned ppl |",
+              "|---|---|---|---|"]
+    for name, p in res["ppl_original"].items():
+        ftp = res.get("ppl_finetuned", {}).get(name, {}).get("ppl")
+        lines.append(f"| {name} | {p['ppl']:.2f} | {res['ppl_compressed'][name]['ppl']:.2f} | "
+                     f"{'—' if ftp is None else f'{ftp:.2f}'} |")
+    lines += ["", f"Total time {res['seconds']:.0f} s (compression itself "
+              f"{res['compress_seconds']:.1f} s).", ""]
+    return "\n".join(lines)
