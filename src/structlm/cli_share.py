@@ -110,6 +110,35 @@ def _cmd_share_compress(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_share_experiment(args: argparse.Namespace) -> int:
+    import torch
+    import yaml
+
+    from .share.compress.experiment import ExperimentConfig, run_experiment
+
+    torch.set_num_threads(args.threads)
+    raw: dict[str, Any] = {}
+    if args.config:
+        with open(args.config) as fh:
+            raw = yaml.safe_load(fh) or {}
+    raw["model"] = args.model
+    for key in ("second_model", "calib_tokens", "eval_tokens", "corpus", "second_corpus"):
+        if getattr(args, key) is not None:
+            raw[key] = getattr(args, key)
+    if args.seeds is not None:
+        raw["seeds"] = [int(s) for s in args.seeds.split(",")]
+    if args.reductions is not None:
+        raw["reductions"] = [float(r) for r in args.reductions.split(",")]
+    if args.methods is not None:
+        raw["methods"] = args.methods.split(",")
+    if args.finetune_steps is not None:
+        raw.setdefault("finetune", {})["steps"] = args.finetune_steps
+    cfg = ExperimentConfig.from_dict(raw)
+    res = run_experiment(cfg, args.out)
+    print(f"{args.out.rstrip('/')}/report.md written ({res['seconds'] / 60:.1f} min)")
+    return 0
+
+
 def add_share_commands(sub: Any) -> None:
     """Register ``eval`` and ``share`` on the top-level subparsers."""
     ev = sub.add_parser("eval", help="evaluate pretrained models").add_subparsers(
@@ -171,3 +200,20 @@ def add_share_commands(sub: Any) -> None:
     cp.add_argument("--threads", type=int, default=2)
     cp.add_argument("--out", default="share-compressed")
     cp.set_defaults(func=_cmd_share_compress)
+
+    ex = share.add_parser("experiment", help="tests 4-9 end to end (long: ~1 h on 2 cores "
+                          "with the defaults)")
+    ex.add_argument("model", help="smollm2 (built in), a local folder, or a hub id")
+    ex.add_argument("--config", default=None, help="YAML with ExperimentConfig fields")
+    ex.add_argument("--second-model", default=None, help="test 8's larger model")
+    ex.add_argument("--corpus", default=None)
+    ex.add_argument("--second-corpus", default=None)
+    ex.add_argument("--calib-tokens", type=int, default=None)
+    ex.add_argument("--eval-tokens", type=int, default=None)
+    ex.add_argument("--seeds", default=None, help="e.g. 0,1,2")
+    ex.add_argument("--reductions", default=None, help="e.g. 0.2,0.4")
+    ex.add_argument("--methods", default=None, help="e.g. shared,hybrid,svd,onesided")
+    ex.add_argument("--finetune-steps", type=int, default=None)
+    ex.add_argument("--threads", type=int, default=2)
+    ex.add_argument("--out", default="share-experiment")
+    ex.set_defaults(func=_cmd_share_experiment)
