@@ -28,7 +28,7 @@ class FinetuneConfig:
     """A fine-tuning budget."""
 
     steps: int = 60
-    lr: float = 1e-3
+    lr: float = 3e-4
     warmup: int = 6
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
