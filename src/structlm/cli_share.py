@@ -6,6 +6,8 @@ import argparse
 import json
 from typing import Any
 
+from .share.configs import read_yaml
+
 
 def _layers(text: str) -> list[int]:
     """``0,3,5`` or ``0-9`` or a mix (``0-3,10``)."""
@@ -55,15 +57,11 @@ def _cmd_eval_ppl(args: argparse.Namespace) -> int:
 
 def _cmd_share_analyze(args: argparse.Namespace) -> int:
     import torch
-    import yaml
 
     from .share.analyze import AnalysisConfig, run_analysis
 
     torch.set_num_threads(args.threads)
-    raw: dict[str, Any] = {}
-    if args.config:
-        with open(args.config) as fh:
-            raw = yaml.safe_load(fh) or {}
+    raw = read_yaml(args.config)
     raw["model"] = args.model
     for key in ("corpus", "second_corpus", "types", "calib_tokens", "eval_tokens",
                 "permutations", "seed", "reference_layer"):
@@ -79,17 +77,13 @@ def _cmd_share_analyze(args: argparse.Namespace) -> int:
 
 def _cmd_share_compress(args: argparse.Namespace) -> int:
     import torch
-    import yaml
 
     from .share.compress import CompressionConfig
     from .share.compress.finetune import FinetuneConfig
     from .share.compress.run import run_compress
 
     torch.set_num_threads(args.threads)
-    raw: dict[str, Any] = {}
-    if args.config:
-        with open(args.config) as fh:
-            raw = yaml.safe_load(fh) or {}
+    raw = read_yaml(args.config)
     ft_raw = raw.pop("finetune", {}) or {}
     for key in ("method", "types", "target_reduction", "residual_rank", "k_fraction"):
         if getattr(args, key) is not None:
@@ -112,15 +106,11 @@ def _cmd_share_compress(args: argparse.Namespace) -> int:
 
 def _cmd_share_experiment(args: argparse.Namespace) -> int:
     import torch
-    import yaml
 
     from .share.compress.experiment import ExperimentConfig, run_experiment
 
     torch.set_num_threads(args.threads)
-    raw: dict[str, Any] = {}
-    if args.config:
-        with open(args.config) as fh:
-            raw = yaml.safe_load(fh) or {}
+    raw = read_yaml(args.config)
     raw["model"] = args.model
     for key in ("second_model", "calib_tokens", "eval_tokens", "corpus", "second_corpus"):
         if getattr(args, key) is not None:

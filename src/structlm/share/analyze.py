@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from .adapters import MATRIX_TYPES, MatrixType, ModelAdapter, parse_types
 from .alignment import MOVES, align
+from .configs import dataclass_from_dict
 from .linalg import psd_sqrt, random_like_spectrum, thin_svd
 from .pipeline import evaluate_all, prepare
 from .roles import FEATURE_NAMES, role_features, transfer_test
@@ -75,15 +76,7 @@ class AnalysisConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> AnalysisConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - names)
-        if unknown:
-            raise ValueError(f"unknown analysis config keys {unknown}; expected some of "
-                             f"{sorted(names)}")
-        raw = dict(raw)
-        if isinstance(raw.get("thresholds"), dict):
-            raw["thresholds"] = Thresholds(**raw["thresholds"])
-        return cls(**raw)
+        return dataclass_from_dict(cls, raw, {"thresholds": Thresholds})
 
 
 def _median(xs: list[float]) -> float:

@@ -82,12 +82,17 @@ class LayerAdapter(ABC):
         self.index = index
 
     @abstractmethod
+    def _weight_bias(self, t: MatrixType) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The stored ``(out, in)`` matrix of type ``t`` and its bias (views, any dtype)."""
+
     def weight(self, t: MatrixType) -> torch.Tensor:
         """The matrix of type ``t``, ``(out, in)``, a detached float32 copy."""
+        return self._weight_bias(t)[0].detach().float().clone()
 
-    @abstractmethod
     def bias(self, t: MatrixType) -> torch.Tensor | None:
-        """The bias of type ``t`` (``(out,)``) or ``None``."""
+        """The bias of type ``t`` (``(out,)``, float32 copy) or ``None``."""
+        b = self._weight_bias(t)[1]
+        return None if b is None else b.detach().float().clone()
 
     @abstractmethod
     def site_module(self, site: str) -> nn.Module:
@@ -98,9 +103,9 @@ class LayerAdapter(ABC):
         """Make the block compute matrix ``t`` with ``module`` (maps ``(..., in)`` to
         ``(..., out)``, bias included)."""
 
+    @abstractmethod
     def module(self, t: MatrixType) -> nn.Module:
         """The module currently computing matrix ``t`` (after replacements too)."""
-        raise NotImplementedError(f"{type(self).__name__} does not expose modules by type")
 
 
 class ModelAdapter(ABC):

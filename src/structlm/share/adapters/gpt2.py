@@ -58,13 +58,6 @@ class GPT2LayerAdapter(LayerAdapter):
             return w[sl], None if b is None else b[sl]
         return _as_out_in(self.module(t))
 
-    def weight(self, t: MatrixType) -> torch.Tensor:
-        return self._weight_bias(t)[0].float().clone()
-
-    def bias(self, t: MatrixType) -> torch.Tensor | None:
-        b = self._weight_bias(t)[1]
-        return None if b is None else b.float().clone()
-
     def site_module(self, site: str) -> nn.Module:
         return {"attn_in": self.block.attn.c_attn, "attn_out": self.block.attn.c_proj,
                 "mlp_in": self.block.mlp.c_fc, "mlp_out": self.block.mlp.c_proj}[site]

@@ -48,13 +48,6 @@ class LlamaLayerAdapter(LayerAdapter):
             return torch.cat([wg, wu]), bias
         return _wb(self.module(t))
 
-    def weight(self, t: MatrixType) -> torch.Tensor:
-        return self._weight_bias(t)[0].float().clone()
-
-    def bias(self, t: MatrixType) -> torch.Tensor | None:
-        b = self._weight_bias(t)[1]
-        return None if b is None else b.float().clone()
-
     def site_module(self, site: str) -> nn.Module:
         attn, mlp = self.block.self_attn, self.block.mlp
         if site == "attn_in":

@@ -56,13 +56,6 @@ class StructLMLayerAdapter(LayerAdapter):
             return torch.cat([wg, wu]), None if bg is None else torch.cat([bg, bu])
         return _wb(self.module(t))
 
-    def weight(self, t: MatrixType) -> torch.Tensor:
-        return self._weight_bias(t)[0].float().clone()
-
-    def bias(self, t: MatrixType) -> torch.Tensor | None:
-        b = self._weight_bias(t)[1]
-        return None if b is None else b.float().clone()
-
     def site_module(self, site: str) -> nn.Module:
         attn, mlp = self.block.attn, self.block.mlp
         if site == "attn_in":

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..adapters import MatrixType, ModelAdapter, parse_types
 from ..calibration import Calibration
+from ..configs import dataclass_from_dict
 from .factorize import METHODS, TypeFactors, factorize_type, rank_for_budget, stored_parameters
 from .modules import LowRankLinear, OneSidedLinear, SharedBasis, SharedBasisLinear
 
@@ -47,12 +48,7 @@ class CompressionConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> CompressionConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - names)
-        if unknown:
-            raise ValueError(f"unknown compression keys {unknown}; expected some of "
-                             f"{sorted(names)}")
-        return cls(**raw)
+        return dataclass_from_dict(cls, raw)
 
 
 def solve_ranks(adapter: ModelAdapter, cfg: CompressionConfig) -> dict[MatrixType, int]:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..adapters import get_adapter
+from ..configs import dataclass_from_dict
 from ..pipeline import Prepared, evaluate_all, prepare
 from ..report import atomic_write_text, clean_json
 from .apply import CompressionConfig, compress_model
@@ -58,15 +59,7 @@ class ExperimentConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ExperimentConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - names)
-        if unknown:
-            raise ValueError(f"unknown experiment keys {unknown}; expected some of "
-                             f"{sorted(names)}")
-        raw = dict(raw)
-        if isinstance(raw.get("finetune"), dict):
-            raw["finetune"] = FinetuneConfig(**raw["finetune"])
-        return cls(**raw)
+        return dataclass_from_dict(cls, raw, {"finetune": FinetuneConfig})
 
 
 def _arm(prep: Prepared, ccfg: CompressionConfig, ft: FinetuneConfig | None,
