@@ -7,20 +7,11 @@ import torch
 from torch import nn
 
 from .base import LayerAdapter, MatrixType, ModelAdapter
-from .modules import ConcatProjection, linear_from
+from .modules import ConcatProjection, linear_from, weight_and_bias
 
 __all__ = ["GPT2Adapter"]
 
 _QKV = (MatrixType.Q, MatrixType.K, MatrixType.V)
-
-
-def _as_out_in(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight ``(out, in)``, bias) of a ``Conv1D`` or ``nn.Linear``."""
-    if isinstance(module, nn.Linear):
-        return module.weight.detach(), None if module.bias is None else module.bias.detach()
-    if type(module).__name__ == "Conv1D":  # transformers.pytorch_utils.Conv1D: (in, out)
-        return module.weight.detach().t(), module.bias.detach()
-    raise TypeError(f"expected Conv1D or nn.Linear, got {type(module).__name__}")
 
 
 class GPT2LayerAdapter(LayerAdapter):
@@ -34,7 +25,7 @@ class GPT2LayerAdapter(LayerAdapter):
         """``c_attn`` as three ``nn.Linear`` (done once, on the first Q/K/V replacement)."""
         attn = self.block.attn
         if not isinstance(attn.c_attn, ConcatProjection):
-            w, b = _as_out_in(attn.c_attn)
+            w, b = weight_and_bias(attn.c_attn)
             parts = [linear_from(w[i * self.d:(i + 1) * self.d],
                                  None if b is None else b[i * self.d:(i + 1) * self.d])
                      for i in range(3)]
@@ -52,11 +43,11 @@ class GPT2LayerAdapter(LayerAdapter):
 
     def _weight_bias(self, t: MatrixType) -> tuple[torch.Tensor, torch.Tensor | None]:
         if t in _QKV and not isinstance(self.block.attn.c_attn, ConcatProjection):
-            w, b = _as_out_in(self.block.attn.c_attn)
+            w, b = weight_and_bias(self.block.attn.c_attn)
             i = _QKV.index(t)
             sl = slice(i * self.d, (i + 1) * self.d)
             return w[sl], None if b is None else b[sl]
-        return _as_out_in(self.module(t))
+        return weight_and_bias(self.module(t))
 
     def site_module(self, site: str) -> nn.Module:
         return {"attn_in": self.block.attn.c_attn, "attn_out": self.block.attn.c_proj,

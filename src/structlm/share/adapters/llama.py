@@ -8,18 +8,12 @@ import torch
 from torch import nn
 
 from .base import LayerAdapter, MatrixType, ModelAdapter
-from .modules import GatedMLP
+from .modules import GatedMLP, stacked, weight_and_bias
 
 __all__ = ["LlamaAdapter"]
 
 _ATTN = {MatrixType.Q: "q_proj", MatrixType.K: "k_proj", MatrixType.V: "v_proj",
          MatrixType.O: "o_proj"}
-
-
-def _wb(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if not isinstance(module, nn.Linear):
-        raise TypeError(f"expected nn.Linear, got {type(module).__name__}")
-    return module.weight.detach(), None if module.bias is None else module.bias.detach()
 
 
 class LlamaLayerAdapter(LayerAdapter):
@@ -43,10 +37,8 @@ class LlamaLayerAdapter(LayerAdapter):
     def _weight_bias(self, t: MatrixType) -> tuple[torch.Tensor, torch.Tensor | None]:
         mlp = self.block.mlp
         if t is MatrixType.MLP_IN and not isinstance(mlp, GatedMLP):
-            (wg, bg), (wu, bu) = _wb(mlp.gate_proj), _wb(mlp.up_proj)
-            bias = None if bg is None else torch.cat([bg, bu])
-            return torch.cat([wg, wu]), bias
-        return _wb(self.module(t))
+            return stacked(mlp.gate_proj, mlp.up_proj)
+        return weight_and_bias(self.module(t))
 
     def site_module(self, site: str) -> nn.Module:
         attn, mlp = self.block.self_attn, self.block.mlp

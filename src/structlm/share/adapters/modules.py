@@ -5,7 +5,26 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["ConcatProjection", "GatedMLP", "linear_from"]
+__all__ = ["ConcatProjection", "GatedMLP", "linear_from", "stacked", "weight_and_bias"]
+
+
+def weight_and_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(weight (out, in), bias)`` of an ``nn.Linear``, an ``AlgebraLinear`` or a
+    GPT-2 ``Conv1D`` (which stores ``(in, out)``), detached."""
+    if type(module).__name__ == "Conv1D":  # transformers.pytorch_utils.Conv1D
+        return module.weight.detach().t(), module.bias.detach()
+    w = getattr(module, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        raise TypeError(f"expected a linear module with a 2-D weight, got "
+                        f"{type(module).__name__}")
+    b = getattr(module, "bias", None)
+    return w.detach(), None if b is None else b.detach()
+
+
+def stacked(gate: nn.Module, up: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A gated MLP's MLP-in: ``[W_gate; W_up]`` ``(2F, d)`` and the stacked bias."""
+    (wg, bg), (wu, bu) = weight_and_bias(gate), weight_and_bias(up)
+    return torch.cat([wg, wu]), None if bg is None else torch.cat([bg, bu])
 
 
 def linear_from(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:

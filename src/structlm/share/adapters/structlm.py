@@ -11,18 +11,11 @@ from torch import nn
 
 from ...nn import AlgebraLinear
 from .base import LayerAdapter, MatrixType, ModelAdapter
-from .modules import ConcatProjection, GatedMLP, linear_from
+from .modules import ConcatProjection, GatedMLP, linear_from, stacked, weight_and_bias
 
 __all__ = ["StructLMAdapter"]
 
 _QKV = (MatrixType.Q, MatrixType.K, MatrixType.V)
-
-
-def _wb(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if not isinstance(module, nn.Linear | AlgebraLinear):
-        raise TypeError(f"expected nn.Linear or AlgebraLinear, got {type(module).__name__}")
-    b = getattr(module, "bias", None)
-    return module.weight.detach(), None if b is None else b.detach()
 
 
 class StructLMLayerAdapter(LayerAdapter):
@@ -48,13 +41,12 @@ class StructLMLayerAdapter(LayerAdapter):
     def _weight_bias(self, t: MatrixType) -> tuple[torch.Tensor, torch.Tensor | None]:
         attn, mlp = self.block.attn, self.block.mlp
         if t in _QKV and not isinstance(attn.qkv, ConcatProjection):
-            w, b = _wb(attn.qkv)
+            w, b = weight_and_bias(attn.qkv)
             sl = slice(_QKV.index(t) * self.d, (_QKV.index(t) + 1) * self.d)
             return w[sl], None if b is None else b[sl]
         if t is MatrixType.MLP_IN and not isinstance(mlp, GatedMLP):
-            (wg, bg), (wu, bu) = _wb(mlp.gate), _wb(mlp.up)
-            return torch.cat([wg, wu]), None if bg is None else torch.cat([bg, bu])
-        return _wb(self.module(t))
+            return stacked(mlp.gate, mlp.up)
+        return weight_and_bias(self.module(t))
 
     def site_module(self, site: str) -> nn.Module:
         attn, mlp = self.block.attn, self.block.mlp
@@ -75,7 +67,7 @@ class StructLMLayerAdapter(LayerAdapter):
                              "position types; compress attention only, or a dense model")
         if t in _QKV:
             if not isinstance(attn.qkv, ConcatProjection):
-                w, b = _wb(attn.qkv)
+                w, b = weight_and_bias(attn.qkv)
                 attn.qkv = ConcatProjection([
                     linear_from(w[i * self.d:(i + 1) * self.d],
                                 None if b is None else b[i * self.d:(i + 1) * self.d])
