@@ -7,6 +7,7 @@
     structlm train CONFIG.yaml [CONFIG.yaml ...] [--max-steps N] [--plot PNG]
     structlm generate --prompt TEXT [--model DIR] [--max-new-tokens N] [...]
     structlm bench generate [--preset paper-110m] [--algebra Q2^2] [--modes fixed,paper]
+    structlm bench share [MODEL] [--compressed DIR] [--method shared] [--batches 1,16] [...]
     structlm demo
 """
 
@@ -195,6 +196,23 @@ def _cmd_bench_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_share(args: argparse.Namespace) -> int:
+    from .bench.share import ShareBenchConfig, run_share_bench
+
+    cfg = ShareBenchConfig(model=args.model, compressed=args.compressed or "",
+                           method=args.method, types=args.types,
+                           target_reduction=args.target_reduction, corpus=args.corpus,
+                           calib_tokens=args.calib_tokens, batches=args.batches,
+                           prompt_len=args.prompt_len, decode_tokens=args.decode_tokens,
+                           trials=args.trials, warmup=args.warmup, threads=args.threads,
+                           seed=args.seed)
+    run_share_bench(cfg, args.out)
+    with open(args.out + ".md") as fh:
+        print(fh.read())
+    print(f"wrote {args.out}.csv, {args.out}.md, {args.out}.png")
+    return 0
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from .train import load_config, train
     from .train.plot import plot_loss_curves
@@ -286,6 +304,29 @@ def build_parser() -> argparse.ArgumentParser:
     bgen.add_argument("--threads", type=int, default=2)
     bgen.add_argument("--out", default="bench-out/generate")
     bgen.set_defaults(func=_cmd_bench_generate)
+
+    bsh = bench.add_parser("share", help="memory and CPU latency (prefill, cached decode) of "
+                           "a compressed model vs the original")
+    bsh.add_argument("model", nargs="?", default="smollm2",
+                     help="model to compress on the fly (ignored with --compressed)")
+    bsh.add_argument("--compressed", default=None,
+                     help="a folder written by 'structlm share compress' (its source model "
+                     "is the original); default: compress MODEL on the fly")
+    bsh.add_argument("--method", default="shared", choices=["shared", "hybrid", "svd", "onesided"])
+    bsh.add_argument("--types", default="attn", help="attn, mlp, all or q,k,v,o,mlp_in,mlp_out")
+    bsh.add_argument("--target-reduction", type=float, default=0.4,
+                     help="fraction of the compressed matrices' parameters to remove")
+    bsh.add_argument("--corpus", default="austen", help="calibration and prompt text")
+    bsh.add_argument("--calib-tokens", type=int, default=32768)
+    bsh.add_argument("--batches", type=_ints, default=(1, 16), help="e.g. 1,16")
+    bsh.add_argument("--prompt-len", type=int, default=128)
+    bsh.add_argument("--decode-tokens", type=int, default=32)
+    bsh.add_argument("--trials", type=int, default=7, help="interleaved trials (medians)")
+    bsh.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    bsh.add_argument("--threads", type=int, default=2)
+    bsh.add_argument("--seed", type=int, default=0)
+    bsh.add_argument("--out", default="bench-out/share", help="output prefix")
+    bsh.set_defaults(func=_cmd_bench_share)
 
     demo = sub.add_parser("demo", help="dense vs algebra LMs end to end (about 8 min on 2 cores)")
     demo.add_argument("--steps", type=int, default=100, help="training steps per model")

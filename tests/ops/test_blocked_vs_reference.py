@@ -144,7 +144,7 @@ def test_weight_grad_reaches_only_active_blocks() -> None:
     assert (g[~active] == 0).all() and (g[active] != 0).all()
 
 
-@pytest.mark.parametrize("layout", ["diag-first", "block-major"])
+@pytest.mark.parametrize("layout", ["diag-first", "block-major", "output-major"])
 @pytest.mark.parametrize("algebra", ["Q4", "Q2^2", "Q2^3", "graph:4:0-1,1-2,2-3,0-3", "Q2xQ3"])
 @pytest.mark.parametrize("kind", ["cyclic", "random", "single"])
 def test_every_layout_on_every_plan(layout: str, algebra: str, kind: str) -> None:
@@ -167,6 +167,8 @@ def test_layout_choice() -> None:
     assert choose_layout(q4.plan, q4.partition(cyc % 4)) == "gathered"
     assert choose_layout(q4.plan, q4.partition(torch.arange(4096) % 4)) == "diag-first"
     assert choose_layout(q22.plan, q22.partition(cyc % 4)) == "block-major"
-    assert choose_layout(q22.plan, q22.partition(torch.zeros(1, dtype=torch.long))) == "diag-first"
+    one = torch.zeros(1, dtype=torch.long)  # a decode step at batch 1
+    assert choose_layout(q22.plan, q22.partition(one)) == "output-major"
+    assert choose_layout(q22.plan, q22.partition(one.expand(65))) == "diag-first"
     with pytest.raises(ValueError, match="unknown layout"), force_layout("fused"):
         pass

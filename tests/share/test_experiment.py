@@ -51,3 +51,19 @@ def test_reduced_experiment(tmp_path) -> None:
         "in_domain:austen", "other_domain:shakespeare"]
     for png in ("energy_vs_ppl.png", "finetune_curves.png"):
         assert (tmp_path / "out" / png).stat().st_size > 10_000
+    # resume: a rerun into the same folder reuses every finished arm (no recomputation:
+    # a fine-tuned arm would otherwise differ in its timing-free fields only by chance)
+    arms = json.loads((tmp_path / "out" / "arms.json").read_text())
+    assert len(arms) == 4 * 2 + 6 - 2  # shared/hybrid on attn at 0.4, seed 0: run once
+    import structlm.share.compress.experiment as exp_mod
+
+    def _fail(*_a, **_k):
+        raise AssertionError("a finished arm was recomputed")
+
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(exp_mod, "_arm", _fail)
+    try:
+        again = run_experiment(ex, tmp_path / "out", progress=False)
+    finally:
+        monkey.undo()
+    assert again["attention"][0]["arms"] == res["attention"][0]["arms"]

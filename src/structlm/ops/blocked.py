@@ -9,6 +9,10 @@ Two layouts, both doing exactly the MACs of the cost model in forward, ``dX`` an
   accumulated in place (``addmm_``) into views of the output rows when the rows of
   that type are evenly spaced (cyclic or contiguous schedules), else on gathered
   rows.
+* **output-major** (few rows of one type, e.g. cached decode at batch 1): each present
+  type's blocks, common ones included, as a handful of rectangles ``W[out d0:d1, in
+  b0:b1]`` (one GEMM each, no batched diagonal GEMM, no gathers); the backward is
+  diag-first's.
 * **row-first gathered** (``Q_q``-shaped supports, equal widths, every type with
   the same small number of rows, e.g. ``M = 32`` cyclic): each type's full weight
   row as one batched GEMM over types, then the diagonal blocks of the *other*
@@ -31,6 +35,7 @@ from .plan import BlockPlan, Run
 
 __all__ = [
     "GATHER_MAX_ROWS_PER_TYPE",
+    "OUTPUT_MAJOR_MAX_ROWS",
     "blocked_linear",
     "choose_layout",
     "force_layout",
@@ -43,12 +48,14 @@ GATHER_MAX_ROWS_PER_TYPE = 16
 #: the weight bytes extra), which only pays once q is large enough; below it the
 #: diag-first layout needs at most 1 + 2q <= 7 GEMM calls anyway.
 GATHER_MIN_Q = 4
+#: Largest batch (all rows of one type, e.g. cached decode) for the output-major layout.
+OUTPUT_MAJOR_MAX_ROWS = 64
 #: Layout forced by :func:`force_layout` (tests run every layout on every plan).
 _FORCED_LAYOUT: list[str] = []
 
 
 def choose_layout(plan: BlockPlan, part: TypePartition) -> str:
-    """``"gathered"``, ``"block-major"`` or ``"diag-first"`` for this plan and batch.
+    """``"gathered"``, ``"output-major"``, ``"block-major"`` or ``"diag-first"``.
 
     Block-major reads every weight block once (rows of all the types using a block
     are gathered), which pays for small batches of supports whose blocks are shared
@@ -60,6 +67,8 @@ def choose_layout(plan: BlockPlan, part: TypePartition) -> str:
             return forced
     if use_gathered_layout(plan, part):
         return "gathered"
+    if len(part.present) == 1 and part.num_rows <= OUTPUT_MAJOR_MAX_ROWS:
+        return "output-major"
     # measured for Q2^2 at K = N = 4096: block-major is as fast or faster than
     # diag-first from M = 8 to M = 2048, forward and fwd+bwd
     if plan.has_shared_blocks and len(part.present) > 1:
@@ -183,6 +192,30 @@ def _forward_diag_first(x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
             assert rs.index is not None
             yr = y.index_select(0, rs.index)
             _forward_runs(x.index_select(0, rs.index), yr, w, plan, runs, None)
+            y.index_copy_(0, rs.index, yr)
+    return y
+
+
+def _forward_output_major(x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
+                          part: TypePartition) -> torch.Tensor:
+    io, oo = plan.in_offsets, plan.out_offsets
+    y = x.new_empty(x.shape[0], plan.out_features)
+    for a in part.present:
+        rs = part.sets[a]
+        xr = x[rs.rows] if rs.rows is not None else x.index_select(0, rs.index)
+        yr = y[rs.rows] if rs.rows is not None else torch.empty_like(y[: rs.count])
+        covered = [False] * plan.q
+        for d0, d1, b0, b1 in plan.type_rects[a]:
+            cs, bs = slice(oo[d0], oo[d1]), slice(io[b0], io[b1])
+            if covered[d0]:
+                yr[:, cs].addmm_(xr[:, bs], w[cs, bs].t())
+            else:
+                torch.mm(xr[:, bs], w[cs, bs].t(), out=yr[:, cs])
+                covered[d0:d1] = [True] * (d1 - d0)
+        for d in range(plan.q):
+            if not covered[d]:  # an output group this type never writes (general graphs)
+                yr[:, oo[d]:oo[d + 1]].zero_()
+        if rs.rows is None:
             y.index_copy_(0, rs.index, yr)
     return y
 
@@ -353,9 +386,9 @@ def _backward_gathered(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, plan:
 
 # ----------------------------------------------------------------- autograd
 _FORWARD = {"gathered": _forward_gathered, "block-major": _forward_block_major,
-            "diag-first": _forward_diag_first}
+            "diag-first": _forward_diag_first, "output-major": _forward_output_major}
 _BACKWARD = {"gathered": _backward_gathered, "block-major": _backward_block_major,
-             "diag-first": _backward_diag_first}
+             "diag-first": _backward_diag_first, "output-major": _backward_diag_first}
 
 class _BlockedLinearFn(torch.autograd.Function):
     @staticmethod

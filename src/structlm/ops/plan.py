@@ -22,12 +22,41 @@ import numpy as np
 
 from ..algebra.support import LayerSupport
 
-__all__ = ["BlockPlan", "Run", "SharedRun", "make_plan"]
+__all__ = ["BlockPlan", "Rect", "Run", "SharedRun", "make_plan"]
 
 #: ``(beta, d0, d1)``: source group ``beta`` feeds output groups ``d0 .. d1 - 1``.
 Run = tuple[int, int, int]
 #: ``(beta, d0, d1, types)``: the same blocks, used by exactly the types ``types``.
 SharedRun = tuple[int, int, int, tuple[int, ...]]
+#: ``(d0, d1, b0, b1)``: output groups ``d0 .. d1 - 1`` read input groups ``b0 .. b1 - 1``.
+Rect = tuple[int, int, int, int]
+
+
+def _output_major_rects(blocks: np.ndarray) -> tuple[Rect, ...]:
+    """Cover a ``(q, q)`` bool block mask over ``(beta, delta)`` by rectangles: per output
+    group the contiguous runs of source groups, consecutive output groups with the same
+    runs merged (few, large GEMMs for one type's rows; exactly the mask's blocks)."""
+    q = blocks.shape[0]
+    per: list[tuple[tuple[int, int], ...]] = []
+    for d in range(q):
+        runs, b = [], 0
+        while b < q:
+            if blocks[b, d]:
+                b0 = b
+                while b < q and blocks[b, d]:
+                    b += 1
+                runs.append((b0, b))
+            else:
+                b += 1
+        per.append(tuple(runs))
+    out: list[Rect] = []
+    d = 0
+    while d < q:
+        d0 = d
+        while d < q and per[d] == per[d0]:
+            d += 1
+        out.extend((d0, d, b0, b1) for b0, b1 in per[d0])
+    return tuple(out)
 
 
 def _shared_runs(mask: np.ndarray, common: np.ndarray) -> tuple[SharedRun, ...]:
@@ -104,6 +133,21 @@ class BlockPlan:
     def has_shared_blocks(self) -> bool:
         """Some non-common block is used by more than one type (e.g. ``Q2^2``)."""
         return any(len(types) > 1 for *_, types in self.shared_runs)
+
+    @cached_property
+    def type_rects(self) -> tuple[tuple[Rect, ...], ...]:
+        """Per type, every block it uses (common ones included) as output-major
+        rectangles (see :func:`_output_major_rects`)."""
+        common = np.zeros((self.q, self.q), dtype=bool)
+        for beta, d0, d1 in self.common_runs:
+            common[beta, d0:d1] = True
+        own = []
+        for runs in self.type_runs:
+            m = common.copy()
+            for beta, d0, d1 in runs:
+                m[beta, d0:d1] = True
+            own.append(_output_major_rects(m))
+        return tuple(own)
 
     @cached_property
     def diag_plus_row(self) -> bool:

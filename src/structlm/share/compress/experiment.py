@@ -92,6 +92,31 @@ def _arm(prep: Prepared, ccfg: CompressionConfig, ft: FinetuneConfig | None,
     return out
 
 
+class _ArmCache:
+    """Finished arms in ``arms.json`` next to the report, written atomically after each
+    arm, so a killed experiment resumes where it stopped (keyed by everything that
+    determines an arm's result)."""
+
+    def __init__(self, path: Path, cfg: ExperimentConfig) -> None:
+        self.path = path
+        self.base = {"calib_tokens": cfg.calib_tokens, "eval_tokens": cfg.eval_tokens,
+                     "corpus": cfg.corpus, "second_corpus": cfg.second_corpus,
+                     "finetune": dataclasses.asdict(cfg.finetune)}
+        self.done: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+
+    def run(self, prep: Prepared, ccfg: CompressionConfig, ft: FinetuneConfig | None,
+            seed: int, progress: bool) -> dict[str, Any]:
+        key = json.dumps({**self.base, "model": prep.loaded.model_id, "seed": seed,
+                          "compression": dataclasses.asdict(ccfg)}, sort_keys=True)
+        if key not in self.done:
+            self.done[key] = clean_json(_arm(prep, ccfg, ft, seed, progress))
+            atomic_write_text(self.path, json.dumps(self.done))
+        elif progress:
+            print(f"[resume] reusing {ccfg.method}/{ccfg.types}/{ccfg.target_reduction}/seed "
+                  f"{seed} from {self.path}", flush=True)
+        return self.done[key]
+
+
 def _summary(arms: list[dict[str, Any]], key: str, name: str) -> dict[str, float]:
     vals = [a[key][name] for a in arms if key in a]
     if not vals:
@@ -109,6 +134,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, progress: bool = 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=1))
+    cache = _ArmCache(out / "arms.json", cfg)
     prep = prepare(cfg.model, cfg.corpus, cfg.second_corpus, calib_tokens=cfg.calib_tokens,
                    eval_tokens=cfg.eval_tokens, progress=progress)
     res: dict[str, Any] = {"model": prep.loaded.model_id, "model_note": prep.loaded.note,
@@ -124,7 +150,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, progress: bool = 
         for method in cfg.methods:
             ccfg = CompressionConfig(method=method, types="attn", target_reduction=red,
                                      residual_rank=cfg.residual_rank)
-            arms = [_arm(prep, ccfg, cfg.finetune, s, progress) for s in cfg.seeds]
+            arms = [cache.run(prep, ccfg, cfg.finetune, s, progress) for s in cfg.seeds]
             res["attention"].append({
                 "method": method, "reduction": red, "arms": arms,
                 "analytic": arms[0]["ppl_analytic"],
@@ -141,7 +167,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, progress: bool = 
             ccfg = CompressionConfig(method=method, types=types,
                                      target_reduction=cfg.scope_reduction,
                                      residual_rank=cfg.residual_rank)
-            res["scope"].append(_arm(prep, ccfg, cfg.finetune, cfg.seeds[0], progress))
+            res["scope"].append(cache.run(prep, ccfg, cfg.finetune, cfg.seeds[0], progress))
     # test 8: a second model
     if cfg.second_model:
         sub = dataclasses.replace(cfg, model=cfg.second_model, second_model="")
@@ -153,7 +179,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, progress: bool = 
             "model": p2.loaded.model_id,
             "ppl_original": {k: v["ppl"] for k, v in
                              evaluate_all(p2.loaded.model, p2.eval_ids, progress=False).items()},
-            "arm": _arm(p2, ccfg, cfg.finetune, cfg.seeds[0], progress)}
+            "arm": cache.run(p2, ccfg, cfg.finetune, cfg.seeds[0], progress)}
     else:
         res["second_model"] = {"skipped": "no second model given (none is obtainable offline "
                                           "here); pass --second-model, e.g. gpt2-medium"}

@@ -1,0 +1,299 @@
+"""Memory and CPU latency of a compressed model (``structlm share compress``) vs the original.
+
+**memory**: parameters and bytes of the *unique* tensors of each model (tied and shared
+tensors once), and the compressed matrices vs the dense ones they replace; **prefill**: one
+forward of a ``(B, prompt_len)`` batch of real token ids with the KV cache on (last-position
+logits only, as ``generate`` does); **decode**: ``decode_tokens`` greedy cached single-token
+steps after an untimed prefill, a fresh cache each trial. The models alternate order every
+trial (medians kept). CSV with the environment; Markdown and plot drawn from the CSV.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import inspect
+import json
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from .timing import environment, interleaved_medians, write_csv_atomic
+
+__all__ = ["ShareBenchConfig", "greedy_decode", "markdown_from_csv", "measure",
+           "plot_from_csv", "run_share_bench", "unique_parameters", "write_outputs"]
+
+
+@dataclass(frozen=True)
+class ShareBenchConfig:
+    """What to compare: ``compressed`` is a folder written by ``structlm share compress``
+    (its source model is the original), or ``""`` to compress ``model`` on the fly."""
+
+    model: str = "smollm2"
+    compressed: str = ""
+    method: str = "shared"
+    types: str = "attn"
+    target_reduction: float = 0.4
+    corpus: str = "austen"
+    calib_tokens: int = 32768
+    batches: Sequence[int] = (1, 16)
+    prompt_len: int = 128
+    decode_tokens: int = 32
+    trials: int = 7
+    warmup: int = 1
+    threads: int = 2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.batches or any(int(b) < 1 for b in self.batches):
+            raise ValueError(f"batches must be one or more sizes >= 1, got {list(self.batches)}")
+        for name, low in (("prompt_len", 1), ("decode_tokens", 1), ("trials", 1),
+                          ("threads", 1), ("warmup", 0)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
+
+
+def unique_parameters(module: torch.nn.Module) -> tuple[int, int]:
+    """``(parameters, bytes)`` of the distinct tensors of ``module``: a tensor reachable
+    under several names (tied embeddings, a shared basis) counts once, by its storage."""
+    views: dict[tuple[int, int], int] = {}  # (storage ptr, offset) -> numel
+    storages: dict[int, int] = {}  # storage ptr -> bytes
+    for _, p in module.named_parameters(remove_duplicate=False):
+        st = p.untyped_storage()
+        views[(st.data_ptr(), p.storage_offset())] = p.numel()
+        storages[st.data_ptr()] = st.nbytes()
+    return sum(views.values()), sum(storages.values())
+
+
+def _step_kwargs(model: Any) -> tuple[dict[str, Any], str]:
+    """A cached step's keyword arguments and cache argument (``cache`` or ``past_key_values``)."""
+    sig = inspect.signature(model.forward).parameters
+    kw = {"use_cache": True, **({"logits_to_keep": 1} if "logits_to_keep" in sig else {})}
+    return kw, "cache" if "cache" in sig else "past_key_values"
+
+
+def _cache_of(out: Any) -> Any:
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def _prefill(model: Any, ids: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    """One forward of ``ids`` ``(B, T)``: the filled cache and the greedy next ids ``(B,)``."""
+    out = model(input_ids=ids, **_step_kwargs(model)[0])
+    return _cache_of(out), out.logits[:, -1].argmax(-1)  # logits (B, 1, V)
+
+
+def _decode(model: Any, cache: Any, token: torch.Tensor, steps: int) -> torch.Tensor:
+    """``steps`` greedy single-token forwards with ``cache``, starting from ``token``
+    ``(B,)``; returns the ids produced ``(B, steps)``."""
+    (kw, name), out = _step_kwargs(model), []
+    for _ in range(steps):
+        res = model(input_ids=token[:, None], **{name: cache}, **kw)  # (B, 1) in
+        cache, token = _cache_of(res), res.logits[:, -1].argmax(-1)  # (B,)
+        out.append(token)
+    return torch.stack(out, 1)
+
+
+@torch.no_grad()
+def greedy_decode(model: Any, ids: torch.Tensor, steps: int) -> torch.Tensor:
+    """The new ids ``(B, 1 + steps)`` of the benchmark's loop: prefill then ``steps``
+    cached decode steps (equal to ``generate(do_sample=False)`` without EOS stopping)."""
+    cache, token = _prefill(model, ids)
+    return torch.cat([token[:, None], _decode(model, cache, token, steps)], 1)
+
+
+def _decode_medians(models: Sequence[Any], ids: torch.Tensor, steps: int, trials: int,
+                    warmup: int) -> list[float]:
+    """Median seconds of the decode loop of each model; the prefill is untimed, a fresh
+    cache every trial, the order alternates per trial."""
+    times: list[list[float]] = [[] for _ in models]
+    for i in range(warmup + trials):
+        order = range(len(models)) if i % 2 == 0 else reversed(range(len(models)))
+        for j in order:
+            cache, token = _prefill(models[j], ids)
+            t0 = time.perf_counter()
+            _decode(models[j], cache, token, steps)
+            if i >= warmup:
+                times[j].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
+@torch.no_grad()
+def measure(original: Any, compressed: Any, ids: torch.Tensor, cfg: ShareBenchConfig,
+            report: dict[str, Any], model_id: str = "", progress: bool = False
+            ) -> list[dict[str, Any]]:
+    """Memory rows and, per batch size, prefill and decode rows for two ready models;
+    ``ids`` is a token stream ``(N,)`` with ``N >= max(batches) * prompt_len``."""
+    need = max(cfg.batches) * cfg.prompt_len
+    if ids.numel() < need:
+        raise ValueError(f"{ids.numel()} ids are fewer than max(batches) × prompt_len = {need}")
+    limit = getattr(original.config, "max_position_embeddings", None)
+    if limit is not None and cfg.prompt_len + cfg.decode_tokens + 1 > limit:
+        raise ValueError(f"prompt_len + decode_tokens + 1 exceeds the model's {limit} positions")
+    torch.set_num_threads(cfg.threads)
+    original.eval()
+    compressed.eval()
+    rc = report.get("config", {})
+    base = {"model": model_id, "method": rc.get("method", cfg.method),
+            "types": rc.get("types", cfg.types), "target_reduction": rc.get("target_reduction"),
+            "phase": "", "item": "", "batch": "", "prompt_len": cfg.prompt_len,
+            "decode_tokens": cfg.decode_tokens, "original": 0.0, "compressed": 0.0,
+            "unit": "", "memory_ratio": "", "speedup": "", "original_tok_s": "",
+            "compressed_tok_s": "", "trials": cfg.trials,
+            **{f"env_{k}": v for k, v in environment().items()}}
+    (po, bo), (pc, bc) = unique_parameters(original), unique_parameters(compressed)
+    mem = [("parameters", po, pc, "count"), ("parameter_bytes", bo, bc, "bytes")]
+    if "original_parameters" in report and "stored_parameters" in report:
+        dense = report["original_parameters"] * next(original.parameters()).element_size()
+        # the factors' bytes = everything held minus the untouched tensors (bo - dense)
+        mem.append(("compressed_matrices_bytes", dense, bc - (bo - dense), "bytes"))
+    rows = [{**base, "phase": "memory", "item": item, "original": o, "compressed": c,
+             "unit": unit, "memory_ratio": round(o / c, 4)} for item, o, c, unit in mem]
+    models = [original, compressed]
+    grid = [(phase, b) for b in cfg.batches for phase in ("prefill", "decode")]
+    for phase, b in tqdm(grid, desc="share bench", disable=not progress, unit="meas"):
+        x = ids[: b * cfg.prompt_len].view(b, cfg.prompt_len)  # (B, T)
+        if phase == "prefill":
+            t_o, t_c = interleaved_medians([lambda m=m, x=x: _prefill(m, x) for m in models],
+                                           cfg.trials, cfg.warmup)
+            unit, tokens = "s_per_call", b * cfg.prompt_len
+        else:
+            t_o, t_c = _decode_medians(models, x, cfg.decode_tokens, cfg.trials, cfg.warmup)
+            t_o, t_c = t_o / cfg.decode_tokens, t_c / cfg.decode_tokens
+            unit, tokens = "s_per_token", b
+        rows.append({**base, "phase": phase, "batch": b, "original": t_o, "compressed": t_c,
+                     "unit": unit, "speedup": round(t_o / t_c, 4),
+                     "original_tok_s": round(tokens / t_o, 2),
+                     "compressed_tok_s": round(tokens / t_c, 2)})
+    return rows
+
+
+def _read(csv_path: str) -> list[dict[str, str]]:
+    with open(csv_path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def _amount(value: str, unit: str) -> str:
+    return f"{float(value) / 2**20:.2f} MiB" if unit == "bytes" else f"{int(float(value)):,}"
+
+
+def markdown_from_csv(csv_path: str) -> str:
+    """Memory and latency tables, the environment and a plain sentence on where the
+    compressed model is slower, from a share-bench CSV."""
+    rows = _read(csv_path)  # never empty: write_csv_atomic refuses no rows
+    r0 = rows[0]
+    env = {k[4:]: v for k, v in r0.items() if k.startswith("env_")}
+    lines = [f"# {r0['model']}: compressed ({r0['method']}, types {r0['types']}, target "
+             f"reduction {r0['target_reduction']}) vs original", "",
+             "Environment: " + ", ".join(f"{k}={v}" for k, v in env.items()), "",
+             "| memory | original | compressed | original / compressed |", "|---|---:|---:|---:|"]
+    for r in (r for r in rows if r["phase"] == "memory"):
+        lines.append(f"| {r['item']} | {_amount(r['original'], r['unit'])} | "
+                     f"{_amount(r['compressed'], r['unit'])} | "
+                     f"{float(r['memory_ratio']):.3f}× |")
+    lines += ["", "Memory counts the parameters only: the KV cache (the k/v projections keep "
+              "their output size) and the activations are the same for both models, apart "
+              "from the small rank-k intermediates of the factorised matrices.", "",
+              "| phase | batch | original ms | compressed ms | per | tokens/s orig → comp | "
+              "speed-up |", "|---|---:|---:|---:|---|---:|---:|"]
+    slower = []
+    for r in (r for r in rows if r["phase"] != "memory"):
+        sp = float(r["speedup"])
+        per = "new token" if r["unit"] == "s_per_token" else "call"
+        lines.append(f"| {r['phase']} | {r['batch']} | {float(r['original']) * 1e3:.3f} | "
+                     f"{float(r['compressed']) * 1e3:.3f} | {per} | "
+                     f"{float(r['original_tok_s']):.1f} → {float(r['compressed_tok_s']):.1f} | "
+                     f"{sp:.3f}× |")
+        if sp < 1:
+            slower.append(f"{r['phase']} at batch {r['batch']} ({sp:.2f}×)")
+    verdict = ("**The compressed model is slower** (speed-up < 1) for " + ", ".join(slower)
+               + ".") if slower else "The compressed model is not slower in any measurement."
+    lines += ["", f"Speed-up = original time / compressed time (medians of {r0['trials']} "
+              "interleaved trials; decode in seconds per new token with its prefill untimed). "
+              + verdict]
+    return "\n".join(lines) + "\n"
+
+
+def plot_from_csv(csv_path: str, png_path: str) -> None:
+    """Two panels from the CSV: speed-up per phase × batch (line at 1.0) and memory bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = _read(csv_path)
+    lat = [r for r in rows if r["phase"] != "memory"]
+    mem = [r for r in rows if r["phase"] == "memory" and r["unit"] == "bytes"]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    sp = [float(r["speedup"]) for r in lat]
+    a1.bar(range(len(lat)), sp, color=["tab:green" if v >= 1 else "tab:red" for v in sp])
+    a1.axhline(1.0, color="k", lw=1, ls="--")
+    a1.set_xticks(range(len(lat)), [f"{r['phase']}\nB={r['batch']}" for r in lat])
+    a1.set(ylabel="speed-up (original / compressed time)",
+           title="latency (< 1: compressed is slower)")
+    pos = range(len(mem))
+    for off, key in ((-0.2, "original"), (0.2, "compressed")):
+        a2.bar([p + off for p in pos], [float(r[key]) / 2**20 for r in mem], 0.4, label=key)
+    a2.set_xticks(list(pos), [r["item"].replace("_", "\n") for r in mem])
+    a2.set(ylabel="MiB", title="parameter memory")
+    a2.legend()
+    r = rows[0]
+    fig.suptitle(f"{r['model']} {r['method']} ({r['types']}) — {r['env_cpu']}, torch "
+                 f"{r['env_torch']}, {r['env_threads']} threads", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png_path + ".tmp.png", dpi=120)
+    plt.close(fig)
+    os.replace(png_path + ".tmp.png", png_path)
+
+
+def write_outputs(rows: list[dict[str, Any]], out_prefix: str) -> None:
+    """``<out_prefix>.csv`` (atomic), then ``.md`` and ``.png`` drawn from the CSV."""
+    os.makedirs(os.path.dirname(os.path.abspath(out_prefix)), exist_ok=True)
+    write_csv_atomic(out_prefix + ".csv", rows)
+    with open(out_prefix + ".md.tmp", "w") as fh:
+        fh.write(markdown_from_csv(out_prefix + ".csv"))
+    os.replace(out_prefix + ".md.tmp", out_prefix + ".md")
+    plot_from_csv(out_prefix + ".csv", out_prefix + ".png")
+
+
+def run_share_bench(cfg: ShareBenchConfig, out_prefix: str, progress: bool = True
+                    ) -> list[dict[str, Any]]:
+    """Load (or compress) the models, :func:`measure`, :func:`write_outputs`; the rows."""
+    from ..share.compress import CompressionConfig, compress_model, load_compressed
+    from ..share.compress.io import MANIFEST
+    from ..share.loading import load_model
+    from ..share.text import split_corpus, token_stream
+
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    need = max(2, max(cfg.batches) * cfg.prompt_len)
+    if cfg.compressed:
+        compressed = load_compressed(cfg.compressed).model  # raises without a manifest
+        manifest = json.loads((Path(cfg.compressed) / MANIFEST).read_text())
+        loaded, report = load_model(manifest["source_model"]), manifest["compression"]
+        if loaded.tokenizer is None:
+            raise ValueError(f"source model {manifest['source_model']!r} has no tokenizer")
+        docs = split_corpus(cfg.corpus, 0.25, cfg.seed).evaluation
+        ids = token_stream(loaded.tokenizer, docs, need)
+    else:
+        from ..share.adapters import get_adapter
+        from ..share.pipeline import prepare
+
+        ccfg = CompressionConfig(method=cfg.method, types=cfg.types,
+                                 target_reduction=cfg.target_reduction)
+        prep = prepare(cfg.model, cfg.corpus, calib_tokens=cfg.calib_tokens, eval_tokens=need,
+                       seed=cfg.seed, progress=progress)
+        assert prep.calibration is not None
+        loaded, ids = prep.loaded, next(iter(prep.eval_ids.values()))
+        compressed = copy.deepcopy(loaded.model)
+        report = compress_model(get_adapter(compressed), prep.calibration, ccfg)
+    rows = measure(loaded.model, compressed.eval(), ids, cfg, report, loaded.model_id, progress)
+    write_outputs(rows, out_prefix)
+    return rows

@@ -1,0 +1,126 @@
+"""``structlm bench share`` on a tiny random Llama: the rows, the unique-tensor memory
+accounting, the decode loop is a real cached greedy decode, CSV/Markdown/PNG outputs."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import math
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from structlm.bench.share import (
+    ShareBenchConfig,
+    greedy_decode,
+    measure,
+    unique_parameters,
+    write_outputs,
+)
+from structlm.cli import build_parser
+from structlm.share.adapters import get_adapter
+from structlm.share.calibration import calibrate
+from structlm.share.compress import CompressionConfig, compress_model
+
+
+def _llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=3, hidden_size=32, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=48, vocab_size=89,
+                      max_position_embeddings=64, tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _ids(n: int, seed: int = 3) -> torch.Tensor:
+    return torch.randint(0, 89, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def models() -> Iterator[tuple[LlamaForCausalLM, LlamaForCausalLM, dict]]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: one thread is fastest, and measure() sets it
+    original = _llama()
+    compressed = copy.deepcopy(original)
+    ad = get_adapter(compressed)
+    cal = calibrate(ad, _ids(4 * 32), seq_len=32, batch_size=2, progress=False)
+    report = compress_model(ad, cal, CompressionConfig(method="shared", types="all",
+                                                       target_reduction=0.4))
+    yield original, compressed, report
+    torch.set_num_threads(threads)
+
+
+def test_unique_parameters_counts_tied_and_shared_tensors_once(models) -> None:
+    original, compressed, report = models
+    po, bo = unique_parameters(original)
+    assert po == sum(p.numel() for p in original.parameters())  # tied lm_head once
+    assert bo == 4 * po
+    pc, _ = unique_parameters(compressed)
+    assert pc == report["model_parameters_after"]  # the shared basis once, not per layer
+    assert sum(p.numel() for _, p in compressed.named_parameters(remove_duplicate=False)) > pc
+
+
+def test_greedy_decode_equals_generate(models) -> None:
+    _, compressed, _ = models
+    prompt = _ids(3 * 7, seed=5).view(3, 7)
+    compressed.generation_config.eos_token_id = None  # no early stop, no EOS masking
+    with torch.no_grad():
+        ref = compressed.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                  do_sample=False, max_new_tokens=4, pad_token_id=0)
+    torch.testing.assert_close(greedy_decode(compressed, prompt, 3), ref[:, 7:])
+
+
+def test_measure_rows_and_outputs(models, tmp_path) -> None:
+    original, compressed, report = models
+    cfg = ShareBenchConfig(batches=(1, 3), prompt_len=7, decode_tokens=3, trials=2,
+                           threads=1)
+    rows = measure(original, compressed, _ids(64), cfg, report, model_id="tiny-llama")
+    lat = [r for r in rows if r["phase"] != "memory"]
+    assert [(r["phase"], r["batch"]) for r in lat] == [
+        ("prefill", 1), ("decode", 1), ("prefill", 3), ("decode", 3)]
+    for r in lat:
+        for key in ("original", "compressed", "speedup", "original_tok_s", "compressed_tok_s"):
+            assert math.isfinite(float(r[key])) and float(r[key]) > 0, (key, r)
+        assert r["unit"] == ("s_per_call" if r["phase"] == "prefill" else "s_per_token")
+    mem = {r["item"]: r for r in rows if r["phase"] == "memory"}
+    assert mem["parameter_bytes"]["compressed"] < mem["parameter_bytes"]["original"]
+    mat = mem["compressed_matrices_bytes"]
+    assert mat["original"] == 4 * report["original_parameters"]
+    assert mat["compressed"] == 4 * report["stored_parameters"]
+    assert mat["compressed"] <= 0.6 * mat["original"] + 4
+    assert all(r["env_torch"] and r["model"] == "tiny-llama" and r["method"] == "shared"
+               for r in rows)
+
+    prefix = str(tmp_path / "out" / "share")
+    write_outputs(rows, prefix)
+    with open(prefix + ".csv", newline="") as fh:
+        assert len(list(csv.DictReader(fh))) == len(rows)
+    md = open(prefix + ".md").read()
+    assert "| decode | 3 |" in md and "KV cache" in md and "Environment:" in md
+    assert ("compressed model is slower" in md) == any(r["speedup"] < 1 for r in lat)
+    assert os.path.getsize(prefix + ".png") > 1000
+
+
+def test_bad_input() -> None:
+    with pytest.raises(ValueError, match="batches"):
+        ShareBenchConfig(batches=(1, 0))
+    with pytest.raises(ValueError, match="prompt_len"):
+        ShareBenchConfig(prompt_len=0)
+
+
+def test_measure_rejects_short_streams(models) -> None:
+    original, compressed, report = models
+    cfg = ShareBenchConfig(batches=(4,), prompt_len=7, trials=1)
+    with pytest.raises(ValueError, match="fewer than"):
+        measure(original, compressed, _ids(20), cfg, report)
+
+
+def test_cli_parses_bench_share() -> None:
+    args = build_parser().parse_args(
+        ["bench", "share", "--compressed", "d", "--batches", "1,4", "--prompt-len", "16",
+         "--decode-tokens", "5", "--trials", "3", "--method", "svd", "--types", "all"])
+    assert args.model == "smollm2" and args.compressed == "d" and args.batches == (1, 4)
+    assert (args.prompt_len, args.decode_tokens, args.trials) == (16, 5, 3)
+    assert args.out == "bench-out/share" and args.func.__name__ == "_cmd_bench_share"

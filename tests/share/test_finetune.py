@@ -1,0 +1,93 @@
+"""Fine-tuning of compressed modules: relative learning rates, frozen shared parts, and
+the YAML configs under configs/share/ parse into their dataclasses."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from structlm.share.adapters import get_adapter
+from structlm.share.calibration import calibrate
+from structlm.share.compress import CompressionConfig, SharedBasisLinear, compress_model
+from structlm.share.compress.experiment import ExperimentConfig
+from structlm.share.compress.finetune import FinetuneConfig, finetune, trainable_parameters
+from structlm.share.configs import read_yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _compressed(method: str) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=3, hidden_size=32, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=48, vocab_size=89,
+                      max_position_embeddings=64, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg).eval()
+    adapter = get_adapter(model)
+    ids = torch.randint(0, 89, (256,), generator=torch.Generator().manual_seed(1))
+    cal = calibrate(adapter, ids, seq_len=32, batch_size=2, progress=False)
+    compress_model(adapter, cal, CompressionConfig(method=method, types="all",
+                                                   target_reduction=0.4, residual_rank=2))
+    return model
+
+
+@pytest.mark.parametrize("scaling", ["relative", "absolute"])
+def test_finetune_trains_only_factors_with_scaled_rates(scaling: str, monkeypatch) -> None:
+    model = _compressed("hybrid")
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters()
+              if not n.endswith(("core", "res_b", "res_c"))}
+    cores = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("core")}
+    expected = [1e-2 * float(p.detach().pow(2).mean().sqrt())
+                for p in trainable_parameters(model)]
+    seen: list[list[float]] = []
+    real_adamw = torch.optim.AdamW
+
+    def spy(groups, **kw):
+        opt = real_adamw(groups, **kw)
+        seen.append([g["lr"] for g in opt.param_groups])
+        return opt
+
+    monkeypatch.setattr(torch.optim, "AdamW", spy)
+    ids = torch.randint(0, 89, (400,), generator=torch.Generator().manual_seed(2))
+    ft = FinetuneConfig(steps=3, lr=1e-2, lr_scaling=scaling, warmup=1, seq_len=16,
+                        batch_size=2, eval_every=3, eval_tokens=64, eval_window=32)
+    curve = finetune(model, ids, ids[:64], ft, progress=False)
+    assert [c["step"] for c in curve] == [0, 1, 2, 3]
+    assert curve[1]["lr"] == pytest.approx(1e-2)  # the nominal rate after warm-up
+    for n, p in model.named_parameters():
+        if n in frozen:
+            assert torch.equal(p.detach(), frozen[n]), f"{n} changed but is frozen"
+    assert any(not torch.equal(p.detach(), cores[n]) for n, p in model.named_parameters()
+               if n in cores)
+    lrs = seen[0]
+    if scaling == "absolute":
+        assert lrs == [1e-2]
+    else:
+        cores_n = sum(isinstance(m, SharedBasisLinear) for m in model.modules())
+        assert len(lrs) > cores_n  # one group per tensor (cores and residuals)
+        assert lrs == pytest.approx(expected, rel=1e-6)  # lr x each tensor's RMS
+        assert len({round(v, 12) for v in lrs}) > 1
+
+
+def test_bad_lr_scaling_is_named() -> None:
+    model = _compressed("svd")
+    ids = torch.randint(0, 89, (200,), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(ValueError, match="lr_scaling must be 'relative' or 'absolute', got 'x'"):
+        finetune(model, ids, ids[:64], FinetuneConfig(steps=1, lr_scaling="x", seq_len=16),
+                 progress=False)
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "share",
+                                                               "*.yaml"))))
+def test_share_configs_parse(path: str) -> None:
+    raw = read_yaml(path)
+    if os.path.basename(path).startswith("experiment"):
+        cfg = ExperimentConfig.from_dict(raw)
+        assert cfg.finetune.lr_scaling == "relative"
+    else:
+        ft = raw.pop("finetune", {})
+        CompressionConfig.from_dict(raw)
+        FinetuneConfig(**ft)
