@@ -18,6 +18,7 @@ from structlm.share.compress import (
     load_compressed,
     rank_for_budget,
     save_compressed,
+    solve_ranks,
     stored_parameters,
 )
 from structlm.share.loading import LoadedModel
@@ -105,3 +106,30 @@ def test_compress_model_save_load_round_trip(method: str, tmp_path) -> None:
     manifest.write_text(manifest.read_text().replace('"unused"', f'"{src}"'))
     back = load_compressed(out)
     torch.testing.assert_close(_logits(back.model), after, rtol=0, atol=0)
+
+
+def test_pooled_budget_gives_capped_types_leftover_to_the_others() -> None:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=8, hidden_size=64, num_attention_heads=8,
+                      num_key_value_heads=2, intermediate_size=96, vocab_size=89,
+                      max_position_embeddings=64)
+    adapter = get_adapter(LlamaForCausalLM(cfg))
+    L, shapes = 8, {"q": (64, 64), "k": (16, 64), "v": (16, 64), "o": (64, 64)}
+    budget = 0.8 * L * sum(a * b for a, b in shapes.values())
+
+    def stored(method: str, ranks: dict) -> int:
+        return sum(stored_parameters(method, L, *shapes[t.value], k, 0,
+                                     adapter.writes_residual(t)) for t, k in ranks.items())
+
+    for method in ("shared", "svd", "onesided"):
+        per = solve_ranks(adapter, CompressionConfig(method=method, target_reduction=0.2,
+                                                     budget="per_type"))
+        pooled = solve_ranks(adapter, CompressionConfig(method=method, target_reduction=0.2))
+        assert stored(method, per) <= stored(method, pooled) <= budget
+    per = solve_ranks(adapter, CompressionConfig(target_reduction=0.2, budget="per_type"))
+    pooled = solve_ranks(adapter, CompressionConfig(target_reduction=0.2))
+    assert per[MatrixType.K] == pooled[MatrixType.K] == 16  # capped at min(out, in)
+    assert pooled[MatrixType.Q] > per[MatrixType.Q]  # the leftover went to Q and O
+    assert stored("shared", pooled) > 0.97 * budget > 1.03 * stored("shared", per)
+    with pytest.raises(ValueError, match="budget must be 'pooled' or 'per_type', got 'x'"):
+        CompressionConfig(budget="x")

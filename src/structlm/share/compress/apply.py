@@ -38,12 +38,17 @@ class CompressionConfig:
     k is solved per type (r stays ``residual_rank`` for the hybrid)."""
     eig_floor: float = 1e-6
     """Relative eigenvalue floor of the whitening roots."""
+    budget: str = "pooled"
+    """With ``target_reduction``: ``pooled`` (one budget for all compressed types; what
+    a rank-capped type cannot use goes to the others) or ``per_type``."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}: expected one of {METHODS}")
         if self.target_reduction is not None and not 0 < self.target_reduction < 1:
             raise ValueError(f"target_reduction must be in (0, 1), got {self.target_reduction}")
+        if self.budget not in ("pooled", "per_type"):
+            raise ValueError(f"budget must be 'pooled' or 'per_type', got {self.budget!r}")
         parse_types(self.types)
 
     @classmethod
@@ -52,22 +57,60 @@ class CompressionConfig:
 
 
 def solve_ranks(adapter: ModelAdapter, cfg: CompressionConfig) -> dict[MatrixType, int]:
-    """Rank ``k`` per compressed type from the config."""
+    """Rank ``k`` per compressed type from the config.
+
+    With ``target_reduction`` and ``budget="pooled"`` (the default) the budget is the
+    whole of ``(1 - reduction) ×`` the compressed matrices' parameters: each type starts
+    from its own share, and what a type cannot use (its rank is capped at
+    ``min(out, in)``, e.g. SmolLM2's 192×576 K and V under shared bases) goes to the
+    others, scaled in proportion (bisection on a common factor), no type storing more
+    than its dense matrices. ``budget="per_type"`` gives every type exactly its share."""
     L = adapter.num_layers
-    ranks = {}
-    for t in parse_types(cfg.types):
-        out, inn = adapter.layers[0].weight(t).shape
-        writer = adapter.writes_residual(t)
+    types = parse_types(cfg.types)
+    shapes = {t: tuple(adapter.layers[0].weight(t).shape) for t in types}
+    writer = {t: adapter.writes_residual(t) for t in types}
+    r = cfg.residual_rank if cfg.method == "hybrid" else 0
+    ranks: dict[MatrixType, int] = {}
+    solve = []
+    for t in types:
         if t.value in cfg.ranks:
-            k = int(cfg.ranks[t.value])
-        elif cfg.target_reduction is not None:
-            budget = (1 - cfg.target_reduction) * L * out * inn
-            r = cfg.residual_rank if cfg.method == "hybrid" else 0
-            k = rank_for_budget(cfg.method, L, out, inn, budget, r, writer)
+            ranks[t] = int(cfg.ranks[t.value])
+        elif cfg.target_reduction is None:
+            ranks[t] = round(cfg.k_fraction * adapter.hidden_size)
         else:
-            k = round(cfg.k_fraction * adapter.hidden_size)
-        ranks[t] = max(1, min(k, out, inn))
-    return ranks
+            solve.append(t)
+    if solve:
+        assert cfg.target_reduction is not None
+        share = {t: (1 - cfg.target_reduction) * L * shapes[t][0] * shapes[t][1]
+                 for t in solve}
+
+        def ks(factor: float) -> dict[MatrixType, int]:  # never above a type's own size
+            return {t: rank_for_budget(cfg.method, L, *shapes[t],
+                                       min(factor * share[t], L * shapes[t][0] * shapes[t][1]),
+                                       r, writer[t]) for t in solve}
+
+        def stored(k: dict[MatrixType, int]) -> float:
+            return sum(stored_parameters(cfg.method, L, *shapes[t], k[t], r, writer[t])
+                       for t in solve)
+
+        best = ks(1.0)
+        if cfg.budget == "pooled":
+            total = sum(share.values())
+            hi = max(stored_parameters(cfg.method, L, *shapes[t], min(shapes[t]), r, writer[t])
+                     / share[t] for t in solve)
+            if stored(ks(hi)) <= total:
+                best = ks(hi)
+            else:
+                lo = 1.0
+                for _ in range(40):
+                    mid = (lo + hi) / 2
+                    if stored(ks(mid)) <= total:
+                        lo = mid
+                    else:
+                        hi = mid
+                best = ks(lo)
+        ranks.update(best)
+    return {t: max(1, min(ranks[t], *shapes[t])) for t in types}
 
 
 def build_modules(factors: TypeFactors, biases: list[torch.Tensor | None]) -> list[nn.Module]:

@@ -32,7 +32,7 @@ from ..adapters import get_adapter
 from ..configs import dataclass_from_dict
 from ..pipeline import Prepared, evaluate_all, prepare
 from ..report import atomic_write_text, clean_json
-from .apply import CompressionConfig, compress_model
+from .apply import CompressionConfig, compress_model, solve_ranks
 from .finetune import FinetuneConfig, finetune
 
 __all__ = ["ExperimentConfig", "run_experiment"]
@@ -106,8 +106,13 @@ class _ArmCache:
 
     def run(self, prep: Prepared, ccfg: CompressionConfig, ft: FinetuneConfig | None,
             seed: int, progress: bool) -> dict[str, Any]:
+        # keyed by the solved ranks, not by how they were derived (target, budget mode)
+        ranks = {t.value: k for t, k in solve_ranks(prep.adapter, ccfg).items()}
+        comp = {"method": ccfg.method, "types": ccfg.types, "ranks": ranks,
+                "residual_rank": ccfg.residual_rank if ccfg.method == "hybrid" else 0,
+                "eig_floor": ccfg.eig_floor, "target_reduction": ccfg.target_reduction}
         key = json.dumps({**self.base, "model": prep.loaded.model_id, "seed": seed,
-                          "compression": dataclasses.asdict(ccfg)}, sort_keys=True)
+                          "compression": comp}, sort_keys=True)
         if key not in self.done:
             self.done[key] = clean_json(_arm(prep, ccfg, ft, seed, progress))
             atomic_write_text(self.path, json.dumps(self.done))
