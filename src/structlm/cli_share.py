@@ -191,7 +191,7 @@ def add_share_commands(sub: Any) -> None:
     cp.add_argument("--out", default="share-compressed")
     cp.set_defaults(func=_cmd_share_compress)
 
-    ex = share.add_parser("experiment", help="tests 4-9 end to end (long: ~1 h on 2 cores "
+    ex = share.add_parser("experiment", help="tests 4-9 end to end (long: ~3 h on 2 cores "
                           "with the defaults)")
     ex.add_argument("model", help="smollm2 (built in), a local folder, or a hub id")
     ex.add_argument("--config", default=None, help="YAML with ExperimentConfig fields")
