@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from structlm.bench.share import (
     ShareBenchConfig,
@@ -24,14 +24,7 @@ from structlm.cli import build_parser
 from structlm.share.adapters import get_adapter
 from structlm.share.calibration import calibrate
 from structlm.share.compress import CompressionConfig, compress_model
-
-
-def _llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(num_hidden_layers=3, hidden_size=32, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=48, vocab_size=89,
-                      max_position_embeddings=64, tie_word_embeddings=True)
-    return LlamaForCausalLM(cfg).eval()
+from structlm.share.testing import tiny_llama
 
 
 def _ids(n: int, seed: int = 3) -> torch.Tensor:
@@ -42,7 +35,7 @@ def _ids(n: int, seed: int = 3) -> torch.Tensor:
 def models() -> Iterator[tuple[LlamaForCausalLM, LlamaForCausalLM, dict]]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: one thread is fastest, and measure() sets it
-    original = _llama()
+    original = tiny_llama()
     compressed = copy.deepcopy(original)
     ad = get_adapter(compressed)
     cal = calibrate(ad, _ids(4 * 32), seq_len=32, batch_size=2, progress=False)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from structlm.share.adapters import MatrixType, get_adapter
 from structlm.share.calibration import calibrate
@@ -22,14 +21,7 @@ from structlm.share.compress import (
     stored_parameters,
 )
 from structlm.share.loading import LoadedModel
-
-
-def _llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(num_hidden_layers=3, hidden_size=32, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=48, vocab_size=89,
-                      max_position_embeddings=64, tie_word_embeddings=True)
-    return LlamaForCausalLM(cfg).eval()
+from structlm.share.testing import tiny_llama
 
 
 def _ids(n: int = 4 * 32, seed: int = 3) -> torch.Tensor:
@@ -82,7 +74,7 @@ def test_budgets_and_accounting() -> None:
 
 @pytest.mark.parametrize("method", METHODS)
 def test_compress_model_save_load_round_trip(method: str, tmp_path) -> None:
-    model = _llama()
+    model = tiny_llama()
     ad = get_adapter(model)
     cal = calibrate(ad, _ids(), seq_len=32, batch_size=2, progress=False)
     before = _logits(model)
@@ -101,7 +93,7 @@ def test_compress_model_save_load_round_trip(method: str, tmp_path) -> None:
     save_compressed(LoadedModel(model, None, "tiny-llama", "", source="unused"), rep, out)
     # load_compressed rebuilds the source from its id: save a source folder to point at
     src = tmp_path / "source"
-    _llama().save_pretrained(src)
+    tiny_llama().save_pretrained(src)
     manifest = (out / "structlm_compression.json")
     manifest.write_text(manifest.read_text().replace('"unused"', f'"{src}"'))
     back = load_compressed(out)
@@ -109,11 +101,8 @@ def test_compress_model_save_load_round_trip(method: str, tmp_path) -> None:
 
 
 def test_pooled_budget_gives_capped_types_leftover_to_the_others() -> None:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(num_hidden_layers=8, hidden_size=64, num_attention_heads=8,
-                      num_key_value_heads=2, intermediate_size=96, vocab_size=89,
-                      max_position_embeddings=64)
-    adapter = get_adapter(LlamaForCausalLM(cfg))
+    adapter = get_adapter(tiny_llama(num_hidden_layers=8, hidden_size=64,
+                                     num_attention_heads=8, intermediate_size=96))
     L, shapes = 8, {"q": (64, 64), "k": (16, 64), "v": (16, 64), "o": (64, 64)}
     budget = 0.8 * L * sum(a * b for a, b in shapes.values())
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from structlm.share.adapters import get_adapter
 from structlm.share.calibration import calibrate
@@ -16,16 +16,13 @@ from structlm.share.compress import CompressionConfig, SharedBasisLinear, compre
 from structlm.share.compress.experiment import ExperimentConfig
 from structlm.share.compress.finetune import FinetuneConfig, finetune, trainable_parameters
 from structlm.share.configs import read_yaml
+from structlm.share.testing import tiny_llama
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _compressed(method: str) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(num_hidden_layers=3, hidden_size=32, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=48, vocab_size=89,
-                      max_position_embeddings=64, tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg).eval()
+    model = tiny_llama()
     adapter = get_adapter(model)
     ids = torch.randint(0, 89, (256,), generator=torch.Generator().manual_seed(1))
     cal = calibrate(adapter, ids, seq_len=32, batch_size=2, progress=False)
