@@ -37,18 +37,8 @@ def _output_major_rects(blocks: np.ndarray) -> tuple[Rect, ...]:
     group the contiguous runs of source groups, consecutive output groups with the same
     runs merged (few, large GEMMs for one type's rows; exactly the mask's blocks)."""
     q = blocks.shape[0]
-    per: list[tuple[tuple[int, int], ...]] = []
-    for d in range(q):
-        runs, b = [], 0
-        while b < q:
-            if blocks[b, d]:
-                b0 = b
-                while b < q and blocks[b, d]:
-                    b += 1
-                runs.append((b0, b))
-            else:
-                b += 1
-        per.append(tuple(runs))
+    by_delta = _runs(blocks.T)  # (delta, b0, b1): per output group, runs of sources
+    per = [tuple((b0, b1) for d, b0, b1 in by_delta if d == dd) for dd in range(q)]
     out: list[Rect] = []
     d = 0
     while d < q:

@@ -4,6 +4,7 @@ baseline, verdict), the energy-vs-perplexity plot and the fine-tuning curves."""
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -145,9 +146,8 @@ def _arm_table(res: dict[str, Any]) -> list[str]:
         for t in texts:
             tuned = [a["ppl_finetuned"][t] for a in e["arms"] if "ppl_finetuned" in a]
             if tuned:
-                mean = sum(tuned) / len(tuned)
-                std = (sum((v - mean) ** 2 for v in tuned) / (len(tuned) - 1)) ** 0.5 \
-                    if len(tuned) > 1 else 0.0
+                mean = statistics.fmean(tuned)
+                std = statistics.stdev(tuned) if len(tuned) > 1 else 0.0
                 cells.append(f"{_f(a0['ppl_analytic'][t])} | {mean:.2f} ± {std:.2f}")
             else:
                 cells.append(f"{_f(a0['ppl_analytic'][t])} | —")
