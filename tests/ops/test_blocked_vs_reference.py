@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from structlm import AlgebraLinear, get_algebra, support_of
-from structlm.ops import Backend
+from structlm.ops import Backend, cpu_kernels
 from structlm.ops.blocked import choose_layout, force_layout, use_gathered_layout
 
 ALGEBRAS = ["Q1", "Q2", "Q4", "Q2^2", "Q8", "graph:3:0-1,1-2,2-0", "Q2xQ3", "graph:4:"]
@@ -144,7 +144,7 @@ def test_weight_grad_reaches_only_active_blocks() -> None:
     assert (g[~active] == 0).all() and (g[active] != 0).all()
 
 
-@pytest.mark.parametrize("layout", ["diag-first", "block-major", "output-major"])
+@pytest.mark.parametrize("layout", ["diag-first", "block-major", "output-major", "fused-rows"])
 @pytest.mark.parametrize("algebra", ["Q4", "Q2^2", "Q2^3", "graph:4:0-1,1-2,2-3,0-3", "Q2xQ3"])
 @pytest.mark.parametrize("kind", ["cyclic", "random", "single"])
 def test_every_layout_on_every_plan(layout: str, algebra: str, kind: str) -> None:
@@ -156,6 +156,8 @@ def test_every_layout_on_every_plan(layout: str, algebra: str, kind: str) -> Non
     out_w = [3 + (i % 2) for i in range(q)]
     layer = AlgebraLinear(sum(in_w), sum(out_w), algebra, group_sizes=(in_w, out_w))
     types = _types(kind, 97, q, gen)
+    if layout == "fused-rows" and not cpu_kernels.fused_rows_available():
+        pytest.skip("no C++ compiler: the fused-rows kernel cannot be built")
     with force_layout(layout):
         assert choose_layout(layer.plan, layer.partition(types)) == layout
         _check(layer, torch.randn(97, sum(in_w), generator=gen), types, torch.float64, gen)
@@ -168,7 +170,9 @@ def test_layout_choice() -> None:
     assert choose_layout(q4.plan, q4.partition(torch.arange(4096) % 4)) == "diag-first"
     assert choose_layout(q22.plan, q22.partition(cyc % 4)) == "block-major"
     one = torch.zeros(1, dtype=torch.long)  # a decode step at batch 1
-    assert choose_layout(q22.plan, q22.partition(one)) == "output-major"
+    decode = "fused-rows" if cpu_kernels.fused_rows_available() else "output-major"
+    assert choose_layout(q22.plan, q22.partition(one)) == decode
+    assert choose_layout(q22.plan, q22.partition(one.expand(17))) == "output-major"
     assert choose_layout(q22.plan, q22.partition(one.expand(65))) == "diag-first"
     with pytest.raises(ValueError, match="unknown layout"), force_layout("fused"):
         pass

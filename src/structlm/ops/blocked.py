@@ -1,6 +1,6 @@
 """The ``blocked`` backend: pure-PyTorch GEMMs over exactly the support's blocks.
 
-Two layouts, both doing exactly the MACs of the cost model in forward, ``dX`` and
+Five layouts, all doing exactly the MACs of the cost model in forward, ``dX`` and
 ``dW`` (a custom autograd function: no masked dense product anywhere):
 
 * **diag-first** (any support, any widths): the common blocks for all rows (one
@@ -13,6 +13,10 @@ Two layouts, both doing exactly the MACs of the cost model in forward, ``dX`` an
   type's blocks, common ones included, as a handful of rectangles ``W[out d0:d1, in
   b0:b1]`` (one GEMM each, no batched diagonal GEMM, no gathers); the backward is
   diag-first's.
+* **fused-rows** (CPU, float32/float64, at most ``FUSED_ROWS_MAX_ROWS`` rows, any types):
+  one call of a compiled kernel (:mod:`.cpu_kernels`) that reads, per output row,
+  exactly the input segments each row's type uses; the backward is diag-first's.
+  Where the kernel cannot be built it is never chosen.
 * **row-first gathered** (``Q_q``-shaped supports, equal widths, every type with
   the same small number of rows, e.g. ``M = 32`` cyclic): each type's full weight
   row as one batched GEMM over types, then the diagonal blocks of the *other*
@@ -30,10 +34,12 @@ from typing import Any
 
 import torch
 
+from . import cpu_kernels
 from .partition import RowSet, TypePartition
 from .plan import BlockPlan, Run
 
 __all__ = [
+    "FUSED_ROWS_MAX_ROWS",
     "GATHER_MAX_ROWS_PER_TYPE",
     "OUTPUT_MAJOR_MAX_ROWS",
     "blocked_linear",
@@ -50,12 +56,15 @@ GATHER_MAX_ROWS_PER_TYPE = 16
 GATHER_MIN_Q = 4
 #: Largest batch (all rows of one type, e.g. cached decode) for the output-major layout.
 OUTPUT_MAJOR_MAX_ROWS = 64
+#: Largest batch for the compiled fused-rows layout (CPU decode; see :mod:`.cpu_kernels`).
+FUSED_ROWS_MAX_ROWS = 16
 #: Layout forced by :func:`force_layout` (tests run every layout on every plan).
 _FORCED_LAYOUT: list[str] = []
 
 
 def choose_layout(plan: BlockPlan, part: TypePartition) -> str:
-    """``"gathered"``, ``"output-major"``, ``"block-major"`` or ``"diag-first"``.
+    """``"fused-rows"``, ``"gathered"``, ``"output-major"``, ``"block-major"`` or
+    ``"diag-first"``.
 
     Block-major reads every weight block once (rows of all the types using a block
     are gathered), which pays for small batches of supports whose blocks are shared
@@ -65,6 +74,9 @@ def choose_layout(plan: BlockPlan, part: TypePartition) -> str:
         forced = _FORCED_LAYOUT[-1]
         if forced != "gathered" or use_gathered_layout(plan, part):
             return forced
+    if (part.num_rows <= FUSED_ROWS_MAX_ROWS and part.device.type == "cpu"
+            and cpu_kernels.fused_rows_available()):
+        return "fused-rows"
     if use_gathered_layout(plan, part):
         return "gathered"
     if len(part.present) == 1 and part.num_rows <= OUTPUT_MAJOR_MAX_ROWS:
@@ -218,6 +230,14 @@ def _forward_output_major(x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
         if rs.rows is None:
             y.index_copy_(0, rs.index, yr)
     return y
+
+
+def _forward_fused_rows(x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
+                        part: TypePartition) -> torch.Tensor:
+    if (x.device.type != "cpu" or x.dtype not in cpu_kernels.FUSED_ROWS_DTYPES
+            or not cpu_kernels.fused_rows_available()):
+        return _forward_output_major(x, w, plan, part)  # e.g. bf16: the PyTorch rectangles
+    return cpu_kernels.fused_rows_linear(x, w, plan, part)
 
 
 def _forward_gathered(x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
@@ -385,10 +405,12 @@ def _backward_gathered(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, plan:
 
 
 # ----------------------------------------------------------------- autograd
-_FORWARD = {"gathered": _forward_gathered, "block-major": _forward_block_major,
-            "diag-first": _forward_diag_first, "output-major": _forward_output_major}
-_BACKWARD = {"gathered": _backward_gathered, "block-major": _backward_block_major,
-             "diag-first": _backward_diag_first, "output-major": _backward_diag_first}
+_FORWARD = {"fused-rows": _forward_fused_rows, "gathered": _forward_gathered,
+            "block-major": _forward_block_major, "diag-first": _forward_diag_first,
+            "output-major": _forward_output_major}
+_BACKWARD = {"fused-rows": _backward_diag_first, "gathered": _backward_gathered,
+             "block-major": _backward_block_major, "diag-first": _backward_diag_first,
+             "output-major": _backward_diag_first}
 
 class _BlockedLinearFn(torch.autograd.Function):
     @staticmethod

@@ -1,0 +1,133 @@
+"""The compiled CPU fused-rows kernel (decode) against the reference oracle.
+
+Rule: ``err(fused-rows) <= 2 * err(reference in the same dtype)`` against float64.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from structlm import AlgebraLinear, get_algebra, support_of
+from structlm.ops import Backend, cpu_kernels
+from structlm.ops.blocked import FUSED_ROWS_MAX_ROWS, choose_layout, force_layout
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.fused_rows_available(),
+                                reason="no C++ compiler: the fused-rows kernel cannot be built")
+
+ALGEBRAS = ["Q1", "Q4", "Q2^2", "Q2^3", "Q8", "graph:3:0-1,1-2,2-0", "Q2xQ3", "graph:4:"]
+
+
+def _layer(algebra: str, unequal: bool) -> AlgebraLinear:
+    q = support_of(get_algebra(algebra)).q
+    if unequal:
+        in_w = [3 + 5 * (i % 3) for i in range(q)]
+        out_w = [7 - i % 4 for i in range(q)]
+        return AlgebraLinear(sum(in_w), sum(out_w), algebra, group_sizes=(in_w, out_w))
+    return AlgebraLinear(40 * q, 24 * q, algebra)
+
+
+def _errors(layer: AlgebraLinear, x: torch.Tensor, types: torch.Tensor) -> tuple[float, float]:
+    exact_layer = AlgebraLinear(layer.in_features, layer.out_features, layer.algebra_name,
+                                group_sizes=(layer.in_widths, layer.out_widths),
+                                dtype=torch.float64, backend="reference")
+    with torch.no_grad():
+        exact_layer.weight.copy_(layer.weight.double())
+        exact = exact_layer(x.double(), types)
+        layer.backend = Backend.REFERENCE
+        plain = layer(x, types)
+        layer.backend = Backend.BLOCKED
+        with force_layout("fused-rows"):
+            fast = layer(x, types)
+    assert fast.dtype == x.dtype and fast.shape == exact.shape
+    assert torch.isfinite(fast).all()
+    return (fast.double() - exact).abs().max().item(), (plain.double() - exact).abs().max().item()
+
+
+@pytest.mark.parametrize("algebra", ALGEBRAS)
+@pytest.mark.parametrize("unequal", [False, True])
+@pytest.mark.parametrize("m", [1, 7, 16, 97])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_rows_matches_reference(algebra: str, unequal: bool, m: int,
+                                      dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(hash((algebra, unequal, m)) % 2**31)
+    torch.manual_seed(m)
+    layer = _layer(algebra, unequal).to(dtype)
+    x = torch.randn(m, layer.in_features, generator=gen).to(dtype)
+    for types in (torch.randint(0, layer.q, (m,), generator=gen), torch.full((m,), layer.q - 1)):
+        err_fast, err_plain = _errors(layer, x, types)
+        eps = torch.finfo(dtype).eps
+        assert err_fast <= 2 * err_plain + 8 * eps * layer.in_features**0.5, (err_fast, err_plain)
+
+
+def test_fused_rows_long_rows_and_leading_dims() -> None:
+    """A 1025-wide input (segments longer than the 32-lane unroll, with a tail) and
+    leading batch dims (2, 3, 1), as a decode step of a batch would have."""
+    gen = torch.Generator().manual_seed(5)
+    torch.manual_seed(5)
+    layer = AlgebraLinear(1025 * 4, 97 * 4, "Q2^2", bias=True)
+    x = torch.randn(2, 3, 1, layer.in_features, generator=gen)
+    types = torch.randint(0, 4, (2, 3, 1), generator=gen)
+    err_fast, err_plain = _errors(layer, x, types)
+    assert err_fast <= 2 * err_plain + 8 * torch.finfo(torch.float32).eps * 4100**0.5
+
+
+def test_fused_rows_bf16_falls_back_to_rectangles() -> None:
+    """bf16 is not compiled: the layout runs the PyTorch rectangles instead, still exact."""
+    gen = torch.Generator().manual_seed(9)
+    layer = _layer("Q2^2", unequal=True).to(torch.bfloat16)
+    x = torch.randn(1, layer.in_features, generator=gen).to(torch.bfloat16)
+    err_fast, err_plain = _errors(layer, x, torch.tensor([2]))
+    assert err_fast <= 2 * err_plain + 1e-6
+
+
+def test_fused_rows_is_chosen_for_cpu_decode_and_grads_flow() -> None:
+    layer = AlgebraLinear(64, 32, "Q2^2")
+    one = torch.tensor([3])
+    assert choose_layout(layer.plan, layer.partition(one)) == "fused-rows"
+    many = torch.arange(FUSED_ROWS_MAX_ROWS + 1) % 4
+    assert choose_layout(layer.plan, layer.partition(many)) != "fused-rows"
+    x = torch.randn(1, 64, requires_grad=True)  # training through it: diag-first backward
+    layer(x, one).sum().backward()
+    dense = layer.to_dense(3)  # (out, in) effective weight of type 3
+    torch.testing.assert_close(x.grad, dense.sum(0, keepdim=True), rtol=1e-5, atol=1e-5)
+
+
+def test_segment_tables_merge_adjacent_groups() -> None:
+    layer = AlgebraLinear(8, 8, "Q4")  # type a reads group d and group a for output group d
+    out_group, ptr, lo, hi = cpu_kernels.segment_tables(layer.plan)
+    assert out_group.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    q = 4
+    segs = {(a, d): list(zip(lo[ptr[a * q + d]:ptr[a * q + d + 1]].tolist(),
+                             hi[ptr[a * q + d]:ptr[a * q + d + 1]].tolist(), strict=True))
+            for a in range(q) for d in range(q)}
+    assert segs[(1, 1)] == [(2, 4)]  # the diagonal block only
+    assert segs[(1, 2)] == [(2, 6)]  # groups 1 and 2: adjacent, one segment
+    assert segs[(0, 3)] == [(0, 2), (6, 8)]  # groups 0 and 3: two segments
+
+
+def test_kernel_rejects_bad_input() -> None:
+    layer = AlgebraLinear(8, 8, "Q4")
+    part = layer.partition(torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="dtype mismatch"):
+        cpu_kernels.fused_rows_linear(torch.randn(1, 8, dtype=torch.float64),
+                                      layer.weight.detach(), layer.plan, part)
+    with pytest.raises(RuntimeError, match=r"x \(M, K\) and w \(N, K\)"):
+        cpu_kernels.fused_rows_linear(torch.randn(1, 9), layer.weight.detach(), layer.plan, part)
+
+
+def test_build_failure_warns_and_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.utils import cpp_extension
+
+    def broken(**_: object) -> None:
+        raise OSError("no compiler here")
+
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    monkeypatch.setattr(cpu_kernels, "_STATE", {})
+    with pytest.warns(RuntimeWarning, match="no compiler here"):
+        assert not cpu_kernels.fused_rows_available()
+    layer = AlgebraLinear(8, 8, "Q2^2")
+    assert choose_layout(layer.plan, layer.partition(torch.tensor([1]))) == "output-major"
+    monkeypatch.setattr(cpu_kernels, "_STATE", {})
+    monkeypatch.setenv("STRUCTLM_CPU_KERNELS", "0")
+    assert not cpu_kernels.fused_rows_available()  # disabled: no build, no warning
