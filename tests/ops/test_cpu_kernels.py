@@ -93,26 +93,43 @@ def test_fused_rows_is_chosen_for_cpu_decode_and_grads_flow() -> None:
     torch.testing.assert_close(x.grad, dense.sum(0, keepdim=True), rtol=1e-5, atol=1e-5)
 
 
-def test_segment_tables_merge_adjacent_groups() -> None:
-    layer = AlgebraLinear(8, 8, "Q4")  # type a reads group d and group a for output group d
-    out_group, ptr, lo, hi = cpu_kernels.segment_tables(layer.plan)
-    assert out_group.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+def test_segment_tables_and_packing() -> None:
+    layer = AlgebraLinear(8, 12, "Q4")  # type a reads groups d and a for output group d
+    out_off, in_off, blk_off, uses = cpu_kernels.segment_tables(layer.plan)
+    assert out_off.tolist() == [0, 3, 6, 9, 12] and in_off.tolist() == [0, 2, 4, 6, 8]
     q = 4
-    segs = {(a, d): list(zip(lo[ptr[a * q + d]:ptr[a * q + d + 1]].tolist(),
-                             hi[ptr[a * q + d]:ptr[a * q + d + 1]].tolist(), strict=True))
-            for a in range(q) for d in range(q)}
-    assert segs[(1, 1)] == [(2, 4)]  # the diagonal block only
-    assert segs[(1, 2)] == [(2, 6)]  # groups 1 and 2: adjacent, one segment
-    assert segs[(0, 3)] == [(0, 2), (6, 8)]  # groups 0 and 3: two segments
+    groups = {(a, d): torch.nonzero(uses[a, d]).flatten().tolist()
+              for a in range(q) for d in range(q)}
+    assert groups[(1, 1)] == [1]  # the diagonal block only
+    assert groups[(1, 2)] == [1, 2]
+    assert groups[(0, 3)] == [0, 3]
+    w = layer.weight.detach()
+    packed = cpu_kernels.pack_blocks(w, layer.plan)
+    d, b = 2, 3  # block (2, 3) = rows 6:9, columns 6:8, row-major at blk_off[2*q + 3]
+    start = int(blk_off[d * q + b])
+    assert torch.equal(packed[start:start + 6].view(3, 2), w[6:9, 6:8])
+    assert cpu_kernels.packed_weight(w, layer.plan) is cpu_kernels.packed_weight(w, layer.plan)
+
+
+def test_packed_copy_follows_in_place_updates() -> None:
+    """An optimizer step between decode calls must not leave a stale packed copy."""
+    gen = torch.Generator().manual_seed(4)
+    layer = AlgebraLinear(16, 8, "Q2^2")
+    x, one = torch.randn(1, 16, generator=gen), torch.tensor([2])
+    with torch.no_grad():
+        before = layer(x, one)
+        layer.weight.mul_(2.0)  # in place: bumps the weight's version
+        after = layer(x, one)
+    torch.testing.assert_close(after, 2 * before)
 
 
 def test_kernel_rejects_bad_input() -> None:
     layer = AlgebraLinear(8, 8, "Q4")
     part = layer.partition(torch.tensor([0]))
-    with pytest.raises(RuntimeError, match="dtype mismatch"):
+    with pytest.raises(TypeError, match="dtype"):
         cpu_kernels.fused_rows_linear(torch.randn(1, 8, dtype=torch.float64),
                                       layer.weight.detach(), layer.plan, part)
-    with pytest.raises(RuntimeError, match=r"x \(M, K\) and w \(N, K\)"):
+    with pytest.raises(ValueError, match="do not fit the plan"):
         cpu_kernels.fused_rows_linear(torch.randn(1, 9), layer.weight.detach(), layer.plan, part)
 
 
@@ -131,3 +148,21 @@ def test_build_failure_warns_and_falls_back(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(cpu_kernels, "_STATE", {})
     monkeypatch.setenv("STRUCTLM_CPU_KERNELS", "0")
     assert not cpu_kernels.fused_rows_available()  # disabled: no build, no warning
+
+
+def test_stale_build_lock_is_removed(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An interrupted build leaves a lock torch would wait on forever; an old one goes."""
+    import os
+    import time
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    path = cpu_kernels._build_directory("x")
+    assert path == tmp_path / "structlm" / "x"
+    lock = path / "lock"
+    lock.touch()
+    cpu_kernels._build_directory("x")
+    assert lock.exists()  # fresh: another process may be building right now
+    old = time.time() - 2 * cpu_kernels._STALE_LOCK_S
+    os.utime(lock, (old, old))
+    cpu_kernels._build_directory("x")
+    assert not lock.exists()

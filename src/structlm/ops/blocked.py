@@ -57,7 +57,7 @@ GATHER_MIN_Q = 4
 #: Largest batch (all rows of one type, e.g. cached decode) for the output-major layout.
 OUTPUT_MAJOR_MAX_ROWS = 64
 #: Largest batch for the compiled fused-rows layout (CPU decode; see :mod:`.cpu_kernels`).
-FUSED_ROWS_MAX_ROWS = 16
+FUSED_ROWS_MAX_ROWS = 4
 #: Layout forced by :func:`force_layout` (tests run every layout on every plan).
 _FORCED_LAYOUT: list[str] = []
 
