@@ -93,9 +93,9 @@ def test_fused_rows_is_chosen_for_cpu_decode_and_grads_flow() -> None:
     torch.testing.assert_close(x.grad, dense.sum(0, keepdim=True), rtol=1e-5, atol=1e-5)
 
 
-def test_segment_tables_and_packing() -> None:
+def test_block_tables_and_packing() -> None:
     layer = AlgebraLinear(8, 12, "Q4")  # type a reads groups d and a for output group d
-    out_off, in_off, blk_off, uses = cpu_kernels.segment_tables(layer.plan)
+    out_off, in_off, blk_off, uses = cpu_kernels.block_tables(layer.plan)
     assert out_off.tolist() == [0, 3, 6, 9, 12] and in_off.tolist() == [0, 2, 4, 6, 8]
     q = 4
     groups = {(a, d): torch.nonzero(uses[a, d]).flatten().tolist()

@@ -14,8 +14,9 @@ Five layouts, all doing exactly the MACs of the cost model in forward, ``dX`` an
   b0:b1]`` (one GEMM each, no batched diagonal GEMM, no gathers); the backward is
   diag-first's.
 * **fused-rows** (CPU, float32/float64, at most ``FUSED_ROWS_MAX_ROWS`` rows, any types):
-  one call of a compiled kernel (:mod:`.cpu_kernels`) that reads, per output row,
-  exactly the input segments each row's type uses; the backward is diag-first's.
+  one call of a compiled kernel (:mod:`.cpu_kernels`) that streams through exactly the
+  blocks the rows' types use, in a block-contiguous copy of the weight; the backward
+  is diag-first's.
   Where the kernel cannot be built it is never chosen.
 * **row-first gathered** (``Q_q``-shaped supports, equal widths, every type with
   the same small number of rows, e.g. ``M = 32`` cyclic): each type's full weight

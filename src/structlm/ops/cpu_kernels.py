@@ -27,6 +27,7 @@ import warnings
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -35,12 +36,12 @@ from .plan import BlockPlan
 
 __all__ = [
     "FUSED_ROWS_DTYPES",
+    "block_tables",
     "fused_rows_available",
     "fused_rows_linear",
     "fused_rows_macs",
     "pack_blocks",
     "packed_weight",
-    "segment_tables",
 ]
 
 #: dtypes the kernel is compiled for (others fall back to the PyTorch layouts).
@@ -99,7 +100,7 @@ def fused_rows_available() -> bool:
     return _module() is not None
 
 
-def segment_tables(plan: BlockPlan) -> tuple[torch.Tensor, ...]:
+def block_tables(plan: BlockPlan) -> tuple[torch.Tensor, ...]:
     """The plan's support as tables for the kernel (cached on the plan).
 
     Returns ``(out_off, in_off, blk_off, uses)``: the output and input group offsets;
@@ -107,7 +108,7 @@ def segment_tables(plan: BlockPlan) -> tuple[torch.Tensor, ...]:
     (uint8) says whether type ``a`` reads block ``(d, b)`` (output group ``d``, input
     group ``b``).
     """
-    cached = plan.__dict__.get("_segment_tables")
+    cached = plan.__dict__.get("_block_tables")
     if cached is not None:
         return cached
     q, io, oo = plan.q, plan.in_offsets, plan.out_offsets
@@ -116,13 +117,10 @@ def segment_tables(plan: BlockPlan) -> tuple[torch.Tensor, ...]:
         for b in range(q):
             blk_off.append(pos)
             pos += (oo[d + 1] - oo[d]) * (io[b + 1] - io[b])
-    uses = torch.zeros(q, q, q, dtype=torch.uint8)
-    for a, rects in enumerate(plan.type_rects):
-        for d0, d1, b0, b1 in rects:
-            uses[a, d0:d1, b0:b1] = 1
+    uses = torch.from_numpy(np.ascontiguousarray(plan.type_blocks.transpose(0, 2, 1), np.uint8))
     tables = (torch.tensor(oo, dtype=torch.int64), torch.tensor(io, dtype=torch.int64),
               torch.tensor(blk_off, dtype=torch.int64), uses)
-    plan.__dict__["_segment_tables"] = tables
+    plan.__dict__["_block_tables"] = tables
     return tables
 
 
@@ -149,7 +147,7 @@ def packed_weight(w: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
 
 def fused_rows_macs(plan: BlockPlan, part: TypePartition) -> int:
     """Multiply-adds the kernel performs for ``part``'s rows: its loop bounds, summed."""
-    oo, io, _, uses = segment_tables(plan)
+    oo, io, _, uses = block_tables(plan)
     block_macs = torch.outer(oo.diff(), io.diff())  # (d, b): rows x width
     counts = torch.tensor(part.counts, dtype=torch.int64)
     return int((counts[:, None, None] * uses.long() * block_macs).sum())
@@ -173,5 +171,5 @@ def fused_rows_linear(x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(w.shape)} do not fit the plan "
                          f"(in {plan.in_features}, out {plan.out_features})")
     types = part.types if part.types.dtype == torch.int64 else part.types.long()
-    return mod.fused_rows_forward(x, packed_weight(w, plan), types, *segment_tables(plan),
+    return mod.fused_rows_forward(x, packed_weight(w, plan), types, *block_tables(plan),
                                   plan.q)

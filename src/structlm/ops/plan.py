@@ -125,19 +125,22 @@ class BlockPlan:
         return any(len(types) > 1 for *_, types in self.shared_runs)
 
     @cached_property
+    def type_blocks(self) -> np.ndarray:
+        """``(q, q, q)`` bool: ``[alpha, beta, delta]`` = type ``alpha`` uses block
+        ``(beta, delta)`` (common blocks included)."""
+        masks = np.zeros((self.q, self.q, self.q), dtype=bool)
+        for beta, d0, d1 in self.common_runs:
+            masks[:, beta, d0:d1] = True
+        for alpha, runs in enumerate(self.type_runs):
+            for beta, d0, d1 in runs:
+                masks[alpha, beta, d0:d1] = True
+        return masks
+
+    @cached_property
     def type_rects(self) -> tuple[tuple[Rect, ...], ...]:
         """Per type, every block it uses (common ones included) as output-major
         rectangles (see :func:`_output_major_rects`)."""
-        common = np.zeros((self.q, self.q), dtype=bool)
-        for beta, d0, d1 in self.common_runs:
-            common[beta, d0:d1] = True
-        own = []
-        for runs in self.type_runs:
-            m = common.copy()
-            for beta, d0, d1 in runs:
-                m[beta, d0:d1] = True
-            own.append(_output_major_rects(m))
-        return tuple(own)
+        return tuple(_output_major_rects(m) for m in self.type_blocks)
 
     @cached_property
     def diag_plus_row(self) -> bool:

@@ -87,6 +87,9 @@ torch::Tensor fused_rows_forward(torch::Tensor x, torch::Tensor packed, torch::T
               x.scalar_type(), ", the weight ", packed.scalar_type());
   TORCH_CHECK(types.scalar_type() == at::kLong && types.numel() == M,
               "fused_rows: one int64 type per row expected");
+  TORCH_CHECK(out_off.is_contiguous() && in_off.is_contiguous() && blk_off.is_contiguous() &&
+                  uses.is_contiguous(),
+              "fused_rows: contiguous tables expected");
   TORCH_CHECK(uses.scalar_type() == at::kByte && uses.numel() % (q * q) == 0,
               "fused_rows: a uint8 (types, q, q) block-use table expected");
   x = x.contiguous();
