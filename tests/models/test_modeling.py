@@ -39,6 +39,38 @@ def test_cached_generation_matches_full_forward(algebra: str, schedule: str) -> 
     torch.testing.assert_close(steps, full[:, prompt.shape[1] - 1:-1], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("algebra", ["dense", "Q2^2"])
+def test_cpu_decode_runs_on_the_rows_kernel(algebra: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cached decode step runs every FFN as one compiled call (dense and algebra alike)
+    and every other projection on the same kernel, and still matches the full forward."""
+    from structlm.ops import cpu_kernels
+
+    if not cpu_kernels.fused_rows_available():
+        pytest.skip("no C++ compiler: the rows kernel cannot be built")
+    calls = {"swiglu": 0, "dense": 0}
+    swiglu, dense = cpu_kernels.swiglu_rows, cpu_kernels.dense_rows_linear
+
+    def count(name: str, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(cpu_kernels, "swiglu_rows", count("swiglu", swiglu))
+    monkeypatch.setattr(cpu_kernels, "dense_rows_linear", count("dense", dense))
+    model = _model(algebra, "cyclic")
+    ids = torch.randint(0, 512, (1, 6))
+    with torch.no_grad():
+        out = model(ids[:, :5], use_cache=True)
+        assert calls == {"swiglu": 0, "dense": 0}  # prefill: 5 rows, the PyTorch path
+        step = model(ids[:, 5:], cache=out.cache, use_cache=True).logits[:, -1]
+        full = model(ids).logits[:, -1]
+    layers = model.config.num_hidden_layers
+    assert calls == {"swiglu": layers, "dense": 2 * layers + 1}  # qkv, proj; LM head
+    torch.testing.assert_close(step, full, rtol=1e-4, atol=1e-4)
+
+
 def test_chunked_prefill_equals_one_shot() -> None:
     model = _model()
     ids = torch.randint(0, 512, (3, 23))

@@ -1,5 +1,10 @@
 """The paper's decoder as a Hugging Face model, with ``AlgebraLinear`` SwiGLU FFNs.
 
+Every dense projection (attention, LM head, a dense FFN) is a
+:class:`~structlm.nn.DecodeLinear`: an ``nn.Linear`` whose CPU decode steps run on the
+same compiled few-row kernel as the algebra layers, so a dense-vs-algebra decode
+comparison measures the algebra, not a kernel difference.
+
 Position types come from *absolute* positions (``position_ids``) through the
 config's schedule, identically in training, full or chunked prefill and cached
 decoding; during decode only the new tokens' types are computed. The row sets of the
@@ -17,9 +22,12 @@ from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from ..algebra import get_algebra
-from ..nn import AlgebraLinear, get_schedule
+from ..nn import AlgebraLinear, DecodeLinear, get_schedule
+from ..ops import cpu_kernels
+from ..ops.blocked import FUSED_ROWS_MAX_ROWS
 from ..ops.partition import TypePartition
 from .configuration_structlm import StructLMConfig
+from .kv_cache import GrowingKVCache, use_growing_layers
 
 __all__ = ["StructLMForCausalLM", "StructLMModel", "StructLMPreTrainedModel"]
 
@@ -36,10 +44,10 @@ class StructLMAttention(nn.Module):
         self.n_head = config.num_attention_heads
         self.d_model = config.hidden_size
         self.layer_idx = layer_idx
-        self.qkv = nn.Linear(self.d_model, 3 * self.d_model, bias=True)
-        self.proj = nn.Linear(self.d_model, self.d_model, bias=True)
+        self.qkv = DecodeLinear(self.d_model, 3 * self.d_model, bias=True)
+        self.proj = DecodeLinear(self.d_model, self.d_model, bias=True)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor,
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None,
                 cache: DynamicCache | None) -> torch.Tensor:
         b, t, d = x.shape  # (B, T, D)
         q, k, v = self.qkv(x).split(d, dim=2)
@@ -58,17 +66,46 @@ class StructLMMLP(nn.Module):
         super().__init__()
         d, f = config.hidden_size, config.intermediate_size
         if _is_dense(config):
-            make = lambda i, o: nn.Linear(i, o, bias=False)  # noqa: E731
+            make = lambda i, o: DecodeLinear(i, o, bias=False)  # noqa: E731
         else:
             make = lambda i, o: AlgebraLinear(i, o, config.algebra, bias=False)  # noqa: E731
         self.gate, self.up, self.down = make(d, f), make(d, f), make(f, d)
+        # gate and up share one plan in the fused decode call: same algebra and widths
+        self._algebra_fusable = not _is_dense(config)
 
     def forward(self, x: torch.Tensor, types: torch.Tensor | TypePartition | None
                 ) -> torch.Tensor:
+        y = self._decode_forward(x, types)  # (B, T, D) for a CPU decode step, else None
+        if y is not None:
+            return y
         if types is None:  # dense
             return self.down(F.silu(self.gate(x)) * self.up(x))
         h = F.silu(self.gate(x, types)) * self.up(x, types)  # (B, T, F)
         return self.down(h, types)  # (B, T, D)
+
+
+    def _decode_forward(self, x: torch.Tensor, types: torch.Tensor | TypePartition | None
+                        ) -> torch.Tensor | None:
+        """A CPU decode step's FFN in one compiled call (``cpu_kernels.swiglu_rows``),
+        dense and algebra alike; ``None`` where the kernel does not apply."""
+        d = x.shape[-1]
+        gate, up, down = self.gate, self.up, self.down
+        if (x.numel() > FUSED_ROWS_MAX_ROWS * d
+                or not cpu_kernels.rows_kernel_applies(x, gate.weight)):
+            return None
+        x2 = x.reshape(-1, d)  # (M, D)
+        if types is None:
+            if not (up.weight.is_contiguous() and down.weight.is_contiguous()):
+                return None
+            y2 = cpu_kernels.swiglu_rows(x2, gate.weight, up.weight, down.weight)
+        elif (type(types) is TypePartition and self._algebra_fusable
+              and gate.decodes_on_kernel(x, types) and up.decodes_on_kernel(x, types)
+              and down.decodes_on_kernel(x, types, check_shape=False)):
+            y2 = cpu_kernels.swiglu_rows(x2, gate.weight, up.weight, down.weight,
+                                         (gate.plan, down.plan), types)
+        else:
+            return None
+        return y2.view(x.shape)
 
 
 class StructLMBlock(nn.Module):
@@ -81,7 +118,7 @@ class StructLMBlock(nn.Module):
         self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
         self.mlp = StructLMMLP(config)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, cache: DynamicCache | None,
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cache: DynamicCache | None,
                 types: torch.Tensor | TypePartition | None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), mask, cache)
         return x + self.mlp(self.ln_2(x), types)
@@ -160,7 +197,7 @@ class StructLMModel(StructLMPreTrainedModel):
         x = self.wte(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, D)
         b, t = x.shape[:2]
         if use_cache and cache is None:
-            cache = DynamicCache()
+            cache = GrowingKVCache()
         past = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(past, past + t, device=x.device).expand(b, t)
@@ -170,7 +207,7 @@ class StructLMModel(StructLMPreTrainedModel):
                 raise ValueError(f"position {top} is beyond the context "
                                  f"n_positions={self.config.n_positions}")
         x = x + self.wpe(position_ids)
-        mask = self._attention_mask(attention_mask, b, t, past, x.device)  # (B, 1, T, S)
+        mask = self._attention_mask(attention_mask, b, t, past, x.device)  # (B, 1, T, S) | None
         types = self.position_types(position_ids)
         for block in self.h:
             x = block(x, mask, cache, types)
@@ -178,10 +215,15 @@ class StructLMModel(StructLMPreTrainedModel):
 
     @staticmethod
     def _attention_mask(attention_mask: torch.Tensor | None, b: int, t: int, past: int,
-                        device: torch.device) -> torch.Tensor:
+                        device: torch.device) -> torch.Tensor | None:
         """Boolean ``(B, 1, T, past + T)``: causal over cache order, minus padding; a
-        query always sees itself (fully padded rows stay finite)."""
+        query always sees itself (fully padded rows stay finite). ``None`` for one new
+        token without padding (it sees every key; SDPA skips the mask)."""
         s = past + t
+        if t == 1 and (attention_mask is None or (
+                device.type == "cpu" and not torch.compiler.is_compiling()
+                and bool(attention_mask[:, -s:].all()))):
+            return None
         qpos = torch.arange(past, s, device=device)[:, None]
         kpos = torch.arange(s, device=device)[None, :]
         mask = (kpos <= qpos).expand(b, 1, t, s)
@@ -199,7 +241,7 @@ class StructLMForCausalLM(StructLMPreTrainedModel, GenerationMixin):
     def __init__(self, config: StructLMConfig) -> None:
         super().__init__(config)
         self.transformer = StructLMModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = DecodeLinear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -207,6 +249,16 @@ class StructLMForCausalLM(StructLMPreTrainedModel, GenerationMixin):
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.transformer.wte = value
+
+    def _prepare_cache_for_generation(self, generation_config: Any, model_kwargs: dict,
+                                      *args: Any, **kwargs: Any) -> Any:
+        """``generate``'s default ``DynamicCache``, with layers that append in place
+        (:mod:`.kv_cache`); a cache the caller passes is used as given."""
+        out = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args,
+                                                    **kwargs)
+        if model_kwargs.get("cache") is not None:
+            use_growing_layers(model_kwargs["cache"])
+        return out
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head

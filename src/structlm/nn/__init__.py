@@ -1,12 +1,14 @@
-"""Modules: AlgebraLinear and position-type schedules."""
+"""Modules: AlgebraLinear, DecodeLinear and position-type schedules."""
 
 from .algebra_linear import AlgebraLinear
+from .decode_linear import DecodeLinear
 from .schedules import BlockSchedule, CyclicSchedule, TableSchedule, TypeSchedule, get_schedule
 
 __all__ = [
     "AlgebraLinear",
     "BlockSchedule",
     "CyclicSchedule",
+    "DecodeLinear",
     "TableSchedule",
     "TypeSchedule",
     "get_schedule",

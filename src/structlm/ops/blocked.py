@@ -46,6 +46,7 @@ __all__ = [
     "blocked_linear",
     "choose_layout",
     "force_layout",
+    "forced_layout",
     "use_gathered_layout",
 ]
 
@@ -99,6 +100,11 @@ def force_layout(name: str) -> Iterator[None]:
         yield
     finally:
         _FORCED_LAYOUT.pop()
+
+
+def forced_layout() -> str | None:
+    """The layout :func:`force_layout` currently forces, if any."""
+    return _FORCED_LAYOUT[-1] if _FORCED_LAYOUT else None
 
 
 def use_gathered_layout(plan: BlockPlan, part: TypePartition) -> bool:

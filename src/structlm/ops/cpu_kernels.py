@@ -1,5 +1,12 @@
 """A compiled CPU kernel for few-row products (cached decode): ``fused-rows``.
 
+The same kernel with the trivial support (one group) is the dense few-row GEMV
+(:func:`dense_rows_linear`, used by :class:`~structlm.nn.DecodeLinear`), so the dense
+and the algebra layers of a decode step run on one kernel: on this project's 2-core
+machine PyTorch's own GEMV (MKL) streams weights at ~9 GB/s, the kernel at ~16 GB/s,
+and comparing an algebra layer on the kernel with a dense layer on MKL would credit
+the algebra with the kernel's advantage.
+
 At ``M = 1`` every extra GEMM call costs ~25 µs of fixed overhead on 2 threads, so
 the pure-PyTorch layouts (1 + runs calls, or a few rectangles) cannot turn the
 support's smaller weight reads into time. ``fused-rows`` does the whole projection in
@@ -37,17 +44,21 @@ from .plan import BlockPlan
 __all__ = [
     "FUSED_ROWS_DTYPES",
     "block_tables",
+    "dense_rows_linear",
     "fused_rows_available",
     "fused_rows_linear",
     "fused_rows_macs",
     "pack_blocks",
     "packed_weight",
+    "rows_kernel_applies",
+    "swiglu_rows",
 ]
 
 #: dtypes the kernel is compiled for (others fall back to the PyTorch layouts).
 FUSED_ROWS_DTYPES = (torch.float32, torch.float64)
 _SOURCE = Path(__file__).parent / "csrc" / "fused_rows.cpp"
-_FLAGS = ["-O3", "-march=native"]
+#: -fopenmp matters: without it ATen's parallel_for runs serially inside an extension
+_FLAGS = ["-O3", "-march=native", "-fopenmp"]
 _STATE: dict[str, ModuleType | None] = {}
 #: a build lock older than this is left over from an interrupted build
 _STALE_LOCK_S = 900
@@ -75,7 +86,8 @@ def _build() -> ModuleType | None:
     name = f"structlm_fused_rows_{digest}"
     try:
         return cpp_extension.load(
-            name=name, sources=[str(_SOURCE)], extra_cflags=_FLAGS, verbose=False,
+            name=name, sources=[str(_SOURCE)], extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"], verbose=False,
             build_directory=str(_build_directory(name)),
         )
     except Exception as exc:  # no compiler, no ninja, unsupported flags: fall back
@@ -100,6 +112,19 @@ def fused_rows_available() -> bool:
     return _module() is not None
 
 
+def rows_kernel_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether a few-row product of ``x`` and ``w`` can run on the kernel: CPU, float32 /
+    float64, no autograd graph to record, not traced or compiled, the kernel built.
+
+    Cheap enough to call on every layer call (a handful of attribute reads); the row
+    count is the caller's to check.
+    """
+    return (x.device.type == "cpu" and x.dtype in FUSED_ROWS_DTYPES and w.dtype == x.dtype
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+            and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+            and w.is_contiguous() and fused_rows_available())
+
+
 def block_tables(plan: BlockPlan) -> tuple[torch.Tensor, ...]:
     """The plan's support as tables for the kernel (cached on the plan).
 
@@ -122,6 +147,18 @@ def block_tables(plan: BlockPlan) -> tuple[torch.Tensor, ...]:
               torch.tensor(blk_off, dtype=torch.int64), uses)
     plan.__dict__["_block_tables"] = tables
     return tables
+
+
+def dense_tables(n: int, k: int) -> tuple[torch.Tensor, ...]:
+    """The trivial support's tables (one group, one block) for an ``(n, k)`` weight."""
+    key = (n, k)
+    if key not in _DENSE_TABLES:
+        _DENSE_TABLES[key] = (torch.tensor([0, n]), torch.tensor([0, k]), torch.tensor([0]),
+                              torch.ones(1, 1, 1, dtype=torch.uint8))
+    return _DENSE_TABLES[key]
+
+
+_DENSE_TABLES: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
 
 
 def pack_blocks(w: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
@@ -154,8 +191,9 @@ def fused_rows_macs(plan: BlockPlan, part: TypePartition) -> int:
 
 
 def fused_rows_linear(x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
-                      part: TypePartition) -> torch.Tensor:
-    """``(M, K) -> (M, N)``: ``y = x W_eff(type)^T`` in one compiled call (CPU, no autograd).
+                      part: TypePartition, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``(M, K) -> (M, N)``: ``y = x W_eff(type)^T (+ bias)`` in one compiled call (CPU,
+    no autograd).
 
     Reads a block-contiguous copy of ``w`` (:func:`packed_weight`).
 
@@ -172,4 +210,49 @@ def fused_rows_linear(x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
                          f"(in {plan.in_features}, out {plan.out_features})")
     types = part.types if part.types.dtype == torch.int64 else part.types.long()
     return mod.fused_rows_forward(x, packed_weight(w, plan), types, *block_tables(plan),
-                                  plan.q)
+                                  plan.q, bias)
+
+
+def dense_rows_linear(x: torch.Tensor, w: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``(M, K) -> (M, N)``: ``y = x W^T (+ bias)`` for a few rows on the same kernel
+    (one group, one block: ``w`` is read in place, no copy). CPU, no autograd.
+
+    Raises:
+        RuntimeError: when the kernel is not available (see :func:`fused_rows_available`).
+    """
+    mod = _module()
+    if mod is None:
+        raise RuntimeError("the CPU fused-rows kernel is not available (see the warning above)")
+    if x.dtype != w.dtype:
+        raise TypeError(f"x has dtype {x.dtype} but the weight has {w.dtype}")
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(w.shape)} do not fit: "
+                         "expected x (M, K) and weight (N, K)")
+    return mod.dense_rows_forward(x, w.contiguous(), bias)
+
+
+def swiglu_rows(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                plans: tuple[BlockPlan, BlockPlan] | None = None,
+                part: TypePartition | None = None) -> torch.Tensor:
+    """``(M, D) -> (M, D)``: ``down(silu(gate(x)) * up(x))`` for a few rows in one compiled
+    call (CPU, no autograd): the decode FFN, one Python call per layer instead of five.
+
+    ``plans = (gate/up plan, down plan)`` and ``part`` for algebra projections (their
+    block-contiguous copies are read); ``None`` for a dense FFN (weights read in place,
+    the same loop with one group).
+    """
+    mod = _module()
+    if mod is None:
+        raise RuntimeError("the CPU fused-rows kernel is not available (see the warning above)")
+    if plans is None:
+        types = torch.zeros(x.shape[0], dtype=torch.int64)
+        return mod.swiglu_rows_forward(x, gate, up, down, types,
+                                       *dense_tables(*gate.shape), *dense_tables(*down.shape), 1)
+    if part is None:
+        raise ValueError("algebra projections need the rows' TypePartition")
+    gu, dn = plans
+    types = part.types if part.types.dtype == torch.int64 else part.types.long()
+    return mod.swiglu_rows_forward(x, packed_weight(gate, gu), packed_weight(up, gu),
+                                   packed_weight(down, dn), types, *block_tables(gu),
+                                   *block_tables(dn), gu.q)
