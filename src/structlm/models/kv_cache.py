@@ -78,8 +78,10 @@ class GrowingKVCache(DynamicCache):
 
 def use_growing_layers(cache: Any) -> Any:
     """Swap a fresh, plain ``DynamicCache``'s empty layers for :class:`GrowingKVLayer`
-    (what ``generate`` builds by default); any other cache is returned untouched."""
+    (what ``generate`` builds by default); any other cache (a caller's own, an offloading
+    one, one already filled) is returned untouched."""
     if (type(cache) is DynamicCache and not getattr(cache, "_is_user_defined", False)
+            and not getattr(cache, "offloading", False)  # offloading moves the tensors
             and all(type(layer) is DynamicLayer and not layer.is_initialized
                     for layer in cache.layers)):
         cache.layers = [GrowingKVLayer() for _ in cache.layers]
