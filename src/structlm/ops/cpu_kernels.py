@@ -190,6 +190,16 @@ def fused_rows_macs(plan: BlockPlan, part: TypePartition) -> int:
     return int((counts[:, None, None] * uses.long() * block_macs).sum())
 
 
+def _kernel_for(x: torch.Tensor, w: torch.Tensor) -> ModuleType:
+    """The compiled module, after the checks every entry point shares."""
+    mod = _module()
+    if mod is None:
+        raise RuntimeError("the CPU fused-rows kernel is not available (see the warning above)")
+    if x.dtype != w.dtype:
+        raise TypeError(f"x has dtype {x.dtype} but the weight has {w.dtype}")
+    return mod
+
+
 def fused_rows_linear(x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
                       part: TypePartition, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``(M, K) -> (M, N)``: ``y = x W_eff(type)^T (+ bias)`` in one compiled call (CPU,
@@ -200,11 +210,7 @@ def fused_rows_linear(x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
     Raises:
         RuntimeError: when the kernel is not available (see :func:`fused_rows_available`).
     """
-    mod = _module()
-    if mod is None:
-        raise RuntimeError("the CPU fused-rows kernel is not available (see the warning above)")
-    if x.dtype != w.dtype:
-        raise TypeError(f"x has dtype {x.dtype} but the weight has {w.dtype}")
+    mod = _kernel_for(x, w)
     if x.shape[-1] != plan.in_features or tuple(w.shape) != (plan.out_features, plan.in_features):
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(w.shape)} do not fit the plan "
                          f"(in {plan.in_features}, out {plan.out_features})")
@@ -221,11 +227,7 @@ def dense_rows_linear(x: torch.Tensor, w: torch.Tensor,
     Raises:
         RuntimeError: when the kernel is not available (see :func:`fused_rows_available`).
     """
-    mod = _module()
-    if mod is None:
-        raise RuntimeError("the CPU fused-rows kernel is not available (see the warning above)")
-    if x.dtype != w.dtype:
-        raise TypeError(f"x has dtype {x.dtype} but the weight has {w.dtype}")
+    mod = _kernel_for(x, w)
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(w.shape)} do not fit: "
                          "expected x (M, K) and weight (N, K)")
@@ -242,9 +244,7 @@ def swiglu_rows(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: tor
     block-contiguous copies are read); ``None`` for a dense FFN (weights read in place,
     the same loop with one group).
     """
-    mod = _module()
-    if mod is None:
-        raise RuntimeError("the CPU fused-rows kernel is not available (see the warning above)")
+    mod = _kernel_for(x, gate)
     if plans is None:
         types = torch.zeros(x.shape[0], dtype=torch.int64)
         return mod.swiglu_rows_forward(x, gate, up, down, types,
