@@ -83,7 +83,6 @@ class StructLMMLP(nn.Module):
         h = F.silu(self.gate(x, types)) * self.up(x, types)  # (B, T, F)
         return self.down(h, types)  # (B, T, D)
 
-
     def _decode_forward(self, x: torch.Tensor, types: torch.Tensor | TypePartition | None
                         ) -> torch.Tensor | None:
         """A CPU decode step's FFN in one compiled call (``cpu_kernels.swiglu_rows``),

@@ -154,23 +154,18 @@ void fused_rows_impl(const T* x, const T* packed, const int64_t* types, const Su
             const int64_t width = s.in_off[b + 1] - s.in_off[b];
             const T* blk = packed + s.blk_off[d * q + b] + (lo - s.out_off[d]) * width;
             int64_t n = lo;
-            // Blocks (short rows, stored back to back): one row at a time, so the
-            // reads form one forward stream. Four rows at once here would be four
-            // streams of a few cache lines each, too short for the prefetchers
-            // (measured: 1.5x slower). Long dense rows: four at a time (x reuse).
-            if (!four_rows) {
-              for (; n < hi; ++n, blk += width) {
+            // Long dense rows: four at a time (each x vector loaded once for four).
+            // Blocks (short rows, stored back to back) go one row at a time below, so
+            // the reads form one forward stream: four at once would be four streams of
+            // a few cache lines each, too short for the prefetchers (measured: 1.5x
+            // slower).
+            if (four_rows) {
+              for (; n + 4 <= hi; n += 4, blk += 4 * width) {
                 for (int64_t k = 0; k < count; ++k) {
                   const int64_t m = rows[k];
-                  acc[m * kChunkRows + (n - c0)] += dot1<T>(x + m * K + s.in_off[b], blk, width);
+                  dot4<T>(x + m * K + s.in_off[b], blk, width, width,
+                          acc.data() + m * kChunkRows + (n - c0));
                 }
-              }
-            }
-            for (; n + 4 <= hi; n += 4, blk += 4 * width) {
-              for (int64_t k = 0; k < count; ++k) {
-                const int64_t m = rows[k];
-                dot4<T>(x + m * K + s.in_off[b], blk, width, width,
-                        acc.data() + m * kChunkRows + (n - c0));
               }
             }
             for (; n < hi; ++n, blk += width) {
