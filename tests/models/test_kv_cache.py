@@ -70,3 +70,32 @@ def test_generate_uses_growing_layers_and_a_user_cache_is_kept() -> None:
     fresh = DynamicCache(config=model.config)
     use_growing_layers(fresh)
     assert all(isinstance(layer, GrowingKVLayer) for layer in fresh.layers)
+
+
+def test_reserve_and_commit_views_keep_the_cache_exact() -> None:
+    """The fused decode step's protocol (reserve, write at ``n``, commit the kernel's
+    views), mixed with crops and ordinary updates, equals ``DynamicCache``."""
+    gen = torch.Generator().manual_seed(2)
+    ours, ref = GrowingKVCache(), DynamicCache()
+    with torch.no_grad():
+        k, v = _kv(gen, 5)
+        ours.update(k, v, 0)
+        ref.update(k, v, 0)
+        layer = ours.layers[0]
+        for step in range(90):  # crosses the capacity (64, then 128)
+            if step == 30:
+                ours.crop(-3)
+                ref.crop(-3)
+            if step == 40:
+                k, v = _kv(gen, 2)
+                ours.update(k, v, 0)
+                ref.update(k, v, 0)
+            k, v = _kv(gen, 1)
+            kb, vb, n = layer.reserve(k, v)
+            assert n == ref.get_seq_length() and kb.shape[-2] > n
+            kb[..., n:n + 1, :] = k
+            vb[..., n:n + 1, :] = v
+            layer.commit_views(kb.narrow(2, 0, n + 1), vb.narrow(2, 0, n + 1))
+            ref.update(k, v, 0)
+            assert torch.equal(layer.keys, ref.layers[0].keys)
+            assert torch.equal(layer.values, ref.layers[0].values)

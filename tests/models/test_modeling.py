@@ -40,34 +40,45 @@ def test_cached_generation_matches_full_forward(algebra: str, schedule: str) -> 
 
 
 @pytest.mark.parametrize("algebra", ["dense", "Q2^2"])
-def test_cpu_decode_runs_on_the_rows_kernel(algebra: str,
+@pytest.mark.parametrize("fused", [True, False])
+def test_cpu_decode_runs_on_the_rows_kernel(algebra: str, fused: bool,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """A cached decode step runs every FFN as one compiled call (dense and algebra alike)
-    and every other projection on the same kernel, and still matches the full forward."""
+    """A cached decode step runs all blocks as one compiled call (dense and algebra
+    alike) with our cache, or, with a plain ``DynamicCache``, every FFN as one compiled
+    call and every other projection on the same kernel; both match the full forward."""
+    from transformers import DynamicCache
+
+    from structlm.models.kv_cache import GrowingKVCache
     from structlm.ops import cpu_kernels
 
     if not cpu_kernels.fused_rows_available():
         pytest.skip("no C++ compiler: the rows kernel cannot be built")
-    calls = {"swiglu": 0, "dense": 0}
-    swiglu, dense = cpu_kernels.swiglu_rows, cpu_kernels.dense_rows_linear
+    calls = {"stack": 0, "swiglu": 0, "dense": 0}
+    originals = {"stack": cpu_kernels.decode_stack, "swiglu": cpu_kernels.swiglu_rows,
+                 "dense": cpu_kernels.dense_rows_linear}
 
-    def count(name: str, fn):
+    def count(name: str):
         def wrapped(*args, **kwargs):
             calls[name] += 1
-            return fn(*args, **kwargs)
+            return originals[name](*args, **kwargs)
         return wrapped
 
-    monkeypatch.setattr(cpu_kernels, "swiglu_rows", count("swiglu", swiglu))
-    monkeypatch.setattr(cpu_kernels, "dense_rows_linear", count("dense", dense))
+    monkeypatch.setattr(cpu_kernels, "decode_stack", count("stack"))
+    monkeypatch.setattr(cpu_kernels, "swiglu_rows", count("swiglu"))
+    monkeypatch.setattr(cpu_kernels, "dense_rows_linear", count("dense"))
     model = _model(algebra, "cyclic")
     ids = torch.randint(0, 512, (1, 6))
     with torch.no_grad():
-        out = model(ids[:, :5], use_cache=True)
-        assert calls == {"swiglu": 0, "dense": 0}  # prefill: 5 rows, the PyTorch path
+        cache = GrowingKVCache() if fused else DynamicCache()
+        out = model(ids[:, :5], cache=cache, use_cache=True)
+        assert calls == {"stack": 0, "swiglu": 0, "dense": 0}  # prefill: the PyTorch path
         step = model(ids[:, 5:], cache=out.cache, use_cache=True).logits[:, -1]
         full = model(ids).logits[:, -1]
     layers = model.config.num_hidden_layers
-    assert calls == {"swiglu": layers, "dense": 2 * layers + 1}  # qkv, proj; LM head
+    if fused:
+        assert calls == {"stack": 1, "swiglu": 0, "dense": 1}  # the blocks; the LM head
+    else:
+        assert calls == {"stack": 0, "swiglu": layers, "dense": 2 * layers + 1}
     torch.testing.assert_close(step, full, rtol=1e-4, atol=1e-4)
 
 

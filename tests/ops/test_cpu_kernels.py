@@ -56,9 +56,12 @@ def test_fused_rows_matches_reference(algebra: str, unequal: bool, m: int,
     layer = _layer(algebra, unequal).to(dtype)
     x = torch.randn(m, layer.in_features, generator=gen).to(dtype)
     for types in (torch.randint(0, layer.q, (m,), generator=gen), torch.full((m,), layer.q - 1)):
-        err_fast, err_plain = _errors(layer, x, types)
-        eps = torch.finfo(dtype).eps
-        assert err_fast <= 2 * err_plain + 8 * eps * layer.in_features**0.5, (err_fast, err_plain)
+        for copy in cpu_kernels.DECODE_COPIES:  # one type: typed or block copy; mixed: block
+            with cpu_kernels.decode_copy(copy):
+                err_fast, err_plain = _errors(layer, x, types)
+            eps = torch.finfo(dtype).eps
+            assert err_fast <= 2 * err_plain + 8 * eps * layer.in_features**0.5, (
+                copy, err_fast, err_plain)
 
 
 def test_fused_rows_long_rows_and_leading_dims() -> None:
@@ -68,9 +71,9 @@ def test_fused_rows_long_rows_and_leading_dims() -> None:
     torch.manual_seed(5)
     layer = AlgebraLinear(1025 * 4, 97 * 4, "Q2^2", bias=True)
     x = torch.randn(2, 3, 1, layer.in_features, generator=gen)
-    types = torch.randint(0, 4, (2, 3, 1), generator=gen)
-    err_fast, err_plain = _errors(layer, x, types)
-    assert err_fast <= 2 * err_plain + 8 * torch.finfo(torch.float32).eps * 4100**0.5
+    for types in (torch.randint(0, 4, (2, 3, 1), generator=gen), torch.full((2, 3, 1), 1)):
+        err_fast, err_plain = _errors(layer, x, types)  # mixed: block copy; one: typed
+        assert err_fast <= 2 * err_plain + 8 * torch.finfo(torch.float32).eps * 4100**0.5
 
 
 def test_fused_rows_bf16_falls_back_to_rectangles() -> None:
@@ -110,6 +113,17 @@ def test_block_tables_and_packing() -> None:
     start = int(blk_off[d * q + b])
     assert torch.equal(packed[start:start + 6].view(3, 2), w[6:9, 6:8])
     assert cpu_kernels.packed_weight(w, layer.plan) is cpu_kernels.packed_weight(w, layer.plan)
+    # typed copies: type after type, group after group, each row its blocks back to back
+    typed = cpu_kernels.pack_types(w, layer.plan)
+    pos = 0
+    for a in range(q):
+        for d in range(q):
+            rows = w[3 * d:3 * d + 3]
+            want = torch.cat([rows[:, 2 * b:2 * b + 2] for b in groups[(a, d)]], dim=1)
+            assert torch.equal(typed[pos:pos + want.numel()].view_as(want), want)
+            pos += want.numel()
+    assert pos == typed.numel() == sum(3 * 2 * len(g) for g in groups.values())
+    assert cpu_kernels.typed_weight(w, layer.plan) is cpu_kernels.typed_weight(w, layer.plan)
 
 
 def test_packed_copy_follows_in_place_updates() -> None:
@@ -117,11 +131,12 @@ def test_packed_copy_follows_in_place_updates() -> None:
     gen = torch.Generator().manual_seed(4)
     layer = AlgebraLinear(16, 8, "Q2^2")
     x, one = torch.randn(1, 16, generator=gen), torch.tensor([2])
-    with torch.no_grad():
-        before = layer(x, one)
-        layer.weight.mul_(2.0)  # in place: bumps the weight's version
-        after = layer(x, one)
-    torch.testing.assert_close(after, 2 * before)
+    for copy in cpu_kernels.DECODE_COPIES:
+        with torch.no_grad(), cpu_kernels.decode_copy(copy):
+            before = layer(x, one)
+            layer.weight.mul_(2.0)  # in place: bumps the weight's version
+            after = layer(x, one)
+        torch.testing.assert_close(after, 2 * before)
 
 
 def test_kernel_rejects_bad_input() -> None:
@@ -132,6 +147,21 @@ def test_kernel_rejects_bad_input() -> None:
                                       layer.weight.detach(), layer.plan, part)
     with pytest.raises(ValueError, match="do not fit the plan"):
         cpu_kernels.fused_rows_linear(torch.randn(1, 9), layer.weight.detach(), layer.plan, part)
+    mod, tables = cpu_kernels._module(), cpu_kernels.block_tables(layer.plan)
+    typed = cpu_kernels.typed_weight(layer.weight.detach(), layer.plan)
+    with pytest.raises(RuntimeError, match="every row must have one type"):
+        mod.typed_rows_forward(torch.randn(2, 8), typed, torch.tensor([0, 1]), *tables, 4, None)
+    with pytest.raises(RuntimeError, match="type 4 outside"):
+        mod.typed_rows_forward(torch.randn(1, 8), typed, torch.tensor([4]), *tables, 4, None)
+    with pytest.raises(RuntimeError, match="type -1 outside"):
+        mod.fused_rows_forward(torch.randn(1, 8), cpu_kernels.pack_blocks(
+            layer.weight.detach(), layer.plan), torch.tensor([-1]), *tables, 4, None)
+    with pytest.raises(RuntimeError, match="contiguous weight of"):
+        mod.typed_rows_forward(torch.randn(1, 8), typed[:-1], torch.tensor([0]), *tables, 4,
+                               None)
+    with pytest.raises(ValueError, match="unknown decode copy"):
+        with cpu_kernels.decode_copy("rows"):
+            pass
 
 
 def test_build_failure_warns_and_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -188,6 +218,8 @@ def test_swiglu_rows_matches_three_reference_layers(algebra: str, dtype: torch.d
             layers = [AlgebraLinear(i, o, algebra, dtype=torch.float64, backend="reference")
                       for i, o in ((d, f), (d, f), (f, d))]
             types = torch.randint(0, layers[0].q, (rows,), generator=gen)
+            if rows == 3:  # one type for all rows: the typed copies
+                types = torch.full((rows,), layers[0].q - 1)
             with torch.no_grad():
                 g, u, dn = layers
                 exact = dn(F.silu(g(x, types)) * u(x, types), types)

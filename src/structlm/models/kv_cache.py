@@ -43,8 +43,28 @@ class GrowingKVLayer(DynamicLayer):
                 or self.keys.requires_grad or self.values.requires_grad))):
             self._buffers_kv = None
             return super().update(key_states, value_states, *args, **kwargs)
+        kb, vb, n = self.reserve(key_states, value_states)
+        t = key_states.shape[-2]
+        kb[..., n:n + t, :].copy_(key_states)
+        vb[..., n:n + t, :].copy_(value_states)
+        return self.commit(n + t)
+
+    def reserve(self, key_states: torch.Tensor, value_states: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Buffers with room for ``key_states.shape[-2]`` more positions after the ``n``
+        cached ones (grown, or started from the stored tensors, as needed): returns
+        ``(key_buffer, value_buffer, n)``, each buffer ``(B, H, capacity, hs)``. Write the
+        new positions at ``n`` onwards, then :meth:`commit`. No autograd."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
         n, t = self.get_seq_length(), key_states.shape[-2]
         bufs = getattr(self, "_buffers_kv", None)
+        committed = getattr(self, "_committed", None)
+        if (committed is not None and committed[0] is self.keys and committed[1] is self.values
+                and n + t <= committed[2].shape[-2]
+                and committed[2].shape[:-2] == key_states.shape[:-2]
+                and committed[2].dtype == key_states.dtype):
+            return committed[2], committed[3], n  # nothing touched the cache since commit
         if bufs is None or not (
                 (n == 0 or (_is_prefix_of(self.keys, bufs[0])
                             and _is_prefix_of(self.values, bufs[1])))
@@ -61,11 +81,22 @@ class GrowingKVLayer(DynamicLayer):
                 kb[..., :n, :].copy_(self.keys)
                 vb[..., :n, :].copy_(self.values)
             bufs = self._buffers_kv = (kb, vb)
-        kb, vb = bufs
-        kb[..., n:n + t, :].copy_(key_states)
-        vb[..., n:n + t, :].copy_(value_states)
-        self.keys, self.values = kb[..., :n + t, :], vb[..., :n + t, :]  # (B, H, n + t, hs)
-        return self.keys, self.values
+        return bufs[0], bufs[1], n
+
+    def commit(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """After :meth:`reserve` and writing: the cache holds the buffers' first
+        ``length`` positions; returns the keys and values ``(B, H, length, hs)``."""
+        kb, vb = self._buffers_kv
+        return self.commit_views(kb[..., :length, :], vb[..., :length, :])
+
+    def commit_views(self, keys: torch.Tensor, values: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`commit` given the views already (a kernel's ``narrow`` of the buffers
+        :meth:`reserve` returned): the cache holds ``keys`` and ``values``."""
+        kb, vb = self._buffers_kv
+        self.keys, self.values = keys, values
+        self._committed = (keys, values, kb, vb)
+        return keys, values
 
 
 class GrowingKVCache(DynamicCache):

@@ -27,6 +27,7 @@ from ..ops import cpu_kernels
 from ..ops.blocked import FUSED_ROWS_MAX_ROWS
 from ..ops.partition import TypePartition
 from .configuration_structlm import StructLMConfig
+from .decode_step import fused_decode_applies, fused_decode_blocks
 from .kv_cache import GrowingKVCache, use_growing_layers
 
 __all__ = ["StructLMForCausalLM", "StructLMModel", "StructLMPreTrainedModel"]
@@ -207,9 +208,12 @@ class StructLMModel(StructLMPreTrainedModel):
                                  f"n_positions={self.config.n_positions}")
         x = x + self.wpe(position_ids)
         mask = self._attention_mask(attention_mask, b, t, past, x.device)  # (B, 1, T, S) | None
-        types = self.position_types(position_ids)
-        for block in self.h:
-            x = block(x, mask, cache, types)
+        if fused_decode_applies(self, x, mask, cache):
+            x = fused_decode_blocks(self, x, position_ids, cache)  # (B, 1, D)
+        else:
+            types = self.position_types(position_ids)
+            for block in self.h:
+                x = block(x, mask, cache, types)
         return BaseModelOutputWithPast(last_hidden_state=self.ln_f(x), cache=cache)
 
     @staticmethod

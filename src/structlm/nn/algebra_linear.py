@@ -229,13 +229,19 @@ class AlgebraLinear(nn.Module):
     def decodes_on_kernel(self, x: torch.Tensor, part: TypePartition,
                           check_shape: bool = True) -> bool:
         """Whether ``forward(x, part)`` runs on the compiled few-row CPU kernel (cached
-        decode: at most ``FUSED_ROWS_MAX_ROWS`` rows, CPU, float32/float64, no autograd,
-        the blocked backend, no other layout forced). ``check_shape=False`` asks only
-        about ``x``'s dtype, device and autograd state (for an input made by a kernel)."""
+        decode: at most ``FUSED_ROWS_MAX_ROWS`` rows, and :meth:`kernel_decode_ready`).
+        ``check_shape=False`` asks only about ``x``'s dtype, device and autograd state
+        (for an input made by a kernel)."""
         return ((not check_shape or (x.shape[-1] == self.in_features
                                      and x.numel() == part.num_rows * self.in_features))
                 and part.q == self.q and part.num_rows <= FUSED_ROWS_MAX_ROWS
-                and cpu_kernels.rows_kernel_applies(x, self.weight)
+                and self.kernel_decode_ready(x))
+
+    def kernel_decode_ready(self, x: torch.Tensor) -> bool:
+        """Whether the layer's few-row products with inputs like ``x`` may run on the
+        compiled CPU kernel: CPU, float32/float64, no autograd, the blocked backend, no
+        other layout forced (the row count is the caller's to check)."""
+        return (cpu_kernels.rows_kernel_applies(x, self.weight)
                 and forced_layout() in (None, "fused-rows")
                 and resolve_backend(self.backend, x.device, x.dtype) is Backend.BLOCKED)
 

@@ -1,4 +1,4 @@
-"""A compiled CPU kernel for few-row products (cached decode): ``fused-rows``.
+"""Compiled CPU kernels for few-row products (cached decode): ``fused-rows``.
 
 The same kernel with the trivial support (one group) is the dense few-row GEMV
 (:func:`dense_rows_linear`, used by :class:`~structlm.nn.DecodeLinear`), so the dense
@@ -10,12 +10,20 @@ the algebra with the kernel's advantage.
 At ``M = 1`` every extra GEMM call costs ~25 µs of fixed overhead on 2 threads, so
 the pure-PyTorch layouts (1 + runs calls, or a few rectangles) cannot turn the
 support's smaller weight reads into time. ``fused-rows`` does the whole projection in
-one call (``csrc/fused_rows.cpp``): parallel over output rows, streaming block by block
-through exactly the blocks the rows' types use, in a block-contiguous copy of the weight
-(:func:`packed_weight`; +1x the layer's weight memory while decoding):
-in ``nn.Linear``'s row-major layout a type's blocks are 192-float pieces of each row,
-and reading them costs as much memory traffic as the full rows (measured: 36 paper-110m
-FFN projections at ``M = 1`` took 24 ms for Q2^2's 9/16 of the bytes vs 20 ms for all).
+one call (``csrc/fused_rows.cpp``), reading exactly the support's weight from a copy
+laid out for it: in ``nn.Linear``'s row-major layout a type's blocks are 192-float
+pieces of each row, and reading them costs as much memory traffic as the full rows
+(measured: 36 paper-110m FFN projections at ``M = 1`` took 24 ms for Q2^2's 9/16 of
+the bytes vs 20 ms for all). Two copies (:func:`decode_copy` picks):
+
+* ``"typed"`` (default): one copy per type holding just the blocks it reads, each row's
+  blocks back to back (:func:`typed_weight`; memory: the sum of the types' supports,
+  2.25x the layer's weight for Q2^2, 1.75x for Q4). When every row has one type (a
+  decode step), the type's weight is one contiguous stream, read like a dense GEMV's;
+  the dense layers are this loop's ``q = 1`` case. Measured on 36 paper-110m FFN
+  projections at ``M = 1``: ~1.4x faster than the block-packed copy.
+* ``"blocks"``: one block-contiguous copy (:func:`packed_weight`; +1x the weight), the
+  rows' types selecting blocks; also what rows of mixed types always use.
 
 The extension is built once on first use with :func:`torch.utils.cpp_extension.load`
 (a C++ compiler is needed, about a minute on 2 cores; the build lands in
@@ -27,10 +35,12 @@ once).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -42,21 +52,34 @@ from .partition import TypePartition
 from .plan import BlockPlan
 
 __all__ = [
+    "DECODE_COPIES",
     "FUSED_ROWS_DTYPES",
     "block_tables",
+    "decode_block",
+    "decode_copy",
+    "decode_copy_mode",
+    "decode_stack",
     "dense_rows_linear",
+    "ffn_kernel_args",
     "fused_rows_available",
     "fused_rows_linear",
     "fused_rows_macs",
     "pack_blocks",
+    "pack_types",
     "packed_weight",
     "rows_kernel_applies",
     "swiglu_rows",
+    "typed_weight",
+    "uses_typed_copy",
 ]
 
+#: the weight copies :func:`decode_copy` can choose
+DECODE_COPIES = ("typed", "blocks")
 #: dtypes the kernel is compiled for (others fall back to the PyTorch layouts).
 FUSED_ROWS_DTYPES = (torch.float32, torch.float64)
-_SOURCE = Path(__file__).parent / "csrc" / "fused_rows.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = (_CSRC / "fused_rows.cpp", _CSRC / "decode_block.cpp")
+_HEADERS = (_CSRC / "rows_kernel.h",)
 #: -fopenmp matters: without it ATen's parallel_for runs serially inside an extension
 _FLAGS = ["-O3", "-march=native", "-fopenmp"]
 _STATE: dict[str, ModuleType | None] = {}
@@ -82,11 +105,12 @@ def _build() -> ModuleType | None:
         return None
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha1(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:10]
+    text = b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))
+    digest = hashlib.sha1(text + " ".join(_FLAGS).encode()).hexdigest()[:10]
     name = f"structlm_fused_rows_{digest}"
     try:
         return cpp_extension.load(
-            name=name, sources=[str(_SOURCE)], extra_cflags=_FLAGS,
+            name=name, sources=[str(p) for p in _SOURCES], extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"], verbose=False,
             build_directory=str(_build_directory(name)),
         )
@@ -182,6 +206,66 @@ def packed_weight(w: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
     return entry[1]
 
 
+def pack_types(w: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
+    """``(N, K)`` weight -> 1-D typed copies, type after type: in type ``a``'s, output
+    group ``d``'s rows hold the blocks ``(d, b)`` that ``a`` reads, ascending ``b``, back
+    to back (row-major ``(rows of d, their total width)``)."""
+    io, oo = plan.in_offsets, plan.out_offsets
+    uses = block_tables(plan)[3]
+    parts = []
+    for a in range(uses.shape[0]):
+        for d in range(plan.q):
+            cols = [w[oo[d]:oo[d + 1], io[b]:io[b + 1]] for b in range(plan.q) if uses[a, d, b]]
+            if cols:
+                parts.append(torch.cat(cols, dim=1).reshape(-1))
+    return torch.cat(parts) if parts else w.new_empty(0)
+
+
+#: weight tensor -> (its version when copied, the typed copies)
+_TYPED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def typed_weight(w: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
+    """The typed copies of ``w`` (:func:`pack_types`), made on first use and redone after
+    any in-place update of ``w``."""
+    entry = _TYPED.get(w)
+    if entry is None or entry[0] != w._version:
+        entry = (w._version, pack_types(w.detach(), plan))
+        _TYPED[w] = entry
+    return entry[1]
+
+
+_DECODE_COPY = [os.environ.get("STRUCTLM_DECODE_COPY", "typed")]
+
+
+@contextlib.contextmanager
+def decode_copy(mode: str) -> Iterator[None]:
+    """Within the block, single-type few-row products read the weight copy ``mode``:
+    ``"typed"`` (the default; the environment variable ``STRUCTLM_DECODE_COPY`` sets it
+    for the process) or ``"blocks"`` (less memory, slower; see the module docstring)."""
+    if mode not in DECODE_COPIES:
+        raise ValueError(f"unknown decode copy {mode!r}: expected one of {DECODE_COPIES}")
+    _DECODE_COPY.append(mode)
+    try:
+        yield
+    finally:
+        _DECODE_COPY.pop()
+
+
+def decode_copy_mode() -> str:
+    """The weight copy single-type few-row products read now (see :func:`decode_copy`)."""
+    mode = _DECODE_COPY[-1]
+    if mode not in DECODE_COPIES:
+        raise ValueError(f"STRUCTLM_DECODE_COPY={mode!r}: expected one of {DECODE_COPIES}")
+    return mode
+
+
+def uses_typed_copy(part: TypePartition | None) -> bool:
+    """Whether rows with these types read the typed copies: all of one type and the
+    ``"typed"`` copy chosen (a dense layer, ``part=None``, always does)."""
+    return part is None or (decode_copy_mode() == "typed" and len(part.present) <= 1)
+
+
 def fused_rows_macs(plan: BlockPlan, part: TypePartition) -> int:
     """Multiply-adds the kernel performs for ``part``'s rows: its loop bounds, summed."""
     oo, io, _, uses = block_tables(plan)
@@ -205,7 +289,8 @@ def fused_rows_linear(x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
     """``(M, K) -> (M, N)``: ``y = x W_eff(type)^T (+ bias)`` in one compiled call (CPU,
     no autograd).
 
-    Reads a block-contiguous copy of ``w`` (:func:`packed_weight`).
+    Reads the typed copies of ``w`` when every row has one type (:func:`uses_typed_copy`),
+    else its block-contiguous copy (:func:`packed_weight`).
 
     Raises:
         RuntimeError: when the kernel is not available (see :func:`fused_rows_available`).
@@ -214,7 +299,10 @@ def fused_rows_linear(x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
     if x.shape[-1] != plan.in_features or tuple(w.shape) != (plan.out_features, plan.in_features):
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(w.shape)} do not fit the plan "
                          f"(in {plan.in_features}, out {plan.out_features})")
-    types = part.types if part.types.dtype == torch.int64 else part.types.long()
+    types = _row_types(x, part)
+    if uses_typed_copy(part):
+        return mod.typed_rows_forward(x, typed_weight(w, plan), types, *block_tables(plan),
+                                      plan.q, bias)
     return mod.fused_rows_forward(x, packed_weight(w, plan), types, *block_tables(plan),
                                   plan.q, bias)
 
@@ -234,6 +322,26 @@ def dense_rows_linear(x: torch.Tensor, w: torch.Tensor,
     return mod.dense_rows_forward(x, w.contiguous(), bias)
 
 
+def ffn_kernel_args(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                    plans: tuple[BlockPlan, BlockPlan] | None = None,
+                    typed: bool = True) -> list[torch.Tensor]:
+    """The SwiGLU weights and support tables as the kernel takes them: the three weights
+    (for algebra projections their typed copies, or with ``typed=False`` their
+    block-contiguous ones; a dense FFN's weights as they are), then the gate/up tables
+    and the down tables (:func:`block_tables`, or the trivial :func:`dense_tables`)."""
+    if plans is None:
+        return [gate, up, down, *dense_tables(*gate.shape), *dense_tables(*down.shape)]
+    gu, dn = plans
+    copy = typed_weight if typed else packed_weight
+    return [copy(gate, gu), copy(up, gu), copy(down, dn), *block_tables(gu), *block_tables(dn)]
+
+
+def _row_types(x: torch.Tensor, part: TypePartition | None) -> torch.Tensor:
+    if part is None:
+        return torch.zeros(x.shape[0], dtype=torch.int64)
+    return part.types if part.types.dtype == torch.int64 else part.types.long()
+
+
 def swiglu_rows(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                 plans: tuple[BlockPlan, BlockPlan] | None = None,
                 part: TypePartition | None = None) -> torch.Tensor:
@@ -241,18 +349,44 @@ def swiglu_rows(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: tor
     call (CPU, no autograd): the decode FFN, one Python call per layer instead of five.
 
     ``plans = (gate/up plan, down plan)`` and ``part`` for algebra projections (their
-    block-contiguous copies are read); ``None`` for a dense FFN (weights read in place,
-    the same loop with one group).
+    typed or block-contiguous copies are read, see :func:`uses_typed_copy`); ``None`` for
+    a dense FFN (weights read in place, the same loop with one group).
     """
     mod = _kernel_for(x, gate)
-    if plans is None:
-        types = torch.zeros(x.shape[0], dtype=torch.int64)
-        return mod.swiglu_rows_forward(x, gate, up, down, types,
-                                       *dense_tables(*gate.shape), *dense_tables(*down.shape), 1)
-    if part is None:
+    if plans is not None and part is None:
         raise ValueError("algebra projections need the rows' TypePartition")
-    gu, dn = plans
-    types = part.types if part.types.dtype == torch.int64 else part.types.long()
-    return mod.swiglu_rows_forward(x, packed_weight(gate, gu), packed_weight(up, gu),
-                                   packed_weight(down, dn), types, *block_tables(gu),
-                                   *block_tables(dn), gu.q)
+    q = 1 if plans is None else plans[0].q
+    typed = uses_typed_copy(None if plans is None else part)
+    args = ffn_kernel_args(gate, up, down, plans, typed)
+    return mod.swiglu_rows_forward(x, *args[:3], _row_types(x, part), *args[3:], q, typed)
+
+
+def decode_block(x: torch.Tensor, dense: list[torch.Tensor], eps: float, k_buf: torch.Tensor,
+                 v_buf: torch.Tensor, past: int, ffn: list[torch.Tensor],
+                 types: torch.Tensor, q: int, typed: bool) -> torch.Tensor:
+    """``(M, D) -> (M, D)``: one pre-norm decoder block for one new token per sequence
+    (``x + attn(ln_1(x))``, then ``+ ffn(ln_2(.))``) in one compiled call (CPU, no
+    autograd).
+
+    ``dense`` = ln_1 weight and bias, qkv weight and bias, proj weight and bias, ln_2
+    weight and bias; the new key and value are written at position ``past`` of the
+    caches ``k_buf``/``v_buf`` ``(M, n_head, capacity, hs)``, and attention covers
+    positions ``0 .. past`` of every sequence (no padding). ``ffn`` is
+    :func:`ffn_kernel_args` (``typed`` as passed there); ``types (M,)`` int64 and ``q``
+    the FFN's types (1: dense).
+    """
+    mod = _kernel_for(x, dense[2])
+    return mod.decode_block_forward(x, dense, eps, k_buf, v_buf, past, ffn, types, q, typed)
+
+
+def decode_stack(x: torch.Tensor, dense: list[list[torch.Tensor]], eps: list[float],
+                 k_bufs: list[torch.Tensor], v_bufs: list[torch.Tensor], past: int,
+                 ffn: list[list[torch.Tensor]], types: torch.Tensor, q: int, typed: bool
+                 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """:func:`decode_block` for every block of a decoder in one call (the lists hold one
+    entry per block; every cache holds ``past`` positions). Returns the output ``(M, D)``
+    and each block's keys and values over positions ``0 .. past`` (views of the caches,
+    ``(M, n_head, past + 1, hs)``)."""
+    mod = _kernel_for(x, dense[0][2] if dense else x)
+    out = mod.decode_stack_forward(x, dense, eps, k_bufs, v_bufs, past, ffn, types, q, typed)
+    return out[0], out[1::2], out[2::2]

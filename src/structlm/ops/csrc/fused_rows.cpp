@@ -1,22 +1,30 @@
-// One-call CPU kernel for a few rows (cached decode): y[m, n] = sum over the input
+// One-call CPU kernels for a few rows (cached decode): y[m, n] = sum over the input
 // groups b that row m's type uses for output group(n) of x[m, group b] . W[n, group b]
-// (+ bias[n]).  The same loop with the trivial support (one group, one block) is the
-// dense GEMV `dense_rows_forward`, so dense and algebra layers are timed on one kernel.
+// (+ bias[n]), reading exactly the support's weight, each weight row once per call
+// (kept in L1 for every row m that uses it). Two layouts of the weight:
 //
-// The weight comes block-contiguous (each (output group, input group) block row-major
-// on its own), so a type's rows stream through whole blocks: row-major [out, in] rows
-// read in 192-float pieces cost as much memory traffic as the full rows (the
-// prefetchers fetch the skipped lines too). Exactly the support's blocks are read,
-// each weight row once per call (kept in L1 for every row m that uses it).
-// Parallel over output rows: each thread takes its slice of every output group (the
-// rows of a group all use the same blocks, so the work is even whatever the types;
-// measured a few percent faster than 64-row chunks dealt round-robin, which leave the
-// threads unequal when a group has an odd number of chunks). Built with -fopenmp: without
-// it ATen's parallel_for runs serially inside an extension (measured: 9 GB/s instead
-// of 16 GB/s on 2 cores).
+// * typed (`typed_rows_forward`, every row of one type: a decode step): each type has
+//   its own copy, whose rows hold just the blocks the type reads, concatenated, so the
+//   type's weight is one contiguous stream cut into one range per thread -- exactly a
+//   dense GEMV's access pattern. Costs the sum over types of their supports in memory
+//   (2.25x the layer's weight for Q2^2) and is what the dense layers run too: a dense
+//   weight is the q = 1 case, read in place (`dense_rows_forward`), so dense and algebra
+//   layers are timed on one loop.
+// * block-packed (`fused_rows_forward`, rows of mixed types): each (output group, input
+//   group) block row-major on its own; the rows' types select blocks. Measured ~1.4x
+//   slower per byte than the typed copy at M = 1 (a thread's reads are many pieces of
+//   one block each instead of one stream), but shared blocks are read once for all the
+//   rows' types.
+//
+// A type's blocks read as 192-float pieces of row-major [out, in] rows cost as much memory
+// traffic as the full rows (the prefetchers fetch the skipped lines too), hence the copies.
+// Built with -fopenmp: without it ATen's parallel_for runs serially inside an extension
+// (measured: 9 GB/s instead of 16 GB/s on 2 cores).
 // The slow obvious version is structlm.ops.reference; tests compare the two.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include "rows_kernel.h"
 
 #include <algorithm>
 #include <cmath>
@@ -31,6 +39,9 @@ namespace {
 
 constexpr int64_t kLanes = 32;     // independent partial sums in the portable dot
 constexpr int64_t kChunkRows = 64;  // output rows per accumulator pass (measured: 16-256)
+// typed rows at least this long go four at a time (measured: rows of 384 floats four at
+// a time 1.3x slower than one at a time; 768-float dense rows a few percent faster)
+constexpr int64_t kFourRowsMinLength = 512;
 
 // Portable dot product (double, or float without AVX2): GCC vectorises the lanes.
 template <typename T>
@@ -121,9 +132,10 @@ struct Support {
   const uint8_t* uses;     // (types, q, q)
 };
 
+// Block-packed weight, rows of any types.
 template <typename T>
 void fused_rows_impl(const T* x, const T* packed, const int64_t* types, const Support& s,
-                     const T* bias, bool four_rows, int64_t M, int64_t N, int64_t K, T* y) {
+                     const T* bias, int64_t M, int64_t N, int64_t K, T* y) {
   const int64_t q = s.q;
   // users[(d*q + b)*M + k]: the k-th row m whose type reads block (d, b)
   std::vector<int64_t> users(q * q * M), n_users(q * q, 0);
@@ -153,22 +165,9 @@ void fused_rows_impl(const T* x, const T* packed, const int64_t* types, const Su
             const int64_t* rows = users.data() + (d * q + b) * M;
             const int64_t width = s.in_off[b + 1] - s.in_off[b];
             const T* blk = packed + s.blk_off[d * q + b] + (lo - s.out_off[d]) * width;
-            int64_t n = lo;
-            // Long dense rows: four at a time (each x vector loaded once for four).
-            // Blocks (short rows, stored back to back) go one row at a time below, so
-            // the reads form one forward stream: four at once would be four streams of
-            // a few cache lines each, too short for the prefetchers (measured: 1.5x
-            // slower).
-            if (four_rows) {
-              for (; n + 4 <= hi; n += 4, blk += 4 * width) {
-                for (int64_t k = 0; k < count; ++k) {
-                  const int64_t m = rows[k];
-                  dot4<T>(x + m * K + s.in_off[b], blk, width, width,
-                          acc.data() + m * kChunkRows + (n - c0));
-                }
-              }
-            }
-            for (; n < hi; ++n, blk += width) {
+            // one row at a time: the block's rows are back to back, so the reads form
+            // one forward stream (four rows at once, four short streams: 1.5x slower)
+            for (int64_t n = lo; n < hi; ++n, blk += width) {
               for (int64_t k = 0; k < count; ++k) {
                 const int64_t m = rows[k];
                 acc[m * kChunkRows + (n - c0)] += dot1<T>(x + m * K + s.in_off[b], blk, width);
@@ -196,13 +195,101 @@ void fused_rows_impl(const T* x, const T* packed, const int64_t* types, const Su
   });
 }
 
-void check_rows(const torch::Tensor& x, const torch::Tensor& w,
-                const c10::optional<torch::Tensor>& bias, int64_t N, int64_t K) {
+// Row length of output group d in type a's copy: the widths of the blocks it reads.
+inline int64_t typed_row_length(const Support& s, int64_t a, int64_t d) {
+  int64_t len = 0;
+  for (int64_t b = 0; b < s.q; ++b) {
+    if (s.uses[(a * s.q + d) * s.q + b]) len += s.in_off[b + 1] - s.in_off[b];
+  }
+  return len;
+}
+
+// Typed copy, every row of type `a`. The copies of types 0, 1, ... lie back to back;
+// in type a's, output group d's rows have length L[d] (its blocks (d, b), ascending b).
+template <typename T>
+void typed_rows_impl(const T* x, const T* typed, int64_t a, const Support& s, const T* bias,
+                     int64_t M, int64_t N, int64_t K, T* y) {
+  const int64_t q = s.q;
+  std::vector<int64_t> len(q), start(q + 1, 0);  // start: group d's offset in the copy
+  int64_t base = 0;                               // type a's copy in `typed`
+  for (int64_t t = 0; t < a; ++t) {
+    for (int64_t d = 0; d < q; ++d) {
+      base += (s.out_off[d + 1] - s.out_off[d]) * typed_row_length(s, t, d);
+    }
+  }
+  for (int64_t d = 0; d < q; ++d) {
+    len[d] = typed_row_length(s, a, d);
+    start[d + 1] = start[d] + (s.out_off[d + 1] - s.out_off[d]) * len[d];
+  }
+  // xg: row m's inputs for group d, the blocks' input columns concatenated like the rows
+  const bool gather = q > 1;
+  int64_t xg_width = 0;
+  std::vector<int64_t> xg_off(q);
+  for (int64_t d = 0; d < q; ++d) xg_off[d] = xg_width, xg_width += len[d];
+  std::vector<T> xg(gather ? M * xg_width : 0);
+  if (gather) {
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t d = 0; d < q; ++d) {
+        T* dst = xg.data() + m * xg_width + xg_off[d];
+        for (int64_t b = 0; b < q; ++b) {
+          if (!s.uses[(a * q + d) * q + b]) continue;
+          dst = std::copy(x + m * K + s.in_off[b], x + m * K + s.in_off[b + 1], dst);
+        }
+      }
+    }
+  }
+  const int64_t total = start[q];  // weight elements to read
+  const int64_t n_threads = std::max<int64_t>(
+      1, std::min<int64_t>(at::get_num_threads(), (N + kChunkRows - 1) / kChunkRows));
+  // the first output row at or after weight element e (threads get equal bytes)
+  auto row_at = [&](int64_t e) {
+    for (int64_t d = 0; d < q; ++d) {
+      if (e < start[d + 1] && len[d] > 0) {
+        return s.out_off[d] + std::max<int64_t>(0, e - start[d] + len[d] - 1) / len[d];
+      }
+    }
+    return N;
+  };
+  at::parallel_for(0, n_threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r0 = t == 0 ? 0 : row_at(t * total / n_threads);
+      const int64_t r1 = t + 1 == n_threads ? N : row_at((t + 1) * total / n_threads);
+      for (int64_t d = 0; d < q; ++d) {
+        const int64_t lo = std::max(r0, s.out_off[d]), hi = std::min(r1, s.out_off[d + 1]);
+        if (lo >= hi) continue;
+        const int64_t L = len[d];
+        const T* w = typed + base + start[d] + (lo - s.out_off[d]) * L;
+        const T* xd = gather ? xg.data() + xg_off[d] : x;
+        const int64_t ld_x = gather ? xg_width : K;
+        int64_t n = lo;
+        // long rows four at a time (each x vector loaded once for four); short rows one
+        // at a time, one forward stream (four short rows at once: measured slower)
+        for (; L >= kFourRowsMinLength && n + 4 <= hi; n += 4, w += 4 * L) {
+          for (int64_t m = 0; m < M; ++m) {
+            T out[4] = {0, 0, 0, 0};
+            dot4<T>(xd + m * ld_x, w, L, L, out);
+            for (int64_t r = 0; r < 4; ++r) {
+              y[m * N + n + r] = out[r] + (bias ? bias[n + r] : T(0));
+            }
+          }
+        }
+        for (; n < hi; ++n, w += L) {
+          for (int64_t m = 0; m < M; ++m) {
+            y[m * N + n] = dot1<T>(xd + m * ld_x, w, L) + (bias ? bias[n] : T(0));
+          }
+        }
+      }
+    }
+  });
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                int64_t N, int64_t K, int64_t w_numel) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "fused_rows: CPU tensors expected");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "fused_rows: x (M, ", K, ") expected, got ",
               x.sizes());
-  TORCH_CHECK(w.is_contiguous() && w.numel() == N * K, "fused_rows: a contiguous weight of ",
-              N * K, " elements expected, got ", w.numel());
+  TORCH_CHECK(w.is_contiguous() && w.numel() == w_numel, "fused_rows: a contiguous weight of ",
+              w_numel, " elements expected, got ", w.numel());
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "fused_rows: dtype mismatch: x is ",
               x.scalar_type(), ", the weight ", w.scalar_type());
   if (bias.has_value()) {
@@ -213,18 +300,34 @@ void check_rows(const torch::Tensor& x, const torch::Tensor& w,
   }
 }
 
-torch::Tensor run(torch::Tensor x, const torch::Tensor& w, const int64_t* types,
-                  const Support& s, const c10::optional<torch::Tensor>& bias, bool four_rows,
-                  int64_t N) {
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1);
-  auto y = torch::empty({M, N}, x.options());
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_rows_forward", [&] {
-    fused_rows_impl<scalar_t>(x.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(), types, s,
-                              bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr,
-                              four_rows, M, N, K, y.data_ptr<scalar_t>());
-  });
-  return y;
+// The tables as a Support after checking them; N and K from the group offsets.
+Support support_of(const at::Tensor& out_off, const at::Tensor& in_off, const at::Tensor& blk_off,
+                   const at::Tensor& uses, int64_t q) {
+  TORCH_CHECK(in_off.numel() == q + 1 && out_off.numel() == q + 1,
+              "fused_rows: q + 1 group offsets expected");
+  TORCH_CHECK(out_off.scalar_type() == at::kLong && in_off.scalar_type() == at::kLong &&
+                  blk_off.scalar_type() == at::kLong,
+              "fused_rows: int64 offset tables expected");
+  TORCH_CHECK(out_off.is_contiguous() && in_off.is_contiguous() && blk_off.is_contiguous() &&
+                  uses.is_contiguous(),
+              "fused_rows: contiguous tables expected");
+  TORCH_CHECK(uses.scalar_type() == at::kByte && uses.numel() % (q * q) == 0,
+              "fused_rows: a uint8 (types, q, q) block-use table expected");
+  return Support{q, out_off.data_ptr<int64_t>(), in_off.data_ptr<int64_t>(),
+                 blk_off.data_ptr<int64_t>(), uses.data_ptr<uint8_t>()};
+}
+
+// The rows' types, each checked to lie in [0, n_types).
+const int64_t* checked_types(at::Tensor& types, const at::Tensor& x, int64_t n_types) {
+  TORCH_CHECK(types.scalar_type() == at::kLong && types.numel() == x.size(0),
+              "fused_rows: one int64 type per row expected");
+  types = types.contiguous();
+  const int64_t* t = types.data_ptr<int64_t>();
+  for (int64_t m = 0; m < types.numel(); ++m) {
+    TORCH_CHECK(t[m] >= 0 && t[m] < n_types, "fused_rows: type ", t[m], " outside [0, ",
+                n_types, ")");
+  }
+  return t;
 }
 
 }  // namespace
@@ -232,60 +335,90 @@ torch::Tensor run(torch::Tensor x, const torch::Tensor& w, const int64_t* types,
 // x (M, K); packed: the weight (N, K) stored block by block (block (d, b) = rows of
 // output group d, columns of input group b, row-major, at packed[blk_off[d*q + b]]);
 // types (M,) int64 in [0, q); out_off / in_off (q + 1,) int64 group offsets; uses
-// (q, q, q) uint8: uses[a][d][b] = type a reads block (d, b); bias (N,) or None.
+// (types, q, q) uint8: uses[a][d][b] = type a reads block (d, b); bias (N,) or None.
 // Returns y (M, N).
-torch::Tensor fused_rows_forward(torch::Tensor x, torch::Tensor packed, torch::Tensor types,
-                                 torch::Tensor out_off, torch::Tensor in_off,
-                                 torch::Tensor blk_off, torch::Tensor uses, int64_t q,
-                                 c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(in_off.numel() == q + 1 && out_off.numel() == q + 1,
-              "fused_rows: q + 1 group offsets expected");
-  TORCH_CHECK(out_off.is_contiguous() && in_off.is_contiguous() && blk_off.is_contiguous() &&
-                  uses.is_contiguous(),
-              "fused_rows: contiguous tables expected");
-  TORCH_CHECK(uses.scalar_type() == at::kByte && uses.numel() % (q * q) == 0,
-              "fused_rows: a uint8 (types, q, q) block-use table expected");
-  const int64_t N = out_off.data_ptr<int64_t>()[q];
-  const int64_t K = in_off.data_ptr<int64_t>()[q];
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "fused_rows: x has ", x.sizes(),
-              " but the layer's input groups cover ", K, " columns");
-  check_rows(x, packed, bias, N, K);
-  TORCH_CHECK(types.scalar_type() == at::kLong && types.numel() == x.size(0),
-              "fused_rows: one int64 type per row expected");
-  types = types.contiguous();
-  const Support s{q, out_off.data_ptr<int64_t>(), in_off.data_ptr<int64_t>(),
-                  blk_off.data_ptr<int64_t>(), uses.data_ptr<uint8_t>()};
-  return run(x, packed, types.data_ptr<int64_t>(), s, bias, /*four_rows=*/q == 1, N);
+at::Tensor fused_rows_forward(at::Tensor x, at::Tensor packed, at::Tensor types,
+                              at::Tensor out_off, at::Tensor in_off, at::Tensor blk_off,
+                              at::Tensor uses, int64_t q, c10::optional<at::Tensor> bias) {
+  const Support s = support_of(out_off, in_off, blk_off, uses, q);
+  const int64_t N = s.out_off[q], K = s.in_off[q];
+  check_rows(x, packed, bias, N, K, N * K);
+  const int64_t* t = checked_types(types, x, uses.numel() / (q * q));
+  x = x.contiguous();
+  const int64_t M = x.size(0);
+  auto y = at::empty({M, N}, x.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_rows_forward", [&] {
+    fused_rows_impl<scalar_t>(x.data_ptr<scalar_t>(), packed.data_ptr<scalar_t>(), t, s,
+                              bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr, M, N,
+                              K, y.data_ptr<scalar_t>());
+  });
+  return y;
 }
 
-// Dense y = x W^T (+ bias) for a few rows, W (N, K) row-major: the same loop with one
-// group and one block.
-torch::Tensor dense_rows_forward(torch::Tensor x, torch::Tensor w,
-                                 c10::optional<torch::Tensor> bias) {
+// The same product, every row of one type, from the typed copies (`typed`: the copies of
+// all types back to back, see typed_rows_impl). Tables as for fused_rows_forward.
+at::Tensor typed_rows_forward(at::Tensor x, at::Tensor typed, at::Tensor types,
+                              at::Tensor out_off, at::Tensor in_off, at::Tensor blk_off,
+                              at::Tensor uses, int64_t q, c10::optional<at::Tensor> bias) {
+  const Support s = support_of(out_off, in_off, blk_off, uses, q);
+  const int64_t N = s.out_off[q], K = s.in_off[q], n_types = uses.numel() / (q * q);
+  int64_t copies = 0;
+  for (int64_t a = 0; a < n_types; ++a) {
+    for (int64_t d = 0; d < q; ++d) {
+      copies += (s.out_off[d + 1] - s.out_off[d]) * typed_row_length(s, a, d);
+    }
+  }
+  check_rows(x, typed, bias, N, K, copies);
+  const int64_t* t = checked_types(types, x, n_types);
+  const int64_t M = x.size(0);
+  const int64_t a = M ? t[0] : 0;
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(t[m] == a, "typed_rows: every row must have one type, got types ", t[0],
+                " and ", t[m], " (use fused_rows_forward for mixed types)");
+  }
+  x = x.contiguous();
+  auto y = at::empty({M, N}, x.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "typed_rows_forward", [&] {
+    typed_rows_impl<scalar_t>(x.data_ptr<scalar_t>(), typed.data_ptr<scalar_t>(), a, s,
+                              bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr, M, N,
+                              K, y.data_ptr<scalar_t>());
+  });
+  return y;
+}
+
+// Dense y = x W^T (+ bias) for a few rows, W (N, K) row-major: the typed loop with one
+// type, one group and one block (the weight is its own typed copy).
+at::Tensor dense_rows_forward(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(w.dim() == 2, "dense_rows: weight (N, K) expected, got ", w.sizes());
   const int64_t N = w.size(0), K = w.size(1);
-  check_rows(x, w, bias, N, K);
+  check_rows(x, w, bias, N, K, N * K);
   const int64_t out_off[2] = {0, N}, in_off[2] = {0, K}, blk_off[1] = {0};
   const uint8_t uses[1] = {1};
-  std::vector<int64_t> types(x.size(0), 0);
   const Support s{1, out_off, in_off, blk_off, uses};
-  return run(x, w, types.data(), s, bias, /*four_rows=*/true, N);
+  x = x.contiguous();
+  const int64_t M = x.size(0);
+  auto y = at::empty({M, N}, x.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dense_rows_forward", [&] {
+    typed_rows_impl<scalar_t>(x.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(), 0, s,
+                              bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr, M, N,
+                              K, y.data_ptr<scalar_t>());
+  });
+  return y;
 }
 
-// Decode SwiGLU FFN in one call: down(silu(gate(x)) * up(x)), each projection the
-// support-driven loop above (gate and up share the tables `gu_*`, down has `dn_*`; a
-// dense FFN passes the trivial one-group tables, so both run the same code).
-torch::Tensor swiglu_rows_forward(torch::Tensor x, torch::Tensor gate, torch::Tensor up,
-                                  torch::Tensor down, torch::Tensor types,
-                                  torch::Tensor gu_out_off, torch::Tensor gu_in_off,
-                                  torch::Tensor gu_blk_off, torch::Tensor gu_uses,
-                                  torch::Tensor dn_out_off, torch::Tensor dn_in_off,
-                                  torch::Tensor dn_blk_off, torch::Tensor dn_uses, int64_t q) {
-  const c10::optional<torch::Tensor> none;
-  auto g = fused_rows_forward(x, gate, types, gu_out_off, gu_in_off, gu_blk_off, gu_uses, q,
-                              none);
-  auto u = fused_rows_forward(x, up, types, gu_out_off, gu_in_off, gu_blk_off, gu_uses, q,
-                              none);
+// Decode SwiGLU FFN in one call: down(silu(gate(x)) * up(x)), each projection from the
+// typed copies (`typed`; every row one type) or the block-packed ones (gate and up share
+// the tables `gu_*`, down has `dn_*`; a dense FFN passes its weights and the trivial
+// one-group tables, so both run the same code).
+at::Tensor swiglu_rows_forward(at::Tensor x, at::Tensor gate, at::Tensor up, at::Tensor down,
+                               at::Tensor types, at::Tensor gu_out_off, at::Tensor gu_in_off,
+                               at::Tensor gu_blk_off, at::Tensor gu_uses,
+                               at::Tensor dn_out_off, at::Tensor dn_in_off,
+                               at::Tensor dn_blk_off, at::Tensor dn_uses, int64_t q, bool typed) {
+  const c10::optional<at::Tensor> none;
+  auto project = typed ? &typed_rows_forward : &fused_rows_forward;
+  auto g = project(x, gate, types, gu_out_off, gu_in_off, gu_blk_off, gu_uses, q, none);
+  auto u = project(x, up, types, gu_out_off, gu_in_off, gu_blk_off, gu_uses, q, none);
   AT_DISPATCH_FLOATING_TYPES(g.scalar_type(), "swiglu_rows_forward", [&] {
     scalar_t* gp = g.data_ptr<scalar_t>();
     const scalar_t* up_ = u.data_ptr<scalar_t>();
@@ -295,13 +428,19 @@ torch::Tensor swiglu_rows_forward(torch::Tensor x, torch::Tensor gate, torch::Te
       gp[i] = v / (scalar_t(1) + std::exp(-v)) * up_[i];
     }
   });
-  return fused_rows_forward(g, down, types, dn_out_off, dn_in_off, dn_blk_off, dn_uses, q, none);
+  return project(g, down, types, dn_out_off, dn_in_off, dn_blk_off, dn_uses, q, none);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu_rows_forward", &swiglu_rows_forward,
         "down(silu(gate(x)) * up(x)) for a few rows, each projection support-driven");
   m.def("fused_rows_forward", &fused_rows_forward,
-        "y = x W_eff(type)^T (+ bias) for a few rows, reading only the support's weight blocks");
+        "y = x W_eff(type)^T (+ bias) for a few rows of any types, block-packed weight");
+  m.def("typed_rows_forward", &typed_rows_forward,
+        "y = x W_eff(type)^T (+ bias) for a few rows of one type, from the typed copies");
   m.def("dense_rows_forward", &dense_rows_forward, "y = x W^T (+ bias) for a few rows");
+  m.def("decode_block_forward", &decode_block_forward,
+        "one pre-norm decoder block for one new token per sequence, cache written in place");
+  m.def("decode_stack_forward", &decode_stack_forward,
+        "every decoder block in turn for one new token per sequence, caches written in place");
 }

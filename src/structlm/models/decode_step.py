@@ -1,0 +1,167 @@
+"""A cached CPU decode step with one compiled call per decoder block.
+
+For one new token per sequence, a block's PyTorch forward is ~25 small ops (layer
+norms, the fused projections, views, the cache append, SDPA, residual adds); on the
+``paper-110m`` model at batch 1 they cost ~9 ms of a ~40 ms step on 2 cores, the same
+for the dense and the algebra model. :func:`fused_decode_blocks` runs each block as
+one call of :func:`structlm.ops.cpu_kernels.decode_block` instead: layer norms,
+attention over the cache (the new key and value written into
+:class:`~structlm.models.kv_cache.GrowingKVLayer`'s spare capacity) and the same
+few-row kernel for every projection, the FFN dense or algebra. The dense and the
+algebra model take this path alike, so a throughput comparison still measures only
+the FFN's structure.
+
+It applies to unpadded decode steps (the attention mask is ``None``) of at most
+``FUSED_ROWS_MAX_ROWS`` sequences, CPU float32/float64, no autograd, a cache of
+``GrowingKVLayer`` (what :meth:`generate` uses); everything else takes the modules'
+forward, which the tests compare it with.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
+
+from ..nn import AlgebraLinear
+from ..ops import cpu_kernels
+from ..ops.blocked import FUSED_ROWS_MAX_ROWS, forced_layout
+from .kv_cache import GrowingKVLayer
+
+if TYPE_CHECKING:
+    from .modeling_structlm import StructLMBlock, StructLMModel
+
+__all__ = ["fused_decode_applies", "fused_decode_blocks"]
+
+#: bumped whenever any module anywhere registers a parameter or a submodule (torch's
+#: global registration hooks); a cached :class:`_DecodePlan` is then rebuilt
+_REGISTRATIONS = [0]
+
+
+def _registered(*_: Any) -> None:
+    _REGISTRATIONS[0] += 1
+
+
+register_module_parameter_registration_hook(_registered)
+register_module_module_registration_hook(_registered)
+
+
+@dataclass
+class _DecodePlan:
+    """Each block's kernel arguments, gathered once per model (walking the modules on
+    every step cost ~1.4 ms of a ~35 ms ``paper-110m`` step: the weight stream has
+    evicted the Python objects from the caches).
+
+    It holds the parameters themselves, so in-place updates, ``.data`` swaps and
+    ``.to()`` are seen by the kernel; it goes stale when a parameter or module is
+    replaced (``_REGISTRATIONS``), the dtype or the forced layout changes, or an
+    algebra layer's backend is set: all checked by :func:`_decode_plan`. The block-packed
+    copies of algebra weights are looked up on every step
+    (:func:`~structlm.ops.cpu_kernels.packed_weight` redoes one after an in-place update).
+    """
+
+    key: tuple[Any, ...]
+    ready: bool  # every block can run on the kernel
+    dense: list[list[torch.Tensor]]  # per block: ln_1 w, b, qkv w, b, proj w, b, ln_2 w, b
+    ffn: list[tuple[torch.Tensor, ...]]  # per block: gate, up, down weights
+    plans: list[Any]  # per block: (gate/up plan, down plan), or None for a dense FFN
+    eps: list[float]
+    backends: list[tuple[AlgebraLinear, Any]] = field(default_factory=list)
+
+
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _decode_plan(model: StructLMModel, x: torch.Tensor) -> _DecodePlan:
+    key = (_REGISTRATIONS[0], x.dtype, forced_layout())
+    plan = _PLANS.get(model)
+    if plan is not None and plan.key == key and all(
+            layer.backend is backend for layer, backend in plan.backends):
+        return plan
+    blocks = list(model.h)
+    algebra = [[b.mlp.gate, b.mlp.up, b.mlp.down] for b in blocks
+               if isinstance(b.mlp.gate, AlgebraLinear)]
+    plan = _DecodePlan(
+        key=key, ready=all(_block_ready(b, x) for b in blocks),
+        dense=[[b.ln_1.weight, b.ln_1.bias, b.attn.qkv.weight, b.attn.qkv.bias,
+                b.attn.proj.weight, b.attn.proj.bias, b.ln_2.weight, b.ln_2.bias]
+               for b in blocks],
+        ffn=[(b.mlp.gate.weight, b.mlp.up.weight, b.mlp.down.weight) for b in blocks],
+        plans=[(b.mlp.gate.plan, b.mlp.down.plan) if isinstance(b.mlp.gate, AlgebraLinear)
+               else None for b in blocks],
+        eps=[float(b.ln_1.eps) for b in blocks],
+        backends=[(layer, layer.backend) for layers in algebra for layer in layers])
+    _PLANS[model] = plan
+    return plan
+
+
+def _block_ready(block: StructLMBlock, x: torch.Tensor) -> bool:
+    ln1, ln2, mlp = block.ln_1, block.ln_2, block.mlp
+    if not (ln1.elementwise_affine and ln2.elementwise_affine and ln1.bias is not None
+            and ln2.bias is not None and ln1.eps == ln2.eps):
+        return False
+    params = (ln1.weight, ln1.bias, block.attn.qkv.weight, block.attn.qkv.bias,
+              block.attn.proj.weight, block.attn.proj.bias, ln2.weight, ln2.bias,
+              mlp.gate.weight, mlp.up.weight, mlp.down.weight)
+    if not all(p is not None and p.dtype == x.dtype and p.device.type == "cpu"
+               and p.is_contiguous() for p in params):
+        return False
+    if isinstance(mlp.gate, AlgebraLinear):
+        return all(layer.kernel_decode_ready(x) for layer in (mlp.gate, mlp.up, mlp.down))
+    return True
+
+
+def fused_decode_applies(model: StructLMModel, x: torch.Tensor, mask: torch.Tensor | None,
+                         cache: Any) -> bool:
+    """Whether :func:`fused_decode_blocks` can run this forward: ``x (B, 1, D)``
+    embeddings of one new token per unpadded sequence, ``B <= FUSED_ROWS_MAX_ROWS``,
+    CPU float32/float64 with nothing for autograd to record, and a filled cache whose
+    layers are all :class:`GrowingKVLayer`."""
+    if (mask is not None or x.dim() != 3 or x.shape[1] != 1
+            or x.shape[0] > FUSED_ROWS_MAX_ROWS or cache is None
+            or not cpu_kernels.rows_kernel_applies(x, model.wte.weight)):
+        return False
+    if torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters()):
+        return False
+    layers = getattr(cache, "layers", None)
+    if (not isinstance(layers, list) or len(layers) != len(model.h)
+            or not all(type(layer) is GrowingKVLayer and layer.is_initialized
+                       and layer.get_seq_length() > 0 for layer in layers)):
+        return False
+    return _decode_plan(model, x).ready
+
+
+def fused_decode_blocks(model: StructLMModel, x: torch.Tensor, position_ids: torch.Tensor,
+                        cache: Any) -> torch.Tensor:
+    """All decoder blocks for ``x (B, 1, D)`` (embeddings incl. positions) in one compiled
+    call; appends the new keys and values to ``cache``. Returns ``(B, 1, D)``
+    before the final layer norm. Check :func:`fused_decode_applies` first."""
+    b, _, d = x.shape
+    n_head = model.config.num_attention_heads
+    if model.schedule is None:
+        types, q, typed = torch.zeros(b, dtype=torch.int64), 1, True
+    else:  # typed copies need one type for all rows (equal positions, the usual case)
+        types, q = model.schedule(position_ids).reshape(-1).to(torch.int64), model.q
+        typed = (cpu_kernels.decode_copy_mode() == "typed"
+                 and (b == 1 or bool((types == types[0]).all())))
+    plan = _decode_plan(model, x)
+    like = x.new_empty((b, n_head, 1, d // n_head))  # the shape of one step's keys
+    layers = cache.layers
+    bufs = [layer.reserve(like, like) for layer in layers]  # (B, nh, capacity, hs) twice, n
+    past = bufs[0][2]
+    if any(n != past for _, _, n in bufs):
+        raise ValueError(f"the cache's layers hold different lengths {[n for *_, n in bufs]}")
+    ffn = [cpu_kernels.ffn_kernel_args(*w, plans, typed) for w, plans in zip(plan.ffn, plan.plans,
+                                                                             strict=True)]
+    h, keys, values = cpu_kernels.decode_stack(
+        x.reshape(b, d), plan.dense, plan.eps, [k for k, _, _ in bufs], [v for _, v, _ in bufs],
+        past, ffn, types, q, typed)  # (B, D)
+    for layer, k, v in zip(layers, keys, values, strict=True):
+        layer.commit_views(k, v)  # (B, nh, past + 1, hs)
+    return h.view(b, 1, d)

@@ -1,0 +1,45 @@
+"""The generation benchmark's fixed-length mode: exactly the asked number of tokens."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from structlm.bench.generate import SuppressTokens, _one_run  # noqa: E402
+from structlm.data import gpt2_tokenizer  # noqa: E402
+from structlm.models import StructLMForCausalLM, config_from_preset  # noqa: E402
+
+
+def test_suppress_tokens_sets_only_those_scores() -> None:
+    scores = torch.randn(2, 10)
+    before = scores.clone()
+    out = SuppressTokens([7, 3, 7])(torch.zeros(2, 1, dtype=torch.long), scores)
+    assert torch.isinf(out[:, [3, 7]]).all() and (out[:, [3, 7]] < 0).all()
+    keep = [i for i in range(10) if i not in (3, 7)]
+    assert torch.equal(out[:, keep], before[:, keep])
+
+
+def test_fixed_mode_generates_exactly_max_new_tokens_even_when_eos_wins() -> None:
+    """A model rigged so that EOS is always the greedy choice: the paper mode stops at
+    once, the fixed mode still produces every token (none of them EOS)."""
+    tok = gpt2_tokenizer()
+    torch.manual_seed(0)
+    model = StructLMForCausalLM(config_from_preset("tiny", "Q2^2", vocab_size=50257)).eval()
+    eos = tok.eos_token_id
+    model.generation_config.eos_token_id = eos  # generation stops at the tokenizer's EOS
+    with torch.no_grad():  # final hidden state = e_0, so logits[v] = wte[v, 0]
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.zero_()
+        model.transformer.ln_f.bias[0] = 1.0
+        model.transformer.wte.weight[:, 0] = torch.randn(50257) * 0.1
+        model.transformer.wte.weight[eos, 0] = 10.0
+    prompts = ["Hello there.", "A second, longer prompt for the batch."]
+    n, sec = _one_run(model, tok, prompts, "fixed", 9, seed=0)
+    assert n == 9 * len(prompts) and sec > 0 and math.isfinite(sec)
+    ids = tok(prompts[0], return_tensors="pt")
+    kw = dict(max_new_tokens=9, pad_token_id=eos, do_sample=False)
+    assert model.generate(**ids, **kw).shape[1] == ids["input_ids"].shape[1] + 1  # EOS at once
