@@ -79,7 +79,7 @@ DECODE_COPIES = ("typed", "blocks")
 FUSED_ROWS_DTYPES = (torch.float32, torch.float64)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (_CSRC / "fused_rows.cpp", _CSRC / "decode_block.cpp")
-_HEADERS = (_CSRC / "rows_kernel.h",)
+_HEADERS = (_CSRC / "rows_kernel.h", _CSRC / "dot.h")
 #: -fopenmp matters: without it ATen's parallel_for runs serially inside an extension
 _FLAGS = ["-O3", "-march=native", "-fopenmp"]
 _STATE: dict[str, ModuleType | None] = {}

@@ -24,105 +24,22 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "dot.h"
 #include "rows_kernel.h"
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define STRUCTLM_AVX2 1
-#endif
-
 namespace {
 
-constexpr int64_t kLanes = 32;     // independent partial sums in the portable dot
+using structlm::dot1;
+using structlm::dot4;
+
 constexpr int64_t kChunkRows = 64;  // output rows per accumulator pass (measured: 16-256)
 // typed rows at least this long go four at a time (measured: rows of 384 floats four at
 // a time 1.3x slower than one at a time; 768-float dense rows a few percent faster)
 constexpr int64_t kFourRowsMinLength = 512;
-
-// Portable dot product (double, or float without AVX2): GCC vectorises the lanes.
-template <typename T>
-inline T dot_segment(const T* __restrict a, const T* __restrict b, int64_t n) {
-  T acc[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-#pragma GCC unroll 32
-    for (int64_t j = 0; j < kLanes; ++j) acc[j] += a[i + j] * b[i + j];
-  }
-  T s = 0;
-  for (; i < n; ++i) s += a[i] * b[i];
-  for (int64_t j = 0; j < kLanes; ++j) s += acc[j];
-  return s;
-}
-
-// x . w over n elements (one weight row: reads it front to back).
-template <typename T>
-inline T dot1(const T* __restrict x, const T* __restrict w, int64_t n) {
-  return dot_segment(x, w, n);
-}
-
-// out[r] += x . w[r * ld : r * ld + n] for r < 4.
-template <typename T>
-inline void dot4(const T* __restrict x, const T* __restrict w, int64_t ld, int64_t n,
-                 T* __restrict out) {
-  for (int64_t r = 0; r < 4; ++r) out[r] += dot_segment(x, w + r * ld, n);
-}
-
-#ifdef STRUCTLM_AVX2
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-template <>
-inline float dot1<float>(const float* __restrict x, const float* __restrict w, int64_t n) {
-  __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(w + i), s0);
-    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(w + i + 8), s1);
-    s2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 16), _mm256_loadu_ps(w + i + 16), s2);
-    s3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 24), _mm256_loadu_ps(w + i + 24), s3);
-  }
-  for (; i + 8 <= n; i += 8) {
-    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(w + i), s0);
-  }
-  float t = 0;
-  for (; i < n; ++i) t += x[i] * w[i];
-  return hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3))) + t;
-}
-
-// Four weight rows against one x: each x vector is loaded once for four FMAs.
-template <>
-inline void dot4<float>(const float* __restrict x, const float* __restrict w, int64_t ld,
-                        int64_t n, float* __restrict out) {
-  __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 xv = _mm256_loadu_ps(x + i);
-    s0 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + i), s0);
-    s1 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + ld + i), s1);
-    s2 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + 2 * ld + i), s2);
-    s3 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + 3 * ld + i), s3);
-  }
-  float t0 = 0, t1 = 0, t2 = 0, t3 = 0;
-  for (; i < n; ++i) {
-    t0 += x[i] * w[i];
-    t1 += x[i] * w[ld + i];
-    t2 += x[i] * w[2 * ld + i];
-    t3 += x[i] * w[3 * ld + i];
-  }
-  out[0] += hsum(s0) + t0;
-  out[1] += hsum(s1) + t1;
-  out[2] += hsum(s2) + t2;
-  out[3] += hsum(s3) + t3;
-}
-#endif
 
 struct Support {
   int64_t q;
