@@ -129,6 +129,8 @@ def test_cached_plan_follows_parameter_changes() -> None:
     check()
     block.ln_2.weight = torch.nn.Parameter(torch.randn(56, generator=gen))  # replaced
     check()
+    block.mlp.up.weight.data = torch.randn(block.mlp.up.weight.shape, generator=gen)  # swapped
+    check()
     fresh = _model("Q2^2", seed=9).transformer.h[0].mlp
     model.transformer.h[0].mlp = fresh  # replaced module
     check()

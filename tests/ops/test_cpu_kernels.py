@@ -127,7 +127,8 @@ def test_block_tables_and_packing() -> None:
 
 
 def test_packed_copy_follows_in_place_updates() -> None:
-    """An optimizer step between decode calls must not leave a stale packed copy."""
+    """An optimizer step (or a ``.data`` swap) between decode calls must not leave a stale
+    weight copy."""
     gen = torch.Generator().manual_seed(4)
     layer = AlgebraLinear(16, 8, "Q2^2")
     x, one = torch.randn(1, 16, generator=gen), torch.tensor([2])
@@ -136,7 +137,9 @@ def test_packed_copy_follows_in_place_updates() -> None:
             before = layer(x, one)
             layer.weight.mul_(2.0)  # in place: bumps the weight's version
             after = layer(x, one)
-        torch.testing.assert_close(after, 2 * before)
+            torch.testing.assert_close(after, 2 * before)
+            layer.weight.data = -layer.weight.data.clone()  # swapped: the version stays
+            torch.testing.assert_close(layer(x, one), -after)
 
 
 def test_kernel_rejects_bad_input() -> None:

@@ -73,6 +73,21 @@ class _DecodePlan:
     plans: list[Any]  # per block: (gate/up plan, down plan), or None for a dense FFN
     eps: list[float]
     backends: list[tuple[AlgebraLinear, Any]] = field(default_factory=list)
+    #: typed? -> (the FFN weights' states, their kernel arguments per block)
+    ffn_args: dict[bool, tuple[list[tuple[int, int]], list[list[torch.Tensor]]]] = field(
+        default_factory=dict)
+
+    def kernel_ffn_args(self, typed: bool) -> list[list[torch.Tensor]]:
+        """Every block's :func:`~structlm.ops.cpu_kernels.ffn_kernel_args`, rebuilt when
+        an FFN weight was updated in place or its data swapped (a dict lookup per weight
+        per step cost ~0.3 ms of a step)."""
+        state = [(w._version, w.data_ptr()) for ws in self.ffn for w in ws]
+        cached = self.ffn_args.get(typed)
+        if cached is None or cached[0] != state:
+            cached = (state, [cpu_kernels.ffn_kernel_args(*ws, plans, typed)
+                              for ws, plans in zip(self.ffn, self.plans, strict=True)])
+            self.ffn_args[typed] = cached
+        return cached[1]
 
 
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -157,8 +172,7 @@ def fused_decode_blocks(model: StructLMModel, x: torch.Tensor, position_ids: tor
     past = bufs[0][2]
     if any(n != past for _, _, n in bufs):
         raise ValueError(f"the cache's layers hold different lengths {[n for *_, n in bufs]}")
-    ffn = [cpu_kernels.ffn_kernel_args(*w, plans, typed) for w, plans in zip(plan.ffn, plan.plans,
-                                                                             strict=True)]
+    ffn = plan.kernel_ffn_args(typed)
     h, keys, values = cpu_kernels.decode_stack(
         x.reshape(b, d), plan.dense, plan.eps, [k for k, _, _ in bufs], [v for _, v, _ in bufs],
         past, ffn, types, q, typed)  # (B, D)

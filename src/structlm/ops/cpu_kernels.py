@@ -192,16 +192,24 @@ def pack_blocks(w: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
                       for d in range(plan.q) for b in range(plan.q)])
 
 
-#: weight tensor -> (its version when packed, the packed copy); entries die with the weight
+def _weight_state(w: torch.Tensor) -> tuple[int, int]:
+    """What a copy of ``w`` depends on: its version (in-place updates) and its data
+    pointer (``.data`` swaps and ``.to()`` keep the version)."""
+    return (w._version, w.data_ptr())
+
+
+#: weight tensor -> (its state when packed, the packed copy); entries die with the weight
 _PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def packed_weight(w: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
     """The block-contiguous copy of ``w`` the kernel reads (one extra copy of the weight
-    per layer, made on first use and redone after any in-place update of ``w``)."""
+    per layer, made on first use and redone after any in-place update or ``.data`` swap
+    of ``w``)."""
+    key = _weight_state(w)
     entry = _PACKED.get(w)
-    if entry is None or entry[0] != w._version:
-        entry = (w._version, pack_blocks(w.detach(), plan))
+    if entry is None or entry[0] != key:
+        entry = (key, pack_blocks(w.detach(), plan))
         _PACKED[w] = entry
     return entry[1]
 
@@ -221,16 +229,17 @@ def pack_types(w: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
     return torch.cat(parts) if parts else w.new_empty(0)
 
 
-#: weight tensor -> (its version when copied, the typed copies)
+#: weight tensor -> (its state when copied, the typed copies)
 _TYPED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def typed_weight(w: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
     """The typed copies of ``w`` (:func:`pack_types`), made on first use and redone after
-    any in-place update of ``w``."""
+    any in-place update or ``.data`` swap of ``w``."""
+    key = _weight_state(w)
     entry = _TYPED.get(w)
-    if entry is None or entry[0] != w._version:
-        entry = (w._version, pack_types(w.detach(), plan))
+    if entry is None or entry[0] != key:
+        entry = (key, pack_types(w.detach(), plan))
         _TYPED[w] = entry
     return entry[1]
 
