@@ -2,13 +2,14 @@
 
 Two modes:
 
-* ``fixed`` — every sequence is forced to exactly ``max_new_tokens`` new tokens
-  (greedy, the EOS token's score set to ``-inf`` each step), so both models do the same
-  number of decode steps: the layer's effect alone (the paper lacked this mode; its
-  models generated different lengths). The EOS is suppressed by :class:`SuppressTokens`,
-  one indexed write per step: ``transformers``' own ``min_new_tokens`` builds a
-  vocabulary-sized ``isin`` mask every step (~1 ms of a ~35 ms step on 2 cores, the same
-  for both models, which only dilutes the ratio);
+* ``fixed`` — every sequence gets exactly ``max_new_tokens`` new tokens (greedy, with
+  ``eos_token_id=None``: no token ends a sequence, an EOS is just a token), so both
+  models do the same number of decode steps: the layer's effect alone (the paper lacked
+  this mode; its models generated different lengths). No logits processor is involved:
+  ``transformers``' ``min_new_tokens`` builds a vocabulary-sized ``isin`` mask every step
+  and any processor list inspects each processor's signature every step (~1 ms of a
+  ~35 ms step on 2 cores together, the same for both models, which only dilutes the
+  ratio);
 * ``paper`` — seed 000 §3.3: sampling (temperature 0.8, top-p 0.95, top-k 50) until
   EOS or ``max_new_tokens``.
 
@@ -28,13 +29,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
 
 from ..algebra.cost import decode_macs
 from .timing import environment, write_csv_atomic
 
-__all__ = ["DEFAULT_PROMPTS", "GenerateBenchConfig", "SuppressTokens", "ideal_decode_speedup",
-           "run_generate_bench"]
+__all__ = ["DEFAULT_PROMPTS", "GenerateBenchConfig", "ideal_decode_speedup", "run_generate_bench"]
 
 DEFAULT_PROMPTS = (
     "Write a short function that returns the sum of a list of numbers.",
@@ -59,24 +58,6 @@ class GenerateBenchConfig:
     runs: int = 4
     threads: int = 2
     seed: int = 0
-
-
-class SuppressTokens(LogitsProcessor):
-    """``generate`` logits processor: the given tokens' scores become ``-inf`` (in place,
-    one indexed write per step)."""
-
-    def __init__(self, token_ids: Sequence[int]) -> None:
-        self.token_ids = torch.tensor(sorted(set(token_ids)), dtype=torch.long)
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        scores[:, self.token_ids.to(scores.device)] = -math.inf  # (B, V)
-        return scores
-
-
-def _eos_ids(model: Any, tok: Any) -> list[int]:
-    ids = model.generation_config.eos_token_id
-    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-    return [*ids, *([tok.eos_token_id] if tok.eos_token_id is not None else [])]
 
 
 def ideal_decode_speedup(cfg: Any, context: float) -> float:
@@ -119,8 +100,7 @@ def _one_run(model: Any, tok: Any, prompts: Sequence[str], mode: str, max_new: i
         ids = tok(prompt, return_tensors="pt")
         kw: dict[str, Any] = dict(max_new_tokens=max_new, pad_token_id=tok.eos_token_id)
         if mode == "fixed":
-            kw.update(do_sample=False, logits_processor=LogitsProcessorList(
-                [SuppressTokens(_eos_ids(model, tok))]))
+            kw.update(do_sample=False, eos_token_id=None)
         else:
             kw.update(do_sample=True, temperature=0.8, top_p=0.95, top_k=50)
         with torch.no_grad():
