@@ -29,8 +29,37 @@ def test_fixed_mode_generates_exactly_max_new_tokens_even_when_eos_wins() -> Non
         model.transformer.wte.weight[:, 0] = torch.randn(50257) * 0.1
         model.transformer.wte.weight[eos, 0] = 10.0
     prompts = ["Hello there.", "A second, longer prompt for the batch."]
-    n, sec = _one_run(model, tok, prompts, "fixed", 9, seed=0)
+    n, sec = _one_run({"m": model}, tok, prompts, "fixed", 9, run=0, seed=0)["m"]
     assert n == 9 * len(prompts) and sec > 0 and math.isfinite(sec)
     ids = tok(prompts[0], return_tensors="pt")
     kw = dict(max_new_tokens=9, pad_token_id=eos, do_sample=False)
     assert model.generate(**ids, **kw).shape[1] == ids["input_ids"].shape[1] + 1  # EOS at once
+
+
+def test_bench_writes_both_models_with_the_warm_up_dropped(tmp_path) -> None:
+    """End to end on two tiny saved models: CSV and Markdown, fixed lengths, runs kept."""
+    import csv
+
+    from structlm.bench.generate import GenerateBenchConfig, run_generate_bench
+
+    paths = {}
+    for algebra in ("dense", "Q2^2"):
+        torch.manual_seed(1)
+        model = StructLMForCausalLM(config_from_preset("tiny", algebra, vocab_size=50257))
+        model.save_pretrained(tmp_path / algebra)
+        paths[algebra] = str(tmp_path / algebra)
+    cfg = GenerateBenchConfig(dense_model=paths["dense"], algebra_model=paths["Q2^2"],
+                              prompts=("One prompt.", "And another one here."),
+                              modes=("fixed", "paper"), max_new_tokens=6, runs=3)
+    rows = run_generate_bench(cfg, str(tmp_path / "out" / "gen"), progress=False)
+    with open(tmp_path / "out" / "gen.csv") as fh:
+        assert len(list(csv.DictReader(fh))) == len(rows) == 4
+    assert (tmp_path / "out" / "gen.md").read_text().count("| fixed |") == 2
+    for r in rows:
+        assert r["runs_kept"] == 2 and r["tokens_per_s"] > 0
+        if r["mode"] == "fixed":
+            assert r["mean_new_tokens"] == 6.0
+        else:
+            assert 1 <= r["mean_new_tokens"] <= 6
+    assert [r["model"] for r in rows[:2]] == ["dense", "algebra"]
+    assert rows[1]["ideal_mac_speedup"] > 1.0

@@ -15,7 +15,10 @@ Two modes:
 
 Each (model, mode) runs ``runs`` times over all prompts, the first run is dropped
 (warm-up), and tokens/s is reported as mean ± 95% Student-t half-width; tokenisation
-and sampling are inside the timed region. The runs of the two models alternate.
+and sampling are inside the timed region. Within a run the two models alternate prompt
+by prompt (the order flips every prompt), so the machine's slow drifts (±15–30% between
+minutes on the 2-core VM) hit both alike; each prompt is sampled from the same
+generator state for both.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from ..algebra.cost import decode_macs
 from .timing import environment, write_csv_atomic
@@ -92,25 +96,42 @@ def _load(path: str, preset: str, algebra: str, seed: int) -> Any:
     return StructLMForCausalLM(config_from_preset(preset, algebra)).eval()
 
 
-def _one_run(model: Any, tok: Any, prompts: Sequence[str], mode: str, max_new: int,
-             seed: int) -> tuple[int, float]:
-    torch.manual_seed(seed)
-    new_tokens, t0 = 0, time.perf_counter()
-    for prompt in prompts:
-        ids = tok(prompt, return_tensors="pt")
-        kw: dict[str, Any] = dict(max_new_tokens=max_new, pad_token_id=tok.eos_token_id)
-        if mode == "fixed":
-            kw.update(do_sample=False, eos_token_id=None)
-        else:
-            kw.update(do_sample=True, temperature=0.8, top_p=0.95, top_k=50)
-        with torch.no_grad():
-            out = model.generate(**ids, **kw)
-        new_tokens += int(out.shape[1] - ids["input_ids"].shape[1])
-        tok.decode(out[0, ids["input_ids"].shape[1]:])
-    return new_tokens, time.perf_counter() - t0
+def _one_generate(model: Any, tok: Any, prompt: str, mode: str, max_new: int,
+                  seed: int) -> tuple[int, float]:
+    """New tokens and seconds for one prompt: tokenising, ``generate``, decoding."""
+    torch.manual_seed(seed)  # both models sample with the same generator state
+    t0 = time.perf_counter()
+    ids = tok(prompt, return_tensors="pt")
+    kw: dict[str, Any] = dict(max_new_tokens=max_new, pad_token_id=tok.eos_token_id)
+    if mode == "fixed":
+        kw.update(do_sample=False, eos_token_id=None)
+    else:
+        kw.update(do_sample=True, temperature=0.8, top_p=0.95, top_k=50)
+    with torch.no_grad():
+        out = model.generate(**ids, **kw)
+    tok.decode(out[0, ids["input_ids"].shape[1]:])
+    return int(out.shape[1] - ids["input_ids"].shape[1]), time.perf_counter() - t0
 
 
-def run_generate_bench(cfg: GenerateBenchConfig, out_prefix: str) -> list[dict[str, Any]]:
+def _one_run(models: dict[str, Any], tok: Any, prompts: Sequence[str], mode: str,
+             max_new: int, run: int, seed: int, bar: Any = None) -> dict[str, tuple[int, float]]:
+    """One run of every model over all prompts, interleaved prompt by prompt (the order
+    of the models alternates), so slow drifts of the machine hit both models alike.
+    Returns per model (new tokens, seconds) summed over the prompts."""
+    totals = {name: (0, 0.0) for name in models}
+    for i, prompt in enumerate(prompts):
+        names = list(models) if (run + i) % 2 == 0 else list(models)[::-1]
+        for name in names:
+            n, sec = _one_generate(models[name], tok, prompt, mode, max_new,
+                                   seed + 1000 * run + i)
+            totals[name] = (totals[name][0] + n, totals[name][1] + sec)
+            if bar is not None:
+                bar.update(1)
+    return totals
+
+
+def run_generate_bench(cfg: GenerateBenchConfig, out_prefix: str,
+                       progress: bool = True) -> list[dict[str, Any]]:
     """Time both models; write ``<out_prefix>.csv`` and ``.md``; return the rows."""
     from ..data import gpt2_tokenizer
 
@@ -124,14 +145,16 @@ def run_generate_bench(cfg: GenerateBenchConfig, out_prefix: str) -> list[dict[s
     for mode in cfg.modes:
         rates: dict[str, list[float]] = {k: [] for k in models}
         lengths: dict[str, list[int]] = {k: [] for k in models}
+        bar = tqdm(total=cfg.runs * len(cfg.prompts) * len(models), unit="gen",
+                   desc=f"bench generate ({mode})", disable=not progress)
         for run in range(cfg.runs):
-            order = list(models) if run % 2 == 0 else list(models)[::-1]
-            for name in order:
-                n, sec = _one_run(models[name], tok, cfg.prompts, mode, cfg.max_new_tokens,
-                                  cfg.seed + run)
-                if run > 0:  # the first run is a warm-up
+            totals = _one_run(models, tok, cfg.prompts, mode, cfg.max_new_tokens, run,
+                              cfg.seed, bar)
+            if run > 0:  # the first run is a warm-up
+                for name, (n, sec) in totals.items():
                     rates[name].append(n / sec)
                     lengths[name].append(n)
+        bar.close()
         mean_new = statistics.mean(lengths["algebra"]) / len(cfg.prompts)
         ideal = ideal_decode_speedup(models["algebra"].config, prompt_len + mean_new / 2)
         for name in models:
