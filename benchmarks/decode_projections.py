@@ -5,10 +5,13 @@
 Times all of a preset's FFN projections (gate, up, down for every layer: 36 distinct
 weights for paper-110m, 170 MB in fp32, so each call streams its weight from memory
 as in a real decode step) for one token, per arm: dense ``F.linear`` (MKL), dense on
-the compiled rows kernel (``dense_rows_linear``, what the model's dense layers run at
-decode), and the blocked backend forced to each layout. Ratios are against the
-*fastest* dense arm. Interleaved rounds, medians; writes CSV (with the environment), a
-markdown table and a bar chart drawn from the CSV.
+the compiled rows kernel (what the model's dense layers run at decode), the algebra on
+the same kernel from its typed copies (what a decode step runs) and from its
+block-packed copy (rows of mixed types), each called straight with prebuilt arguments
+as the model's one-call decode step does, and the blocked backend's PyTorch layouts
+forced through the layer. Ratios are against the *fastest* dense arm. Interleaved
+rounds, medians; writes CSV (with the environment), a markdown table and a bar chart
+drawn from the CSV.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ import torch.nn.functional as F
 from structlm.bench.timing import environment, interleaved_medians, write_csv_atomic
 from structlm.models import config_from_preset
 from structlm.nn import AlgebraLinear
+from structlm.ops import cpu_kernels
 from structlm.ops.blocked import force_layout
-from structlm.ops.cpu_kernels import dense_rows_linear, fused_rows_available
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,8 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="paper-110m")
     ap.add_argument("--algebra", default="Q2^2")
     ap.add_argument("--type", type=int, default=1, help="position type of the token")
-    ap.add_argument("--layouts", default="fused-rows,output-major,diag-first",
-                    help="blocked layouts to time (comma-separated)")
+    ap.add_argument("--layouts", default="output-major,diag-first",
+                    help="PyTorch blocked layouts to time through the layer (comma-separated)")
     ap.add_argument("--trials", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="benchmarks/results/decode_projections_cpu")
@@ -54,9 +57,26 @@ def main(argv: list[str] | None = None) -> int:
         for w in dense:
             F.linear(xs[w.shape[1]], w)
 
+    kernels = cpu_kernels.fused_rows_available()
+    mod = cpu_kernels._module() if kernels else None
+
     def run_dense_kernel() -> None:
         for w in dense:
-            dense_rows_linear(xs[w.shape[1]], w)
+            mod.dense_rows_forward(xs[w.shape[1]], w, None)
+
+    def kernel_args(copy: str) -> list[tuple]:
+        make = cpu_kernels.typed_weight if copy == "typed" else cpu_kernels.packed_weight
+        return [(xs[layer.in_features], make(layer.weight, layer.plan), types,
+                 *cpu_kernels.block_tables(layer.plan), layer.q, None) for layer in layers]
+
+    def run_copy(copy: str):
+        fn = mod.typed_rows_forward if copy == "typed" else mod.fused_rows_forward
+        calls = kernel_args(copy)
+
+        def run() -> None:
+            for call in calls:
+                fn(*call)
+        return run
 
     def run_layout(name: str):
         def run() -> None:
@@ -65,19 +85,23 @@ def main(argv: list[str] | None = None) -> int:
                     layer(xs[layer.in_features], parts[id(layer)])
         return run
 
-    layouts = [name for name in args.layouts.split(",")
-               if name != "fused-rows" or fused_rows_available()]
-    dense_arms = ["F.linear", "rows-kernel"] if fused_rows_available() else ["F.linear"]
-    fns = [run_dense, run_dense_kernel][:len(dense_arms)] + [run_layout(n) for n in layouts]
+    layouts = [name for name in args.layouts.split(",") if name]
+    dense_arms = ["F.linear", "rows-kernel"] if kernels else ["F.linear"]
+    algebra_arms = (["rows-kernel typed copy", "rows-kernel block copy"] if kernels else [])
+    algebra_arms += layouts
+    fns = [run_dense, run_dense_kernel][:len(dense_arms)]
+    if kernels:
+        fns += [run_copy("typed"), run_copy("blocks")]
+    fns += [run_layout(n) for n in layouts]
     with torch.no_grad():
-        for fn in fns:  # first calls: the fused layout packs its weights here
+        for fn in fns:  # first calls: weight copies are made here
             fn()
         medians = interleaved_medians(fns, trials=args.trials, warmup=1)
     env = environment()
     weight_mb = sum(w.numel() for w in dense) * 4 / 1e6
     rows = []
     best_dense = min(medians[:len(dense_arms)])
-    for i, (name, sec) in enumerate(zip([*dense_arms, *layouts], medians, strict=True)):
+    for i, (name, sec) in enumerate(zip([*dense_arms, *algebra_arms], medians, strict=True)):
         rows.append({"preset": args.preset,
                      "algebra": "dense" if i < len(dense_arms) else args.algebra,
                      "layout": name, "projections": len(shapes), "dense_weight_mb": weight_mb,

@@ -147,7 +147,8 @@ def fused_decode_applies(model: StructLMModel, x: torch.Tensor, mask: torch.Tens
     layers = getattr(cache, "layers", None)
     if (not isinstance(layers, list) or len(layers) != len(model.h)
             or not all(type(layer) is GrowingKVLayer and layer.is_initialized
-                       and layer.get_seq_length() > 0 for layer in layers)):
+                       for layer in layers)
+            or layers[0].get_seq_length() == 0):  # every layer's length: checked on use
         return False
     return _decode_plan(model, x).ready
 

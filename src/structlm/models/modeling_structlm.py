@@ -132,6 +132,15 @@ class StructLMPreTrainedModel(PreTrainedModel):
     _no_split_modules: ClassVar[list[str]] = ["StructLMBlock"]
     _supports_sdpa = True
 
+    @property
+    def device(self) -> torch.device:
+        """The token embedding's device, in O(1) (``PreTrainedModel.device`` walks the
+        parameters, which ``generate`` does twice per token)."""
+        try:
+            return self.get_input_embeddings().weight.device
+        except (AttributeError, NotImplementedError):  # not built yet
+            return super().device
+
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
         if isinstance(module, nn.Linear | AlgebraLinear):
