@@ -55,8 +55,10 @@ def test_bench_writes_both_models_with_the_warm_up_dropped(tmp_path) -> None:
     with open(tmp_path / "out" / "gen.csv") as fh:
         assert len(list(csv.DictReader(fh))) == len(rows) == 4
     assert (tmp_path / "out" / "gen.md").read_text().count("| fixed |") == 2
+    assert (tmp_path / "out" / "gen.png").stat().st_size > 0
     for r in rows:
         assert r["runs_kept"] == 2 and r["tokens_per_s"] > 0
+        assert len(r["per_run_tokens_per_s"].split(";")) == 2
         if r["mode"] == "fixed":
             assert r["mean_new_tokens"] == 6.0
         else:

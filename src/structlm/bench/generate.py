@@ -37,7 +37,8 @@ from tqdm import tqdm
 from ..algebra.cost import decode_macs
 from .timing import environment, write_csv_atomic
 
-__all__ = ["DEFAULT_PROMPTS", "GenerateBenchConfig", "ideal_decode_speedup", "run_generate_bench"]
+__all__ = ["DEFAULT_PROMPTS", "GenerateBenchConfig", "ideal_decode_speedup", "plot_generate_csv",
+           "run_generate_bench"]
 
 DEFAULT_PROMPTS = (
     "Write a short function that returns the sum of a list of numbers.",
@@ -132,7 +133,7 @@ def _one_run(models: dict[str, Any], tok: Any, prompts: Sequence[str], mode: str
 
 def run_generate_bench(cfg: GenerateBenchConfig, out_prefix: str,
                        progress: bool = True) -> list[dict[str, Any]]:
-    """Time both models; write ``<out_prefix>.csv`` and ``.md``; return the rows."""
+    """Time both models; write ``<out_prefix>.csv``, ``.md`` and ``.png``; return the rows."""
     from ..data import gpt2_tokenizer
 
     torch.set_num_threads(cfg.threads)
@@ -164,6 +165,7 @@ def run_generate_bench(cfg: GenerateBenchConfig, out_prefix: str,
                 "ci95": round(_student_t_half_width(rates[name]), 3),
                 "mean_new_tokens": round(statistics.mean(lengths[name]) / len(cfg.prompts), 1),
                 "runs_kept": len(rates[name]),
+                "per_run_tokens_per_s": ";".join(f"{r:.3f}" for r in rates[name]),
                 "speedup_vs_dense": round(statistics.mean(rates[name])
                                           / statistics.mean(rates["dense"]), 4),
                 "ideal_mac_speedup": round(ideal, 4) if name == "algebra" else 1.0,
@@ -182,4 +184,40 @@ def run_generate_bench(cfg: GenerateBenchConfig, out_prefix: str,
     with open(tmp, "w") as fh:
         fh.write(f"Environment: {env}\n\n" + text)
     os.replace(tmp, out_prefix + ".md")
+    plot_generate_csv(out_prefix + ".csv", out_prefix + ".png")
     return rows
+
+
+def plot_generate_csv(csv_path: str, png_path: str) -> None:
+    """Bar chart from the benchmark's CSV: tokens/s per mode and model with the 95%
+    intervals, each algebra bar labelled with its speed-up and MAC ideal."""
+    import csv
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(csv_path) as fh:
+        rows = list(csv.DictReader(fh))
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    labels = [f"{r['mode']}\n{r['model']} ({r['algebra']})" for r in rows]
+    rates = [float(r["tokens_per_s"]) for r in rows]
+    bars = ax.bar(labels, rates, yerr=[float(r["ci95"]) for r in rows], capsize=4,
+                  color=["grey" if r["model"] == "dense" else "C0" for r in rows])
+    for bar, r in zip(bars, rows, strict=True):
+        if r["model"] != "dense":
+            ax.annotate(f"{float(r['speedup_vs_dense']):.3f}× (ideal "
+                        f"{float(r['ideal_mac_speedup']):.2f}×)",
+                        (bar.get_x() + bar.get_width() / 2,
+                         bar.get_height() + float(r["ci95"] or 0)),
+                        ha="center", va="bottom", fontsize=8, xytext=(0, 3),
+                        textcoords="offset points")
+    ax.margins(y=0.15)
+    ax.set_ylabel("tokens / s (mean ± 95% CI)")
+    ax.set_title(f"generation, batch 1 ({rows[0].get('env_cpu', '')})", fontsize=9)
+    fig.tight_layout()
+    tmp = png_path + ".tmp.png"
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, png_path)

@@ -21,7 +21,8 @@ the bytes vs 20 ms for all). Two copies (:func:`decode_copy` picks):
   2.25x the layer's weight for Q2^2, 1.75x for Q4). When every row has one type (a
   decode step), the type's weight is one contiguous stream, read like a dense GEMV's;
   the dense layers are this loop's ``q = 1`` case. Measured on 36 paper-110m FFN
-  projections at ``M = 1``: ~1.4x faster than the block-packed copy.
+  projections at ``M = 1``: ~5% faster than the block-packed copy (about 1% of a
+  decode step).
 * ``"blocks"``: one block-contiguous copy (:func:`packed_weight`; +1x the weight), the
   rows' types selecting blocks; also what rows of mixed types always use.
 
