@@ -26,6 +26,10 @@ the bytes vs 20 ms for all). Two copies (:func:`decode_copy` picks):
 * ``"blocks"``: one block-contiguous copy (:func:`packed_weight`; +1x the weight), the
   rows' types selecting blocks; also what rows of mixed types always use.
 
+The LM's decode step runs every decoder block in one call on these kernels
+(:func:`decode_stack`, ``csrc/decode_block.cpp``: layer norms, attention over the KV
+cache, all projections), see :mod:`structlm.models.decode_step`.
+
 The extension is built once on first use with :func:`torch.utils.cpp_extension.load`
 (a C++ compiler is needed, about a minute on 2 cores; the build lands in
 ``$TORCH_EXTENSIONS_DIR/structlm/``, by default ``~/.cache/torch_extensions/structlm/``).

@@ -124,7 +124,7 @@ at::Tensor decode_block_forward(at::Tensor x, std::vector<at::Tensor> dense, dou
 
   auto h = at::empty_like(x);
   auto y = x.clone();
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "decode_block_attention", [&] {
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "decode_block_ln_1", [&] {
     layer_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), dense[0].data_ptr<scalar_t>(),
                               dense[1].data_ptr<scalar_t>(), ln_eps, M, D,
                               h.data_ptr<scalar_t>());
@@ -137,7 +137,7 @@ at::Tensor decode_block_forward(at::Tensor x, std::vector<at::Tensor> dense, dou
                      att.data_ptr<scalar_t>());
   });
   y.add_(dense_rows_forward(att, dense[4].view({D, D}), dense[5]));
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "decode_block_ffn_norm", [&] {
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "decode_block_ln_2", [&] {
     layer_norm_rows<scalar_t>(y.data_ptr<scalar_t>(), dense[6].data_ptr<scalar_t>(),
                               dense[7].data_ptr<scalar_t>(), ln_eps, M, D,
                               h.data_ptr<scalar_t>());
