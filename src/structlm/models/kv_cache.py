@@ -63,7 +63,10 @@ class GrowingKVLayer(DynamicLayer):
         if (committed is not None and committed[0] is self.keys and committed[1] is self.values
                 and n + t <= committed[2].shape[-2]
                 and committed[2].shape[:-2] == key_states.shape[:-2]
-                and committed[2].dtype == key_states.dtype):
+                and committed[2].shape[-1] == key_states.shape[-1]
+                and committed[3].shape[-1] == value_states.shape[-1]
+                and committed[2].dtype == key_states.dtype
+                and committed[2].device == key_states.device):
             return committed[2], committed[3], n  # nothing touched the cache since commit
         if bufs is None or not (
                 (n == 0 or (_is_prefix_of(self.keys, bufs[0])
