@@ -45,7 +45,7 @@ import hashlib
 import os
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -197,13 +197,20 @@ def pack_blocks(w: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
                       for d in range(plan.q) for b in range(plan.q)])
 
 
-def _weight_state(w: torch.Tensor) -> tuple[int, int]:
-    """What a copy of ``w`` depends on: its version (in-place updates) and its data
-    pointer (``.data`` swaps and ``.to()`` keep the version)."""
-    return (w._version, w.data_ptr())
+def _cached_copy(cache: WeakIdKeyDictionary, w: torch.Tensor, plan: BlockPlan,
+                 pack: Callable[[torch.Tensor, BlockPlan], torch.Tensor]) -> torch.Tensor:
+    """``pack(w, plan)``, kept in ``cache`` (entries die with the weight) and redone when
+    ``w``'s version (in-place updates) or data pointer (``.data`` swaps and ``.to()``,
+    which keep the version) changed."""
+    state = (w._version, w.data_ptr())
+    entry = cache.get(w)
+    if entry is None or entry[0] != state:
+        entry = (state, pack(w.detach(), plan))
+        cache[w] = entry
+    return entry[1]
 
 
-#: weight tensor -> (its state when packed, the packed copy); entries die with the weight
+#: weight tensor -> (its state when packed, the packed copy)
 _PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -211,12 +218,7 @@ def packed_weight(w: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
     """The block-contiguous copy of ``w`` the kernel reads (one extra copy of the weight
     per layer, made on first use and redone after any in-place update or ``.data`` swap
     of ``w``)."""
-    key = _weight_state(w)
-    entry = _PACKED.get(w)
-    if entry is None or entry[0] != key:
-        entry = (key, pack_blocks(w.detach(), plan))
-        _PACKED[w] = entry
-    return entry[1]
+    return _cached_copy(_PACKED, w, plan, pack_blocks)
 
 
 def pack_types(w: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
@@ -241,12 +243,7 @@ _TYPED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 def typed_weight(w: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
     """The typed copies of ``w`` (:func:`pack_types`), made on first use and redone after
     any in-place update or ``.data`` swap of ``w``."""
-    key = _weight_state(w)
-    entry = _TYPED.get(w)
-    if entry is None or entry[0] != key:
-        entry = (key, pack_types(w.detach(), plan))
-        _TYPED[w] = entry
-    return entry[1]
+    return _cached_copy(_TYPED, w, plan, pack_types)
 
 
 _DECODE_COPY = [os.environ.get("STRUCTLM_DECODE_COPY", "typed")]
