@@ -247,6 +247,20 @@ const int64_t* checked_types(at::Tensor& types, const at::Tensor& x, int64_t n_t
   return t;
 }
 
+// y (M, N) = typed_rows_impl for rows of type `a` (inputs already checked).
+at::Tensor run_typed(at::Tensor x, const at::Tensor& typed, int64_t a, const Support& s,
+                     const c10::optional<at::Tensor>& bias, int64_t N, int64_t K) {
+  x = x.contiguous();
+  const int64_t M = x.size(0);
+  auto y = at::empty({M, N}, x.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "typed_rows_forward", [&] {
+    typed_rows_impl<scalar_t>(x.data_ptr<scalar_t>(), typed.data_ptr<scalar_t>(), a, s,
+                              bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr, M, N,
+                              K, y.data_ptr<scalar_t>());
+  });
+  return y;
+}
+
 }  // namespace
 
 // x (M, K); packed: the weight (N, K) stored block by block (block (d, b) = rows of
@@ -293,14 +307,7 @@ at::Tensor typed_rows_forward(at::Tensor x, at::Tensor typed, at::Tensor types,
     TORCH_CHECK(t[m] == a, "typed_rows: every row must have one type, got types ", t[0],
                 " and ", t[m], " (use fused_rows_forward for mixed types)");
   }
-  x = x.contiguous();
-  auto y = at::empty({M, N}, x.options());
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "typed_rows_forward", [&] {
-    typed_rows_impl<scalar_t>(x.data_ptr<scalar_t>(), typed.data_ptr<scalar_t>(), a, s,
-                              bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr, M, N,
-                              K, y.data_ptr<scalar_t>());
-  });
-  return y;
+  return run_typed(x, typed, a, s, bias, N, K);
 }
 
 // Dense y = x W^T (+ bias) for a few rows, W (N, K) row-major: the typed loop with one
@@ -312,15 +319,7 @@ at::Tensor dense_rows_forward(at::Tensor x, at::Tensor w, c10::optional<at::Tens
   const int64_t out_off[2] = {0, N}, in_off[2] = {0, K}, blk_off[1] = {0};
   const uint8_t uses[1] = {1};
   const Support s{1, out_off, in_off, blk_off, uses};
-  x = x.contiguous();
-  const int64_t M = x.size(0);
-  auto y = at::empty({M, N}, x.options());
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dense_rows_forward", [&] {
-    typed_rows_impl<scalar_t>(x.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(), 0, s,
-                              bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr, M, N,
-                              K, y.data_ptr<scalar_t>());
-  });
-  return y;
+  return run_typed(x, w, 0, s, bias, N, K);
 }
 
 // Decode SwiGLU FFN in one call: down(silu(gate(x)) * up(x)), each projection from the
