@@ -13,8 +13,13 @@ the FFN's structure.
 
 It applies to unpadded decode steps (the attention mask is ``None``) of at most
 ``FUSED_ROWS_MAX_ROWS`` sequences, CPU float32/float64, no autograd, a cache of
-``GrowingKVLayer`` (what :meth:`generate` uses); everything else takes the modules'
-forward, which the tests compare it with.
+``GrowingKVLayer`` (what :meth:`generate` uses), and only while every block still has
+the modules the kernel re-implements (:func:`_block_ready`, the one gate): layer norms,
+an ``nn.Linear`` qkv and output projection with biases and the expected shapes, and the
+SwiGLU MLP with bias-free ``nn.Linear`` or ``AlgebraLinear`` projections. A block whose
+matrices were replaced (``structlm.share.adapters``: a ``ConcatProjection`` qkv, a
+factorised output projection, a ``GatedMLP``) sends the whole model to the modules'
+forward, like everything else the kernel does not cover; the tests compare the two.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 from torch.nn.modules.module import (
     register_module_module_registration_hook,
     register_module_parameter_registration_hook,
@@ -37,7 +43,7 @@ from .kv_cache import GrowingKVLayer
 if TYPE_CHECKING:
     from .modeling_structlm import StructLMBlock, StructLMModel
 
-__all__ = ["fused_decode_applies", "fused_decode_blocks"]
+__all__ = ["fused_decode_applies", "fused_decode_blocks", "registration_stamp"]
 
 #: bumped whenever any module anywhere registers a parameter or a submodule (torch's
 #: global registration hooks); a cached :class:`_DecodePlan` is then rebuilt
@@ -46,6 +52,12 @@ _REGISTRATIONS = [0]
 
 def _registered(*_: Any) -> None:
     _REGISTRATIONS[0] += 1
+
+
+def registration_stamp() -> int:
+    """Changes whenever any module registers a parameter or a submodule: a key for
+    anything derived from a model's module structure (also ``StructLMMLP``'s kernel kind)."""
+    return _REGISTRATIONS[0]
 
 
 register_module_parameter_registration_hook(_registered)
@@ -60,14 +72,15 @@ class _DecodePlan:
 
     It holds the parameters themselves, so in-place updates, ``.data`` swaps and
     ``.to()`` are seen by the kernel; it goes stale when a parameter or module is
-    replaced (``_REGISTRATIONS``), the dtype or the forced layout changes, or an
-    algebra layer's backend is set: all checked by :func:`_decode_plan`. The block-packed
+    replaced (``_REGISTRATIONS``; a share adapter's ``replace`` too), the dtype or the
+    forced layout changes, or an algebra layer's backend is set: all checked by
+    :func:`_decode_plan`, which asks :func:`_block_ready` again then. The block-packed
     copies of algebra weights are looked up on every step
     (:func:`~structlm.ops.cpu_kernels.packed_weight` redoes one after an in-place update).
     """
 
     key: tuple[Any, ...]
-    ready: bool  # every block can run on the kernel
+    ready: bool  # every block can run on the kernel (else nothing below is gathered)
     dense: list[list[torch.Tensor]]  # per block: ln_1 w, b, qkv w, b, proj w, b, ln_2 w, b
     ffn: list[tuple[torch.Tensor, ...]]  # per block: gate, up, down weights
     plans: list[Any]  # per block: (gate/up plan, down plan), or None for a dense FFN
@@ -100,34 +113,71 @@ def _decode_plan(model: StructLMModel, x: torch.Tensor) -> _DecodePlan:
             layer.backend is backend for layer, backend in plan.backends):
         return plan
     blocks = list(model.h)
-    algebra = [[b.mlp.gate, b.mlp.up, b.mlp.down] for b in blocks
-               if isinstance(b.mlp.gate, AlgebraLinear)]
-    plan = _DecodePlan(
-        key=key, ready=all(_block_ready(b, x) for b in blocks),
-        dense=[[b.ln_1.weight, b.ln_1.bias, b.attn.qkv.weight, b.attn.qkv.bias,
-                b.attn.proj.weight, b.attn.proj.bias, b.ln_2.weight, b.ln_2.bias]
-               for b in blocks],
-        ffn=[(b.mlp.gate.weight, b.mlp.up.weight, b.mlp.down.weight) for b in blocks],
-        plans=[(b.mlp.gate.plan, b.mlp.down.plan) if isinstance(b.mlp.gate, AlgebraLinear)
-               else None for b in blocks],
-        eps=[float(b.ln_1.eps) for b in blocks],
-        backends=[(layer, layer.backend) for layers in algebra for layer in layers])
+    backends = [(m, m.backend) for b in blocks for m in b.modules()
+                if isinstance(m, AlgebraLinear)]
+    if not all(_block_ready(b, model, x) for b in blocks):  # cached too: one check per rebuild
+        plan = _DecodePlan(key=key, ready=False, dense=[], ffn=[], plans=[], eps=[],
+                           backends=backends)
+    else:
+        plan = _DecodePlan(
+            key=key, ready=True,
+            dense=[[b.ln_1.weight, b.ln_1.bias, b.attn.qkv.weight, b.attn.qkv.bias,
+                    b.attn.proj.weight, b.attn.proj.bias, b.ln_2.weight, b.ln_2.bias]
+                   for b in blocks],
+            ffn=[(b.mlp.gate.weight, b.mlp.up.weight, b.mlp.down.weight) for b in blocks],
+            plans=[(b.mlp.gate.plan, b.mlp.down.plan)
+                   if b.mlp.kernel_kind() == "algebra" else None for b in blocks],
+            eps=[float(b.ln_1.eps) for b in blocks], backends=backends)
     _PLANS[model] = plan
     return plan
 
 
-def _block_ready(block: StructLMBlock, x: torch.Tensor) -> bool:
-    ln1, ln2, mlp = block.ln_1, block.ln_2, block.mlp
-    if not (ln1.elementwise_affine and ln2.elementwise_affine and ln1.bias is not None
-            and ln2.bias is not None and ln1.eps == ln2.eps):
+def _block_ready(block: StructLMBlock, model: StructLMModel, x: torch.Tensor) -> bool:
+    """The one gate of the fused step: whether ``block`` consists of exactly the modules
+    :func:`~structlm.ops.cpu_kernels.decode_block` re-implements, with the expected
+    shapes, and its parameters suit the kernel for inputs like ``x``.
+
+    That is a ``StructLMBlock`` with ``nn.LayerNorm`` s (affine, with bias, one eps),
+    the ``StructLMAttention`` with ``nn.Linear`` (or ``DecodeLinear``) qkv ``(3D, D)``
+    and proj ``(D, D)``, both with bias, and the ``StructLMMLP`` whose projections the
+    SwiGLU kernel takes (:meth:`~structlm.models.modeling_structlm.StructLMMLP.kernel_kind`:
+    bias-free dense layers for a model without position types, algebra layers of the
+    model's ``q`` otherwise). Anything else — a replaced matrix (``ConcatProjection``,
+    ``LowRankLinear`` ...), a ``GatedMLP``, a bias-free projection — is not what the kernel
+    computes, so the modules' forward runs instead. Only called when the plan is rebuilt.
+    """
+    from .modeling_structlm import LINEAR_KINDS, StructLMAttention, StructLMBlock, StructLMMLP
+
+    if type(block) is not StructLMBlock:
         return False
-    params = (ln1.weight, ln1.bias, block.attn.qkv.weight, block.attn.qkv.bias,
-              block.attn.proj.weight, block.attn.proj.bias, ln2.weight, ln2.bias,
-              mlp.gate.weight, mlp.up.weight, mlp.down.weight)
-    if not all(p is not None and p.dtype == x.dtype and p.device.type == "cpu"
-               and p.is_contiguous() for p in params):
+    d = model.config.hidden_size
+    ln1, ln2, attn, mlp = block.ln_1, block.ln_2, block.attn, block.mlp
+    if not (type(ln1) is nn.LayerNorm and type(ln2) is nn.LayerNorm
+            and ln1.normalized_shape == ln2.normalized_shape == (d,)
+            and ln1.elementwise_affine and ln2.elementwise_affine
+            and ln1.bias is not None and ln2.bias is not None and ln1.eps == ln2.eps):
         return False
-    if isinstance(mlp.gate, AlgebraLinear):
+    if not (type(attn) is StructLMAttention
+            and attn.n_head == model.config.num_attention_heads and d % attn.n_head == 0):
+        return False
+    qkv, proj = attn.qkv, attn.proj
+    if not (type(qkv) in LINEAR_KINDS and type(proj) in LINEAR_KINDS
+            and qkv.weight.shape == (3 * d, d) and qkv.bias is not None
+            and qkv.bias.shape == (3 * d,) and proj.weight.shape == (d, d)
+            and proj.bias is not None and proj.bias.shape == (d,)):
+        return False
+    kind = mlp.kernel_kind() if type(mlp) is StructLMMLP else None
+    if kind is None or mlp.gate.in_features != d:
+        return False
+    if (kind == "algebra") != (model.schedule is not None) or (
+            kind == "algebra" and mlp.gate.q != model.q):
+        return False  # the kernel's row types come from the model's schedule
+    params = (ln1.weight, ln1.bias, qkv.weight, qkv.bias, proj.weight, proj.bias,
+              ln2.weight, ln2.bias, mlp.gate.weight, mlp.up.weight, mlp.down.weight)
+    if not all(p.dtype == x.dtype and p.device.type == "cpu" and p.is_contiguous()
+               for p in params):
+        return False
+    if kind == "algebra":
         return all(layer.kernel_decode_ready(x) for layer in (mlp.gate, mlp.up, mlp.down))
     return True
 

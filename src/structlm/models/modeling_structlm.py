@@ -27,10 +27,14 @@ from ..ops import cpu_kernels
 from ..ops.blocked import FUSED_ROWS_MAX_ROWS
 from ..ops.partition import TypePartition
 from .configuration_structlm import StructLMConfig
-from .decode_step import fused_decode_applies, fused_decode_blocks
+from .decode_step import fused_decode_applies, fused_decode_blocks, registration_stamp
 from .kv_cache import GrowingKVCache, use_growing_layers
 
 __all__ = ["StructLMForCausalLM", "StructLMModel", "StructLMPreTrainedModel"]
+
+#: the exact module types the compiled kernels take as a dense projection (``x W^T + b``
+#: from ``weight`` and ``bias``); a subclass may compute something else
+LINEAR_KINDS: frozenset[type[nn.Module]] = frozenset((nn.Linear, DecodeLinear))
 
 
 def _is_dense(config: StructLMConfig) -> bool:
@@ -71,8 +75,43 @@ class StructLMMLP(nn.Module):
         else:
             make = lambda i, o: AlgebraLinear(i, o, config.algebra, bias=False)  # noqa: E731
         self.gate, self.up, self.down = make(d, f), make(d, f), make(f, d)
-        # gate and up share one plan in the fused decode call: same algebra and widths
-        self._algebra_fusable = not _is_dense(config)
+
+    def kernel_kind(self) -> str | None:
+        """Which SwiGLU kernel (``cpu_kernels.swiglu_rows``, and the FFN of the fused
+        decode step) computes this MLP: ``"dense"`` for bias-free ``nn.Linear`` /
+        ``DecodeLinear`` projections, ``"algebra"`` for bias-free ``AlgebraLinear`` s with
+        gate and up of one algebra and widths (they share one plan there); shapes
+        ``(F, D)``, ``(F, D)``, ``(D, F)`` either way. ``None`` for anything else (a
+        projection replaced by another module): then only the modules' forward is right."""
+        gate, up, down = self.gate, self.up, self.down
+        kinds = {type(gate), type(up), type(down)}
+        if kinds <= LINEAR_KINDS:
+            kind = "dense"
+        elif kinds == {AlgebraLinear} and (gate.algebra_name == up.algebra_name
+                                           and gate.in_widths == up.in_widths
+                                           and gate.out_widths == up.out_widths):
+            kind = "algebra"
+        else:
+            return None
+        f, d = gate.weight.shape
+        if (gate.bias is not None or up.bias is not None or down.bias is not None
+                or up.weight.shape != (f, d) or down.weight.shape != (d, f)
+                or (gate.out_features, gate.in_features) != (f, d)
+                or (up.out_features, up.in_features) != (f, d)
+                or (down.out_features, down.in_features) != (d, f)):
+            return None
+        return kind
+
+    def _cached_kernel_kind(self) -> str | None:
+        """:meth:`kernel_kind`, remembered until a module or parameter is next registered
+        anywhere (``registration_stamp``: replacing a projection or its bias counts); a
+        full check costs ~15 us, more than the decode call it guards."""
+        stamp = registration_stamp()
+        cached = self.__dict__.get("_kernel_kind_at")
+        if cached is None or cached[0] != stamp:
+            cached = (stamp, self.kernel_kind())
+            self.__dict__["_kernel_kind_at"] = cached
+        return cached[1]
 
     def forward(self, x: torch.Tensor, types: torch.Tensor | TypePartition | None
                 ) -> torch.Tensor:
@@ -90,15 +129,19 @@ class StructLMMLP(nn.Module):
         dense and algebra alike; ``None`` where the kernel does not apply."""
         d = x.shape[-1]
         gate, up, down = self.gate, self.up, self.down
-        if (x.numel() > FUSED_ROWS_MAX_ROWS * d
+        if x.numel() > FUSED_ROWS_MAX_ROWS * d:
+            return None
+        kind = self._cached_kernel_kind()
+        if (kind is None or gate.in_features != d
                 or not cpu_kernels.rows_kernel_applies(x, gate.weight)):
             return None
         x2 = x.reshape(-1, d)  # (M, D)
         if types is None:
-            if not (up.weight.is_contiguous() and down.weight.is_contiguous()):
+            if not (kind == "dense" and up.weight.is_contiguous()
+                    and down.weight.is_contiguous()):
                 return None
             y2 = cpu_kernels.swiglu_rows(x2, gate.weight, up.weight, down.weight)
-        elif (type(types) is TypePartition and self._algebra_fusable
+        elif (type(types) is TypePartition and kind == "algebra"
               and gate.decodes_on_kernel(x, types) and up.decodes_on_kernel(x, types)
               and down.decodes_on_kernel(x, types, check_shape=False)):
             y2 = cpu_kernels.swiglu_rows(x2, gate.weight, up.weight, down.weight,
