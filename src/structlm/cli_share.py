@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from .share.compress.ranks import METHODS
 from .share.configs import read_yaml
 
 
@@ -27,21 +28,38 @@ def _cmd_eval_ppl(args: argparse.Namespace) -> int:
 
     from .share.loading import load_model
     from .share.perplexity import perplexity
-    from .share.text import split_corpus, token_stream
+    from .share.text import (
+        sample_windows,
+        split_corpus,
+        token_stream,
+        tokenize_documents,
+        windows_for_scored_tokens,
+    )
 
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
     split = split_corpus(args.corpus, args.eval_fraction, args.seed)
     docs = {"evaluation": split.evaluation, "calibration": split.calibration,
             "all": split.calibration + split.evaluation}[args.split]
-    ids = token_stream(loaded.tokenizer, docs, args.tokens)
     bos = loaded.tokenizer.bos_token_id if args.bos else None
     if args.bos and bos is None:
         raise ValueError(f"--bos: the tokenizer of {args.model!r} has no BOS token")
+    text: dict[str, Any] = {"sampling": args.sampling}
+    if args.sampling == "windows" and args.stride is not None:
+        raise ValueError("--stride applies to --sampling head (windows are scored whole)")
+    if args.sampling == "windows":  # the reports' protocol (share.pipeline.prepare)
+        sample = sample_windows(docs, tokenize_documents(loaded.tokenizer, docs),
+                                windows_for_scored_tokens(args.tokens, args.window),
+                                args.window, args.seed + 1)
+        ids = sample.windows
+        text = sample.describe()
+    else:
+        ids = token_stream(loaded.tokenizer, docs, args.tokens)
     res = perplexity(loaded.model, ids, window=args.window, stride=args.stride, bos_id=bos,
                      batch_size=args.batch_size, progress=not args.json)
     out: dict[str, Any] = {"model": loaded.model_id, "corpus": args.corpus, "split": args.split,
-                           "documents": [d.name for d in docs], **res.as_dict()}
+                           "documents": [d.name for d in docs], "text": text,
+                           **res.as_dict()}
     if loaded.note:
         out["note"] = loaded.note
     if args.json:
@@ -85,7 +103,8 @@ def _cmd_share_compress(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     raw = read_yaml(args.config)
     ft_raw = raw.pop("finetune", {}) or {}
-    for key in ("method", "types", "target_reduction", "residual_rank", "k_fraction"):
+    for key in ("method", "types", "target_reduction", "residual_rank", "k_fraction",
+                "group_size", "update"):
         if getattr(args, key) is not None:
             raw[key] = getattr(args, key)
     ccfg = CompressionConfig.from_dict(raw)
@@ -140,7 +159,11 @@ def add_share_commands(sub: Any) -> None:
     ppl.add_argument("--split", default="evaluation", choices=["evaluation", "calibration", "all"])
     ppl.add_argument("--eval-fraction", type=float, default=0.25,
                      help="documents held out for evaluation")
-    ppl.add_argument("--tokens", type=int, default=16384)
+    ppl.add_argument("--tokens", type=int, default=16384,
+                     help="tokens to score (windows: at least this many)")
+    ppl.add_argument("--sampling", default="windows", choices=["windows", "head"],
+                     help="windows: drawn across all documents (seeded; what every report "
+                          "uses); head: the first --tokens tokens in document order")
     ppl.add_argument("--window", type=int, default=512)
     ppl.add_argument("--stride", type=int, default=None,
                      help="new tokens scored per window (default window-1)")
@@ -175,12 +198,18 @@ def add_share_commands(sub: Any) -> None:
     cp.add_argument("model", help="smollm2 (built in), a local folder, or a hub id")
     cp.add_argument("--config", default=None,
                     help="YAML with CompressionConfig fields (+ a 'finetune' mapping)")
-    cp.add_argument("--method", default=None, choices=["shared", "hybrid", "svd", "onesided"])
+    cp.add_argument("--method", default=None, choices=list(METHODS),
+                    help="shared (the seed's), hybrid, svd (SVD-LLM), basis-sharing "
+                         "(Wang et al. 2024), onesided-all-layers")
     cp.add_argument("--types", default=None, help="attn, mlp, all or q,k,v,o,mlp_in,mlp_out")
     cp.add_argument("--target-reduction", type=float, default=None,
                     help="fraction of the compressed matrices' parameters to remove")
     cp.add_argument("--k-fraction", type=float, default=None, help="k = this × hidden size")
     cp.add_argument("--residual-rank", type=int, default=None, help="hybrid residual rank")
+    cp.add_argument("--group-size", type=int, default=None,
+                    help="basis-sharing: consecutive layers per basis (default 2)")
+    cp.add_argument("--update", action="store_true", default=None,
+                    help="basis-sharing: the paper's closed-form coefficient update")
     cp.add_argument("--finetune-steps", type=int, default=None, help="0 = none")
     cp.add_argument("--corpus", default="austen")
     cp.add_argument("--second-corpus", default="shakespeare")
@@ -191,8 +220,8 @@ def add_share_commands(sub: Any) -> None:
     cp.add_argument("--out", default="share-compressed")
     cp.set_defaults(func=_cmd_share_compress)
 
-    ex = share.add_parser("experiment", help="tests 4-9 end to end (long: ~3 h on 2 cores "
-                          "with the defaults)")
+    ex = share.add_parser("experiment", help="tests 4-9 end to end (long: hours on 2 cores "
+                          "with the defaults; resumes arm by arm)")
     ex.add_argument("model", help="smollm2 (built in), a local folder, or a hub id")
     ex.add_argument("--config", default=None, help="YAML with ExperimentConfig fields")
     ex.add_argument("--second-model", default=None, help="test 8's larger model")
@@ -201,8 +230,9 @@ def add_share_commands(sub: Any) -> None:
     ex.add_argument("--calib-tokens", type=int, default=None)
     ex.add_argument("--eval-tokens", type=int, default=None)
     ex.add_argument("--seeds", default=None, help="e.g. 0,1,2")
-    ex.add_argument("--reductions", default=None, help="e.g. 0.2,0.4")
-    ex.add_argument("--methods", default=None, help="e.g. shared,hybrid,svd,onesided")
+    ex.add_argument("--reductions", default=None, help="whole-model regime, e.g. 0.2,0.4")
+    ex.add_argument("--methods", default=None,
+                    help="e.g. shared,hybrid,svd,basis-sharing,onesided-all-layers")
     ex.add_argument("--finetune-steps", type=int, default=None)
     ex.add_argument("--threads", type=int, default=2)
     ex.add_argument("--out", default="share-experiment")

@@ -5,7 +5,6 @@ the full one: tests 4-9 arms, seeds, fine-tuning, report, plots)."""
 from __future__ import annotations
 
 import importlib.util
-import json
 
 import pytest
 import torch
@@ -28,42 +27,76 @@ def test_reduced_experiment(tmp_path) -> None:
                       max_position_embeddings=512, tie_word_embeddings=True)
     LlamaForCausalLM(cfg).save_pretrained(src)
     load_model("smollm2").tokenizer.save_pretrained(src)
-    ex = ExperimentConfig(model=str(src), calib_tokens=1024, eval_tokens=300,
-                          reductions=[0.4], methods=["shared", "hybrid", "svd", "onesided"],
-                          seeds=[0, 1], residual_rank=2,
+    ex = ExperimentConfig(model=str(src), calib_tokens=1024, eval_tokens=600,
+                          reductions=[0.3, 0.5], multi_seed_reductions=[0.5], seeds=[0, 1],
+                          residual_rank=2, budget_tolerance=0.05,
                           finetune=FinetuneConfig(steps=2, eval_every=2, seq_len=64,
                                                   batch_size=2, eval_tokens=128))
     res = run_experiment(ex, tmp_path / "out", progress=False)
-    assert len(res["attention"]) == 4 and len(res["scope"]) == 6
-    for e in res["attention"]:
-        assert e["finetuned"]["n"] == 2
-        assert all(a["stored_parameters"] <= 0.6 * a["original_parameters"] + 1
-                   for a in e["arms"])
-        assert [c["step"] for c in e["arms"][0]["curve"]] == [0, 1, 2]
+    texts = ["in_domain:austen", "other_domain:shakespeare"]
+    assert res["eval_texts"] == texts
+    # the text used is described: windows drawn across several held-out documents
+    for name in texts:
+        d = res["text"][name]
+        assert d["windows"] == 2 and d["window"] == 512 and d["tokens"] == 1024
+    assert len(res["text"]["calibration:austen"]["windows_per_document"]) >= 1
+    whole = res["whole_model"]
+    assert [(e["reduction"], e["method"]) for e in whole] == [
+        (r, m) for r in (0.3, 0.5) for m in ex.methods]
+    for e in whole:
+        n = 2 if e["reduction"] == 0.5 else 1
+        assert all(e["finetuned"][t]["n"] == n for t in texts)
+        for a in e["arms"]:
+            assert a["stored_parameters"] <= (1 - e["reduction"]) * a["original_parameters"]
+            assert a["stored_parameters"] >= 0.95 * (1 - e["reduction"]) * a[
+                "original_parameters"]
+            assert set(a["ranks"]) == {"q", "k", "v", "o", "mlp_in", "mlp_out"}
+            assert [c["step"] for c in a["curve"]] == [0, 1, 2]
+            assert a["finetune"]["steps"] == 2  # every arm gets the same fine-tuning
+    seed = res["seed_regime"]
+    assert seed["k"] == 16 and [e["method"] for e in seed["entries"]] == [
+        "shared", "svd", "basis-sharing"]
+    shared_stored = seed["entries"][0]["arms"][0]["stored_parameters"]
+    for e in seed["entries"][1:]:
+        assert e["arms"][0]["stored_parameters"] <= shared_stored
     hyb = [a for a in res["scope"] if a["method"] == "hybrid"]
+    assert len(res["scope"]) == 6
     assert all(0 < v < 1 for a in hyb for v in a["residual_share_of_basis_error"].values())
     assert "skipped" in res["second_model"]
+    assert res["finetuned_runs"] == {"done": 2 * 5 + 5 + 3 * 2 + 6, "planned": 27}
     report = (tmp_path / "out" / "report.md").read_text()
-    for row in ("| 4 analytic", "| 5 core fine-tuning", "| 6 same budget", "| 7 shared on mlp",
-                "| 9 hybrid on all", "| 8 second model | not run"):
+    for text in texts:
+        assert f"## {text}" in report
+    for row in ("### Whole-model compression", "### The seed's regime", "| −50% |",
+                "| 7 | shared on mlp", "| 9 | hybrid on all", "recovered on"):
         assert row in report, row
-    assert json.loads((tmp_path / "out" / "experiment.json").read_text())["eval_texts"] == [
-        "in_domain:austen", "other_domain:shakespeare"]
-    for png in ("energy_vs_ppl.png", "finetune_curves.png"):
+    for png in ("ppl_vs_budget.png", "energy_vs_ppl.png", "finetune_curves.png"):
         assert (tmp_path / "out" / png).stat().st_size > 10_000
-    # resume: a rerun into the same folder reuses every finished arm (no recomputation:
-    # a fine-tuned arm would otherwise differ in its timing-free fields only by chance)
-    arms = json.loads((tmp_path / "out" / "arms.json").read_text())
-    assert len(arms) == 4 * 2 + 6 - 2  # shared/hybrid on attn at 0.4, seed 0: run once
+    # resume: a rerun into the same folder reuses every finished arm
     import structlm.share.compress.experiment as exp_mod
 
     def _fail(*_a, **_k):
         raise AssertionError("a finished arm was recomputed")
 
     monkey = pytest.MonkeyPatch()
-    monkey.setattr(exp_mod, "_arm", _fail)
+    monkey.setattr(exp_mod, "_analytic", _fail)
+    monkey.setattr(exp_mod, "_tuned", _fail)
     try:
         again = run_experiment(ex, tmp_path / "out", progress=False)
     finally:
         monkey.undo()
-    assert again["attention"][0]["arms"] == res["attention"][0]["arms"]
+    assert again["whole_model"][0]["arms"] == res["whole_model"][0]["arms"]
+
+
+def test_verdict_rule() -> None:
+    from structlm.share.compress.experiment_report import recovered, verdict
+
+    a = {"mean": 10, "min": 9.5, "max": 10.5, "n": 3}
+    b = {"mean": 12, "min": 11, "max": 13, "n": 3}
+    c = {"mean": 11, "min": 10.4, "max": 11.6, "n": 3}
+    assert verdict({"svd": a, "shared": b}).startswith("**svd wins**")
+    assert verdict({"svd": a, "shared": b, "basis-sharing": c}).startswith(
+        "ranges overlap: best mean svd, not separated from basis-sharing")
+    assert verdict({"svd": {**a, "n": 1}, "shared": {**b, "n": 1}}).startswith("one seed")
+    assert recovered(10.0, 20.0, 10.0) == pytest.approx(1.0)
+    assert recovered(10.0, 20.0, 20.0) == pytest.approx(0.0)

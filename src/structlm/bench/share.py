@@ -291,9 +291,10 @@ def run_share_bench(cfg: ShareBenchConfig, out_prefix: str, progress: bool = Tru
         prep = prepare(cfg.model, cfg.corpus, calib_tokens=cfg.calib_tokens, eval_tokens=need,
                        seed=cfg.seed, progress=progress)
         assert prep.calibration is not None
-        loaded, ids = prep.loaded, next(iter(prep.eval_ids.values()))
+        loaded, ids = prep.loaded, next(iter(prep.eval_ids.values())).reshape(-1)
         compressed = copy.deepcopy(loaded.model)
-        report = compress_model(get_adapter(compressed), prep.calibration, ccfg)
+        report = compress_model(get_adapter(compressed), prep.calibration, ccfg,
+                                calib_tokens=prep.calib_ids)
     rows = measure(loaded.model, compressed.eval(), ids, cfg, report, loaded.model_id, progress)
     write_outputs(rows, out_prefix)
     return rows

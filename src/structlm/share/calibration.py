@@ -116,7 +116,10 @@ def calibrate(adapter: ModelAdapter, tokens: torch.Tensor, seq_len: int = 512,
               sites: tuple[str, ...] = SITES, meta: dict[str, Any] | None = None,
               progress: bool = True) -> Calibration:
     """Accumulate input second moments of ``sites`` in ``layers`` over ``tokens``
-    (``(N,)`` ids, cut into ``N // seq_len`` sequences; the remainder is dropped)."""
+    (``(n, w)`` windows, one sequence each, or ``(N,)`` ids cut into ``N // seq_len``
+    sequences; the remainder is dropped)."""
+    if tokens.dim() == 2:  # windows drawn across documents: one sequence each
+        seq_len = tokens.shape[1]
     n_seq = tokens.numel() // seq_len
     if n_seq == 0:
         raise ValueError(f"{tokens.numel()} tokens are fewer than one sequence of {seq_len}")
@@ -140,7 +143,7 @@ def calibrate(adapter: ModelAdapter, tokens: torch.Tensor, seq_len: int = 512,
             mod = adapter.layers[i].site_module(site)
             handles.append(mod.register_forward_pre_hook(hook_for((i, site))))
     model = adapter.model
-    seqs = tokens[: n_seq * seq_len].view(n_seq, seq_len)
+    seqs = tokens.reshape(-1)[: n_seq * seq_len].view(n_seq, seq_len)
     device = next(model.parameters()).device
     try:
         with torch.no_grad():

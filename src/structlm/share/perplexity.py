@@ -2,8 +2,10 @@
 
 Protocol (written into every result):
 
-* the text is one token stream (documents joined by EOS, see
-  :func:`structlm.share.text.token_stream`) of ``N`` tokens;
+* the text is either a set of windows ``(n, w)`` drawn across documents
+  (:func:`structlm.share.text.sample_windows`; each row is scored on its own: every
+  token after the row's first, ``n (w − 1)`` tokens in all — what every report uses),
+  or one token stream (documents joined by EOS) of ``N`` tokens, cut as follows;
 * it is scored in windows of at most ``window`` tokens; each window scores ``stride``
   new tokens (default ``window - 1``: non-overlapping windows, every token after the
   first scored exactly once, ``N - 1`` tokens in all); with ``stride < window - 1``
@@ -65,10 +67,13 @@ def perplexity(model: Any, tokens: torch.Tensor, window: int = 512, stride: int 
                progress: bool = True) -> PerplexityResult:
     """Perplexity of ``model`` on ``tokens`` ``(N,)`` under the module's protocol.
 
+    ``tokens``: a ``(N,)`` stream, or ``(n, w)`` windows each scored on its own.
     ``bos_id``: prepend this token to every window (``None``: no BOS)."""
+    if tokens.dim() == 2:
+        return _perplexity_rows(model, tokens, bos_id, batch_size, progress)
     if tokens.dim() != 1 or tokens.numel() < 2:
-        raise ValueError(f"tokens must be a 1-D stream of >= 2 ids, got shape "
-                         f"{tuple(tokens.shape)}")
+        raise ValueError(f"tokens must be a 1-D stream of >= 2 ids or (n, w) windows, got "
+                         f"shape {tuple(tokens.shape)}")
     extra = 0 if bos_id is None else 1
     span = window - extra  # stream tokens per window
     if span < 2:
@@ -108,3 +113,32 @@ def perplexity(model: Any, tokens: torch.Tensor, window: int = 512, stride: int 
     nll = float(total) / count
     return PerplexityResult(math.exp(nll), nll, count, len(wins), window, stride,
                             bos_id is not None)
+
+
+@torch.no_grad()
+def _perplexity_rows(model: Any, rows: torch.Tensor, bos_id: int | None, batch_size: int,
+                     progress: bool) -> PerplexityResult:
+    """Each row of ``rows`` ``(n, w)`` is one window: tokens 1..w-1 scored (all w with a
+    BOS in front)."""
+    n, w = rows.shape
+    if n < 1 or w < 2:
+        raise ValueError(f"windows must be (n >= 1, w >= 2), got {tuple(rows.shape)}")
+    device = next(model.parameters()).device
+    total = torch.zeros((), dtype=torch.float64)
+    count = 0
+    bar = tqdm(total=n, desc="perplexity", unit="window", disable=not progress)
+    for i in range(0, n, batch_size):
+        ids = rows[i:i + batch_size]  # (b, w)
+        if bos_id is not None:
+            ids = torch.cat([torch.full((ids.shape[0], 1), bos_id, dtype=ids.dtype), ids], 1)
+        logits = model(input_ids=ids.to(device), use_cache=False).logits  # (b, w', V)
+        if not torch.isfinite(logits).all():
+            raise NonFiniteLogitsError(f"non-finite logits in windows {i}..{i + len(ids) - 1}")
+        logp = F.log_softmax(logits[:, :-1].float(), dim=-1)  # position p predicts p + 1
+        tgt = ids[:, 1:].to(device)
+        total -= logp.gather(-1, tgt[..., None]).squeeze(-1).double().sum().cpu()
+        count += tgt.numel()
+        bar.update(ids.shape[0])
+    bar.close()
+    nll = float(total) / count
+    return PerplexityResult(math.exp(nll), nll, count, n, w, w - 1, bos_id is not None)

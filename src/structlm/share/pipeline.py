@@ -17,9 +17,15 @@ from .adapters import ModelAdapter, get_adapter
 from .calibration import Calibration, load_or_calibrate
 from .loading import LoadedModel, load_model
 from .perplexity import perplexity
-from .text import CorpusSplit, split_corpus, token_stream
+from .text import (
+    CorpusSplit,
+    sample_windows,
+    split_corpus,
+    tokenize_documents,
+    windows_for_scored_tokens,
+)
 
-__all__ = ["Prepared", "evaluate_all", "prepare"]
+__all__ = ["Prepared", "evaluate_all", "prepare", "spread_windows"]
 
 
 @dataclass
@@ -30,9 +36,15 @@ class Prepared:
     adapter: ModelAdapter
     split: CorpusSplit
     calib_ids: torch.Tensor
+    """Calibration windows ``(n, seq_len)`` drawn across all calibration documents."""
+    train_ids: torch.Tensor
+    """Every calibration document's tokens as one stream (fine-tuning draws from it)."""
     eval_ids: dict[str, torch.Tensor] = field(default_factory=dict)
-    """``in_domain:<corpus>`` / ``other_domain:<corpus>`` → token stream."""
+    """``in_domain:<corpus>`` / ``other_domain:<corpus>`` → windows ``(n, seq_len)`` drawn
+    across all evaluation documents of that corpus."""
     calibration: Calibration | None = None
+    text: dict[str, Any] = field(default_factory=dict)
+    """Exactly which text was used: per stream, the windows drawn from each document."""
 
 
 def _cache_dir() -> Path:
@@ -44,27 +56,38 @@ def prepare(model: str, corpus: str, second_corpus: str = "", eval_fraction: flo
             calib_tokens: int = 32768, eval_tokens: int = 8192, seq_len: int = 512,
             batch_size: int = 4, seed: int = 0, layers: list[int] | None = None,
             calibrate: bool = True, progress: bool = True) -> Prepared:
-    """Load ``model``, split ``corpus`` by document, tokenise ``calib_tokens`` of the
-    calibration part and ``eval_tokens`` of each evaluation part (in-domain and, if
-    given, ``second_corpus``), and calibrate ``layers`` (cached on disk by model, corpus,
-    documents, token count and seed)."""
+    """Load ``model``, split ``corpus`` by document, draw ``calib_tokens // seq_len``
+    calibration windows across all calibration documents and enough evaluation windows
+    to score ``eval_tokens`` tokens across all evaluation documents (in-domain and, if
+    given, ``second_corpus``'s evaluation part), seeded by ``seed``; calibrate ``layers``
+    (cached on disk by model, corpus, documents, windows and seed)."""
     loaded = load_model(model)
     if loaded.tokenizer is None:
         raise ValueError(f"model {model!r} has no tokenizer: text experiments need one")
+    if calib_tokens < seq_len:
+        raise ValueError(f"calib_tokens={calib_tokens} is fewer than one window of "
+                         f"seq_len={seq_len}")
     adapter = get_adapter(loaded.model)
     split = split_corpus(corpus, eval_fraction, seed)
-    prep = Prepared(loaded, adapter, split,
-                    token_stream(loaded.tokenizer, split.calibration, calib_tokens))
+    calib_tok = tokenize_documents(loaded.tokenizer, split.calibration)
+    calib = sample_windows(split.calibration, calib_tok, calib_tokens // seq_len, seq_len, seed)
+    prep = Prepared(loaded, adapter, split, calib.windows, torch.cat(calib_tok))
+    prep.text["calibration:" + corpus] = calib.describe()
     if eval_tokens:
-        prep.eval_ids["in_domain:" + corpus] = token_stream(loaded.tokenizer, split.evaluation,
-                                                            eval_tokens)
+        n_eval = windows_for_scored_tokens(eval_tokens, seq_len)
+        texts = [("in_domain:" + corpus, split.evaluation)]
         if second_corpus:
-            other = split_corpus(second_corpus, eval_fraction, seed).evaluation
-            prep.eval_ids["other_domain:" + second_corpus] = token_stream(
-                loaded.tokenizer, other, eval_tokens)
+            texts.append(("other_domain:" + second_corpus,
+                          split_corpus(second_corpus, eval_fraction, seed).evaluation))
+        for name, docs in texts:
+            ev = sample_windows(docs, tokenize_documents(loaded.tokenizer, docs), n_eval,
+                                seq_len, seed + 1)
+            prep.eval_ids[name] = ev.windows
+            prep.text[name] = ev.describe()
     if calibrate:
         meta = {"model": loaded.model_id, "corpus": corpus, "calib_tokens": calib_tokens,
-                "seed": seed, "documents": [d.name for d in split.calibration]}
+                "seed": seed, "documents": [d.name for d in split.calibration],
+                "sampling": "windows across documents"}
         key = hashlib.sha1(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:16]
         path = _cache_dir() / f"{key}.safetensors"
         prep.calibration = load_or_calibrate(path, adapter, prep.calib_ids, meta,
@@ -80,3 +103,12 @@ def evaluate_all(model: Any, eval_ids: dict[str, torch.Tensor], window: int = 51
     return {name: perplexity(model, ids, window=window, batch_size=batch_size,
                              progress=progress).as_dict()
             for name, ids in eval_ids.items()}
+
+
+def spread_windows(windows: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """Evenly spaced rows of ``windows`` ``(n, w)`` (ordered by document, so they span
+    the documents) that score at least ``n_tokens`` tokens; all rows if there are fewer
+    (the fine-tuning curves' quick evaluations)."""
+    n = windows.shape[0]
+    m = min(n, windows_for_scored_tokens(n_tokens, windows.shape[1]))
+    return windows[torch.linspace(0, n - 1, m).round().long()]

@@ -5,11 +5,17 @@ A corpus (any spec :func:`structlm.data.corpora.load_corpus` accepts: ``austen``
 *calibration* part and a disjoint *evaluation* part by whole documents (a novel, a play,
 a book). A second corpus of another domain can be evaluated too: its evaluation part is
 used, so calibration never sees evaluation text.
+
+Calibration and evaluation read **windows drawn across all documents** of their part
+(:func:`sample_windows`, seeded), not the opening of the first one; fine-tuning reads
+random windows of the whole calibration part. :func:`token_stream` (the first ``N``
+tokens in document order) remains for prompts and the old protocol.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,7 +23,8 @@ import torch
 from ..data.corpora import Document, load_corpus
 from ..data.tokens import dedup_exact, split_documents
 
-__all__ = ["CorpusSplit", "split_corpus", "token_stream"]
+__all__ = ["CorpusSplit", "WindowSample", "sample_windows", "split_corpus", "token_stream",
+           "tokenize_documents", "windows_for_scored_tokens"]
 
 
 @dataclass
@@ -65,3 +72,66 @@ def token_stream(tokenizer: Any, docs: list[Document], max_tokens: int) -> torch
             return torch.tensor(ids[:max_tokens], dtype=torch.long)
     raise ValueError(f"asked for {max_tokens} tokens but the {len(docs)} documents hold only "
                      f"{len(ids)}; lower the token count or use a larger corpus")
+
+
+def tokenize_documents(tokenizer: Any, docs: list[Document]) -> list[torch.Tensor]:
+    """Every document's tokens in full, each followed by the tokenizer's EOS token (when it
+    has one); one ``(n_i,)`` int64 tensor per document."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    out = []
+    for d in docs:
+        ids = list(tokenizer(d.text, add_special_tokens=False)["input_ids"])
+        if eos is not None:
+            ids.append(int(eos))
+        out.append(torch.tensor(ids, dtype=torch.long))
+    return out
+
+
+@dataclass
+class WindowSample:
+    """Windows drawn across documents: ``windows`` ``(n, window)`` and where they came
+    from (document name → number of windows), for the report."""
+
+    windows: torch.Tensor
+    per_document: dict[str, int] = field(default_factory=dict)
+    document_tokens: dict[str, int] = field(default_factory=dict)
+    seed: int = 0
+
+    def describe(self) -> dict[str, Any]:
+        n, w = self.windows.shape
+        return {"windows": n, "window": w, "tokens": n * w, "seed": self.seed,
+                "sampling": "non-overlapping aligned windows drawn uniformly without "
+                            "replacement from every document's window grid",
+                "windows_per_document": self.per_document,
+                "document_tokens": self.document_tokens}
+
+
+def sample_windows(docs: list[Document], tokens: list[torch.Tensor], n_windows: int,
+                   window: int, seed: int) -> WindowSample:
+    """``n_windows`` windows of ``window`` tokens drawn across all ``docs`` (seeded):
+    each document is cut into non-overlapping aligned windows, the windows of all
+    documents are pooled, and ``n_windows`` are drawn uniformly without replacement (so a
+    document contributes in proportion to its length); the result is ordered by document
+    and position. Raises when the documents hold fewer windows."""
+    if n_windows < 1 or window < 2:
+        raise ValueError(f"need n_windows >= 1 and window >= 2, got {n_windows}, {window}")
+    pool = [(di, s) for di, t in enumerate(tokens) for s in range(0, t.numel() - window + 1,
+                                                                   window)]
+    if len(pool) < n_windows:
+        raise ValueError(f"asked for {n_windows} windows of {window} tokens but the "
+                         f"{len(docs)} documents hold only {len(pool)}; lower the token "
+                         f"count or use a larger corpus")
+    gen = torch.Generator().manual_seed(seed)
+    pick = sorted(pool[i] for i in torch.randperm(len(pool), generator=gen)[:n_windows].tolist())
+    rows = torch.stack([tokens[di][s:s + window] for di, s in pick])
+    per_doc: dict[str, int] = {}
+    for di, _ in pick:
+        per_doc[docs[di].name] = per_doc.get(docs[di].name, 0) + 1
+    return WindowSample(rows, per_doc, {d.name: int(t.numel()) for d, t in
+                                        zip(docs, tokens, strict=True)}, seed)
+
+
+def windows_for_scored_tokens(n_tokens: int, window: int) -> int:
+    """Windows of ``window`` tokens needed to score at least ``n_tokens`` tokens (each
+    window scores all but its first token)."""
+    return math.ceil(n_tokens / (window - 1))

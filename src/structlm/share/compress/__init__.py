@@ -1,11 +1,23 @@
 """Compression with shared bases (tests 4–9): methods, modules, accounting, save/load."""
 
-from .apply import CompressionConfig, build_modules, compress_model, solve_ranks
-from .factorize import METHODS, TypeFactors, factorize_type, rank_for_budget, stored_parameters
+from .apply import CompressionConfig, TypePlan, build_modules, compress_model, plan_types
+from .basis_sharing import factorize_basis_sharing, update_coefficients
+from .factorize import TypeFactors, best_rectangular_ranks, factorize_shared, factorize_svd
 from .io import load_compressed, save_compressed
 from .modules import LowRankLinear, OneSidedLinear, SharedBasis, SharedBasisLinear
+from .ranks import (
+    BASIS_SHARING,
+    METHODS,
+    TypeRanks,
+    consecutive_groups,
+    solve_basis_sharing_rank,
+    solve_svd_rank,
+    stored_parameters,
+)
 
-__all__ = ["METHODS", "CompressionConfig", "LowRankLinear", "OneSidedLinear", "SharedBasis",
-           "SharedBasisLinear", "TypeFactors", "build_modules", "compress_model",
-           "factorize_type", "load_compressed", "rank_for_budget", "save_compressed",
-           "solve_ranks", "stored_parameters"]
+__all__ = ["BASIS_SHARING", "METHODS", "CompressionConfig", "LowRankLinear", "OneSidedLinear",
+           "SharedBasis", "SharedBasisLinear", "TypeFactors", "TypePlan", "TypeRanks",
+           "best_rectangular_ranks", "build_modules", "compress_model", "consecutive_groups",
+           "factorize_basis_sharing", "factorize_shared", "factorize_svd", "load_compressed",
+           "plan_types", "save_compressed", "solve_basis_sharing_rank", "solve_svd_rank",
+           "stored_parameters", "update_coefficients"]

@@ -10,13 +10,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..adapters import MatrixType, ModelAdapter, parse_types
+from ..adapters import ConcatProjection, MatrixType, ModelAdapter, parse_types
 from ..calibration import Calibration
 from ..configs import dataclass_from_dict
-from .factorize import METHODS, TypeFactors, factorize_type, rank_for_budget, stored_parameters
+from .basis_sharing import factorize_basis_sharing
+from .factorize import TypeFactors, factorize_shared, factorize_svd
 from .modules import LowRankLinear, OneSidedLinear, SharedBasis, SharedBasisLinear
+from .ranks import (
+    BASIS_SHARING,
+    METHODS,
+    TypeRanks,
+    consecutive_groups,
+    solve_basis_sharing_rank,
+    solve_svd_rank,
+    stored_parameters,
+)
 
-__all__ = ["CompressionConfig", "build_modules", "compress_model", "solve_ranks"]
+__all__ = ["CompressionConfig", "TypePlan", "build_modules", "compress_model", "plan_types"]
 
 
 @dataclass
@@ -24,142 +34,254 @@ class CompressionConfig:
     """One compression (a YAML file or CLI flags fill it)."""
 
     method: str = "shared"
-    """``shared`` | ``hybrid`` | ``svd`` | ``onesided`` (see ``factorize``)."""
+    """``shared`` | ``hybrid`` | ``svd`` | ``basis-sharing`` | ``onesided-all-layers``
+    (see :mod:`.ranks`)."""
     types: str = "attn"
     """Matrix types to compress: ``attn``, ``mlp``, ``all`` or ``q,k,v,o,mlp_in,mlp_out``."""
     k_fraction: float = 0.25
-    """Rank k = k_fraction × hidden size (the seed's d/4), capped at min(out, in)."""
-    ranks: dict[str, int] = field(default_factory=dict)
-    """Per-type rank overrides, e.g. ``{"q": 96}``."""
+    """Without ``target_reduction``: rank k = k_fraction × hidden size (the seed's d/4), on
+    each side only as far as that side's dimension allows."""
+    ranks: dict[str, Any] = field(default_factory=dict)
+    """Per-type rank overrides: ``{"q": 96}`` or, for ``shared``/``hybrid``,
+    ``{"k": [k_out, k_in]}``."""
     residual_rank: int = 32
     """Rank r of the hybrid's per-layer residual."""
     target_reduction: float | None = None
-    """If set (e.g. 0.2): remove this fraction of the compressed matrices' parameters;
-    k is solved per type (r stays ``residual_rank`` for the hybrid)."""
+    """If set (e.g. 0.2): remove this fraction of every compressed type's parameters
+    (per-type budget; ranks solved per method)."""
     eig_floor: float = 1e-6
     """Relative eigenvalue floor of the whitening roots."""
-    budget: str = "pooled"
-    """With ``target_reduction``: ``pooled`` (one budget for all compressed types; what
-    a rank-capped type cannot use goes to the others) or ``per_type``."""
+    budget: str = "per_type"
+    """Only ``per_type`` (the Basis Sharing / SVD-LLM convention). The former ``pooled``
+    budget existed to pass on what a rank capped at ``min(out, in)`` could not use; no
+    rank is capped that way any more."""
+    group_size: int = 2
+    """``basis-sharing``: consecutive layers per shared basis (the paper's LLaMA configs
+    use 2; ``onesided-all-layers`` uses all layers)."""
+    shared_types: str = "q,k,v,mlp_in"
+    """``basis-sharing``: the types whose basis is shared (the paper's ``share_part``:
+    q, k, v, up, gate); the other compressed types are per-layer ``svd`` (its
+    ``private_part``: o, down)."""
+    update: bool = False
+    """``basis-sharing``: after compression, refit every coefficient in closed form on the
+    compressed model's own inputs (the paper's optional update step; off in its
+    configs). Costs one more calibration pass."""
 
     def __post_init__(self) -> None:
+        if self.method == "onesided":
+            raise ValueError("method 'onesided' was renamed: use 'onesided-all-layers' (one "
+                             "input basis across every layer) or 'basis-sharing' (groups of "
+                             "consecutive layers, as in the Basis Sharing paper)")
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}: expected one of {METHODS}")
         if self.target_reduction is not None and not 0 < self.target_reduction < 1:
             raise ValueError(f"target_reduction must be in (0, 1), got {self.target_reduction}")
-        if self.budget not in ("pooled", "per_type"):
-            raise ValueError(f"budget must be 'pooled' or 'per_type', got {self.budget!r}")
+        if self.budget != "per_type":
+            raise ValueError(f"budget must be 'per_type', got {self.budget!r} (the pooled "
+                             "budget was removed with the min(out, in) rank cap it served)")
+        if not isinstance(self.group_size, int) or self.group_size < 1:
+            raise ValueError(f"group_size must be an integer >= 1, got {self.group_size!r}")
+        if self.update and self.method not in BASIS_SHARING:
+            raise ValueError(f"update is Basis Sharing's step: method must be one of "
+                             f"{BASIS_SHARING}, got {self.method!r}")
+        if not 0 < self.k_fraction <= 1:
+            raise ValueError(f"k_fraction must be in (0, 1], got {self.k_fraction}")
+        if self.residual_rank < 0:
+            raise ValueError(f"residual_rank must be >= 0, got {self.residual_rank}")
         parse_types(self.types)
+        parse_types(self.shared_types)
+        names = [t.value for t in MatrixType]
+        for name, value in self.ranks.items():
+            if name not in names:
+                raise ValueError(f"ranks: unknown matrix type {name!r}; expected some of "
+                                 f"{names}")
+            ok = (isinstance(value, int) and value >= 1) or (
+                isinstance(value, list | tuple) and len(value) == 2
+                and all(isinstance(v, int) and v >= 1 for v in value))
+            if not ok:
+                raise ValueError(f"ranks[{name!r}] must be a positive int or [k_out, k_in], "
+                                 f"got {value!r}")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> CompressionConfig:
         return dataclass_from_dict(cls, raw)
 
 
-def solve_ranks(adapter: ModelAdapter, cfg: CompressionConfig) -> dict[MatrixType, int]:
-    """Rank ``k`` per compressed type from the config.
+@dataclass
+class TypePlan:
+    """How one matrix type is compressed: the effective method (``svd`` for Basis
+    Sharing's private types), its ranks (``None`` for ``shared``/``hybrid`` under a
+    budget: solved from the data), the budget, groups and parts."""
 
-    With ``target_reduction`` and ``budget="pooled"`` (the default) the budget is the
-    whole of ``(1 - reduction) ×`` the compressed matrices' parameters: each type starts
-    from its own share, and what a type cannot use (its rank is capped at
-    ``min(out, in)``, e.g. SmolLM2's 192×576 K and V under shared bases) goes to the
-    others, scaled in proportion (bisection on a common factor), no type storing more
-    than its dense matrices. ``budget="per_type"`` gives every type exactly its share."""
+    type: MatrixType
+    method: str
+    shape: tuple[int, int]
+    ranks: TypeRanks | None
+    budget: float | None
+    groups: list[list[int]]
+    parts: int
+
+
+def plan_types(adapter: ModelAdapter, cfg: CompressionConfig) -> list[TypePlan]:
+    """The effective method, ranks or budget, groups and parts of every compressed type
+    (shapes and config only; the ``shared`` ranks under a budget come from the data)."""
     L = adapter.num_layers
-    types = parse_types(cfg.types)
-    shapes = {t: tuple(adapter.layers[0].weight(t).shape) for t in types}
-    writer = {t: adapter.writes_residual(t) for t in types}
-    r = cfg.residual_rank if cfg.method == "hybrid" else 0
-    ranks: dict[MatrixType, int] = {}
-    solve = []
-    for t in types:
-        if t.value in cfg.ranks:
-            ranks[t] = int(cfg.ranks[t.value])
-        elif cfg.target_reduction is None:
-            ranks[t] = round(cfg.k_fraction * adapter.hidden_size)
-        else:
-            solve.append(t)
-    if solve:
-        assert cfg.target_reduction is not None
-        share = {t: (1 - cfg.target_reduction) * L * shapes[t][0] * shapes[t][1]
-                 for t in solve}
-
-        def ks(factor: float) -> dict[MatrixType, int]:  # never above a type's own size
-            return {t: rank_for_budget(cfg.method, L, *shapes[t],
-                                       min(factor * share[t], L * shapes[t][0] * shapes[t][1]),
-                                       r, writer[t]) for t in solve}
-
-        def stored(k: dict[MatrixType, int]) -> float:
-            return sum(stored_parameters(cfg.method, L, *shapes[t], k[t], r, writer[t])
-                       for t in solve)
-
-        best = ks(1.0)
-        if cfg.budget == "pooled":
-            total = sum(share.values())
-            hi = max(stored_parameters(cfg.method, L, *shapes[t], min(shapes[t]), r, writer[t])
-                     / share[t] for t in solve)
-            if stored(ks(hi)) <= total:
-                best = ks(hi)
+    shared_set = set(parse_types(cfg.shared_types))
+    plans = []
+    for t in parse_types(cfg.types):
+        out, inn = tuple(adapter.layers[0].weight(t).shape)
+        method = cfg.method
+        groups = [[i] for i in range(L)]
+        if method in BASIS_SHARING:
+            if t in shared_set:
+                method = "basis-sharing"
+                size = L if cfg.method == "onesided-all-layers" else cfg.group_size
+                groups = consecutive_groups(L, size)
             else:
-                lo = 1.0
-                for _ in range(40):
-                    mid = (lo + hi) / 2
-                    if stored(ks(mid)) <= total:
-                        lo = mid
-                    else:
-                        hi = mid
-                best = ks(lo)
-        ranks.update(best)
-    return {t: max(1, min(ranks[t], *shapes[t])) for t in types}
+                method = "svd"
+        elif method in ("shared", "hybrid"):
+            groups = [list(range(L))]
+        parts = adapter.row_blocks(t) if method in ("svd", "basis-sharing") else 1
+        sizes = [len(g) for g in groups]
+        r = cfg.residual_rank if method == "hybrid" else 0
+        op = out // parts
+        ranks: TypeRanks | None = None
+        budget = None
+        if t.value in cfg.ranks:
+            v = cfg.ranks[t.value]
+            ranks = TypeRanks(*v, r) if isinstance(v, list | tuple) else TypeRanks(v, v, r)
+        elif cfg.target_reduction is None:
+            k = round(cfg.k_fraction * adapter.hidden_size)
+            if method in ("shared", "hybrid"):
+                ranks = TypeRanks(min(k, out), min(k, inn), r)
+            elif method == "svd":
+                ranks = TypeRanks(min(k, op, inn), min(k, op, inn))
+            else:
+                top = max(min(inn, n * op) for n in sizes)
+                ranks = TypeRanks(min(k, top), min(k, top))
+        else:
+            budget = (1 - cfg.target_reduction) * L * out * inn
+            if method == "svd":
+                k = solve_svd_rank(L, out, inn, budget, parts)
+                ranks = TypeRanks(k, k)
+            elif method == "basis-sharing":
+                k = solve_basis_sharing_rank(out, inn, sizes, parts, budget)
+                ranks = TypeRanks(k, k)
+        plans.append(TypePlan(t, method, (out, inn), ranks, budget, groups, parts))
+    return plans
+
+
+def factorize_plan(plan: TypePlan, weights: list[torch.Tensor], Cs: list[torch.Tensor],
+                   cfg: CompressionConfig) -> TypeFactors:
+    """The factors of one type under its plan."""
+    if plan.method == "svd":
+        assert plan.ranks is not None
+        return factorize_svd(weights, Cs, plan.ranks.k, plan.parts, cfg.eig_floor)
+    if plan.method == "basis-sharing":
+        assert plan.ranks is not None
+        return factorize_basis_sharing(weights, Cs, plan.ranks.k, plan.groups, plan.parts,
+                                       cfg.eig_floor)
+    if plan.ranks is not None:
+        return factorize_shared(plan.method, weights, Cs, plan.ranks, None, cfg.eig_floor)
+    r = cfg.residual_rank if plan.method == "hybrid" else 0
+    return factorize_shared(plan.method, weights, Cs, TypeRanks(0, 0, r), plan.budget,
+                            cfg.eig_floor)
+
+
+def _split_bias(b: torch.Tensor | None, parts: int) -> list[torch.Tensor | None]:
+    return [None] * parts if b is None else list(b.chunk(parts))
 
 
 def build_modules(factors: TypeFactors, biases: list[torch.Tensor | None]) -> list[nn.Module]:
-    """One module per layer from ``factors`` (layers of one type share the basis)."""
+    """One module per layer from ``factors`` (layers of a group share its basis)."""
+    parts = factors.parts
     if factors.method == "svd":
-        return [LowRankLinear(e["B"], e["C"], b)
-                for e, b in zip(factors.per_layer, biases, strict=True)]
-    if factors.method == "onesided":
-        basis = SharedBasis(factors.P, None)
-        return [OneSidedLinear(basis, e["D"], b)
-                for e, b in zip(factors.per_layer, biases, strict=True)]
-    basis = SharedBasis(factors.P, factors.U)
+        mods: list[nn.Module] = []
+        for e, b in zip(factors.per_layer, biases, strict=True):
+            pieces = [LowRankLinear(e[f"B{p}"], e[f"C{p}"], bp)
+                      for p, bp in enumerate(_split_bias(b, parts))]
+            mods.append(pieces[0] if parts == 1 else ConcatProjection(pieces))
+        return mods
+    if factors.method == "basis-sharing":
+        mods = [nn.Identity() for _ in biases]
+        for g, basis in zip(factors.groups, factors.bases, strict=True):
+            shared = [SharedBasis(basis[f"P{p}"], None) for p in range(parts)]
+            for i in g:
+                pieces = [OneSidedLinear(shared[p], factors.per_layer[i][f"D{p}"], bp)
+                          for p, bp in enumerate(_split_bias(biases[i], parts))]
+                mods[i] = pieces[0] if parts == 1 else ConcatProjection(pieces)
+        return mods
+    basis = SharedBasis(factors.bases[0]["P"], factors.bases[0]["U"])
     return [SharedBasisLinear(basis, e["core"], b,
                               (e["res_b"], e["res_c"]) if "res_b" in e else None)
             for e, b in zip(factors.per_layer, biases, strict=True)]
 
 
 def compress_model(adapter: ModelAdapter, cal: Calibration, cfg: CompressionConfig,
-                   progress: Any = None) -> dict[str, Any]:
+                   progress: Any = None, calib_tokens: torch.Tensor | None = None
+                   ) -> dict[str, Any]:
     """Factorise ``cfg.types`` in every layer and replace the modules in place; returns
     the accounting (original vs stored parameters per type and for the model), ranks
-    and per-layer kept energy."""
+    and per-layer kept energy. ``cfg.update`` needs ``calib_tokens`` (the calibration
+    windows, run again through the compressed model)."""
+    if cfg.update and calib_tokens is None:
+        raise ValueError("update=True needs the calibration tokens (calib_tokens=...)")
     L = adapter.num_layers
-    ranks = solve_ranks(adapter, cfg)
     report: dict[str, Any] = {"config": dataclasses.asdict(cfg), "types": {}}
     total_params = sum(p.numel() for p in adapter.model.parameters())
     orig_sum = stored_sum = 0
-    for t, k in ranks.items():
+    originals: dict[MatrixType, list[torch.Tensor]] = {}
+    plans = plan_types(adapter, cfg)
+    for plan in plans:
+        t = plan.type
         weights = adapter.weights(t)
+        if cfg.update:
+            originals[t] = weights
         Cs = [cal.C(i, t) for i in range(L)]
-        writer = adapter.writes_residual(t)
-        r = cfg.residual_rank if cfg.method == "hybrid" else 0
-        factors = factorize_type(cfg.method, weights, Cs, k, r, writer, cfg.eig_floor)
+        factors = factorize_plan(plan, weights, Cs, cfg)
         biases = [adapter.layers[i].bias(t) for i in range(L)]
         for layer, mod in zip(adapter.layers, build_modules(factors, biases), strict=True):
             layer.replace(t, mod)
-        out, inn = weights[0].shape
+        out, inn = plan.shape
         original = L * out * inn
-        stored = stored_parameters(factors.method, L, out, inn, k, r)
+        stored = stored_parameters(factors.method, out, inn, factors.ranks,
+                                   [len(g) for g in factors.groups], factors.parts)
         orig_sum, stored_sum = orig_sum + original, stored_sum + stored
         report["types"][t.value] = {
-            "method": factors.method, "k": k, "r": r, "shape": [out, inn],
+            "method": factors.method, "k": factors.ranks.k, "k_out": factors.ranks.k_out,
+            "k_in": factors.ranks.k_in, "r": factors.ranks.r, "shape": [out, inn],
+            "parts": factors.parts, "group_sizes": [len(g) for g in factors.groups],
             "original_parameters": original, "stored_parameters": stored,
-            "ratio": original / stored, "energy_kept": factors.energy,
+            "budget": plan.budget, "ratio": original / stored, "energy_kept": factors.energy,
             "mean_energy_kept": sum(factors.energy) / L, **factors.info}
         if progress is not None:
             progress.update(1)
+    if cfg.update:
+        report["update"] = _update(adapter, cal, plans, originals, calib_tokens, cfg)
     report.update(original_parameters=orig_sum, stored_parameters=stored_sum,
                   ratio=orig_sum / max(stored_sum, 1), reduction=1 - stored_sum / orig_sum,
                   model_parameters_before=total_params,
                   model_parameters_after=total_params - orig_sum + stored_sum)
     return report
+
+
+def _update(adapter: ModelAdapter, cal: Calibration, plans: list[TypePlan],
+            originals: dict[MatrixType, list[torch.Tensor]], tokens: torch.Tensor | None,
+            cfg: CompressionConfig) -> dict[str, Any]:
+    """Basis Sharing's update: calibrate the compressed model, refit the coefficients."""
+    from ..calibration import calibrate
+    from .basis_sharing import update_coefficients
+
+    assert tokens is not None
+    seq_len = int(cal.meta.get("seq_len", 512))
+    new = calibrate(adapter, tokens, seq_len=seq_len, progress=False,
+                    meta={"purpose": "basis-sharing update"})
+    out: dict[str, Any] = {}
+    for plan in plans:
+        mods = [layer.module(plan.type) for layer in adapter.layers]
+        Cs = [new.C(i, plan.type) for i in range(adapter.num_layers)]
+        res = update_coefficients(mods, originals[plan.type], Cs, plan.groups, plan.parts,
+                                  cfg.eig_floor)
+        out[plan.type.value] = {"error_before": sum(res["error_before"]),
+                                "error_after": sum(res["error_after"])}
+    return out

@@ -1,24 +1,26 @@
-"""Compression methods for one matrix type across layers, from weights and calibration.
+"""Factors of one matrix type across layers, from weights and calibration.
 
-Notation: ``W_l`` ``(out, in)``, ``C_l`` its input second moment, ``L`` layers.
+Notation: ``W_l`` ``(out, in)``, ``C_l`` its input second moment, ``L`` layers; every
+product here is float64.
 
 * ``shared`` (the seed's method, test 4): shared whitening ``S = C̄^{1/2}`` from the
-  mean covariance ``C̄``, shared bases ``U`` (top-k output directions of
-  ``Σ_l (W_l S)(W_l S)^T``) and ``V`` (top-k input directions of ``Σ_l (W_l S)^T (W_l S)``),
-  per-layer cores ``A_l = U^T W_l S V``: ``W_l ≈ U A_l V^T S^+``.
+  mean covariance ``C̄``, shared bases ``U`` (top-``k_out`` output directions of
+  ``Σ_l (W_l S)(W_l S)^T``) and ``V`` (top-``k_in`` input directions of
+  ``Σ_l (W_l S)^T (W_l S)``), rectangular per-layer cores ``A_l = U^T W_l S V``
+  ``(k_out, k_in)``: ``W_l ≈ U A_l V^T S^+``. Given a budget, ``(k_out, k_in)`` is the
+  pair that keeps the most whitened energy ``Σ_l ||U^T W_l S V||²`` among those that fit
+  (an exact search over ``k_out``; the leading-block energies come from one 2-D prefix
+  sum), each bounded only by its own side.
 * ``hybrid`` (test 9): ``shared`` plus a per-layer residual ``B_l C_l`` of rank ``r``, the
   top-r SVD of the whitened basis error ``W_l S − U A_l V^T``, mapped back by ``S^+``.
-* ``svd`` (the seed's per-layer baseline, SVD-LLM style; fine-tuned it is test 6's
-  free-factor control): per-layer whitening ``S_l = C_l^{1/2}``, truncated SVD of
-  ``W_l S_l``: ``W_l ≈ (U_r Σ_r)(V_r^T S_l^+)``.
-* ``onesided`` (the Basis Sharing design, reimplemented from the idea): one shared input
-  basis ``V`` for the readers (Q, K, V, MLP-in) with full per-layer coefficients
-  ``D_l = W_l S V``; residual-stream writers (O, MLP-out) are never shared in that
-  design and get per-layer ``svd`` at the same budget.
+* ``svd`` (SVD-LLM's truncation-aware whitening, per layer and per linear module; the
+  seed's per-layer baseline; fine-tuned it is test 6's free-factor control): per-layer
+  ``S_l = C_l^{1/2}``, truncated SVD of ``W_l S_l``: ``W_l ≈ (U_k Σ_k)(V_k^T S_l^+)``.
+* ``basis-sharing`` (see :mod:`.basis_sharing`): one input basis per group of
+  consecutive layers with per-layer coefficients.
 
-Stored parameters (every tensor counts, biases are unchanged and not counted):
-``shared``: ``k(out + in) + L k^2``; ``hybrid``: that ``+ L r (out + in)``;
-``svd``: ``L r (out + in)``; ``onesided``: ``k in + L k out``.
+The per-layer ``energy`` is the functional energy kept under the layer's own input
+statistics, ``1 − ||(W − Ŵ) S_l||² / ||W S_l||²``.
 """
 
 from __future__ import annotations
@@ -29,38 +31,10 @@ from typing import Any
 import torch
 
 from ..linalg import energy_weighted_basis, psd_inv_sqrt, psd_sqrt, thin_svd
+from .ranks import TypeRanks
 
-__all__ = ["METHODS", "TypeFactors", "factorize_type", "rank_for_budget", "stored_parameters"]
-
-METHODS = ("shared", "hybrid", "svd", "onesided")
-
-
-def stored_parameters(method: str, L: int, out: int, inn: int, k: int, r: int = 0,
-                      writer: bool = False) -> int:
-    """Stored parameters of one matrix type under ``method`` (see the module doc)."""
-    if method == "shared":
-        return k * (out + inn) + L * k * k
-    if method == "hybrid":
-        return k * (out + inn) + L * k * k + L * r * (out + inn)
-    if method == "svd" or (method == "onesided" and writer):
-        return L * k * (out + inn)
-    if method == "onesided":
-        return k * inn + L * k * out
-    raise ValueError(f"unknown method {method!r}: expected one of {METHODS}")
-
-
-def rank_for_budget(method: str, L: int, out: int, inn: int, budget: float, r: int = 0,
-                    writer: bool = False) -> int:
-    """Largest rank ``k`` (at most ``min(out, in)``) whose stored parameters fit
-    ``budget``; at least 1."""
-    hi = min(out, inn)
-    best = 1
-    for k in range(1, hi + 1):  # monotone in k; at most a few thousand steps
-        if stored_parameters(method, L, out, inn, k, r, writer) <= budget:
-            best = k
-        else:
-            break
-    return best
+__all__ = ["TypeFactors", "best_rectangular_ranks", "factorize_shared", "factorize_svd",
+           "kept_energy"]
 
 
 @dataclass
@@ -68,74 +42,126 @@ class TypeFactors:
     """Factors of one matrix type for every layer, ready to build modules."""
 
     method: str
-    k: int
-    r: int
-    P: torch.Tensor | None = None
-    """Shared input map ``(k, in)`` (``shared``, ``hybrid``, ``onesided`` readers)."""
-    U: torch.Tensor | None = None
-    """Shared output basis ``(out, k)`` (``shared``, ``hybrid``)."""
+    """The method that produced them: ``shared``, ``hybrid``, ``svd`` or ``basis-sharing``."""
+    ranks: TypeRanks
+    groups: list[list[int]] = field(default_factory=list)
+    """Layers that share a basis (``basis-sharing``; one group of all layers for
+    ``shared``/``hybrid``; one layer each for ``svd``)."""
+    parts: int = 1
+    """Row blocks factorised separately (a gated MLP-in under ``svd``/``basis-sharing``)."""
+    bases: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    """Per group: ``P`` ``(k_in, in)`` and ``U`` ``(out, k_out)`` (``shared``/``hybrid``),
+    or ``P0``, ``P1``, … per part (``basis-sharing``)."""
     per_layer: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    """Per layer: ``core`` / ``res_b``, ``res_c`` / ``B``, ``C`` / ``D``."""
+    """Per layer: ``core`` (+ ``res_b``, ``res_c``) / ``B0``, ``C0``, … / ``D0``, …"""
     energy: list[float] = field(default_factory=list)
-    """Per layer: functional energy kept, ``1 − ||(W − Ŵ) S_l||² / ||W S_l||²``."""
     info: dict[str, Any] = field(default_factory=dict)
 
 
-def _whitening(Cs: list[torch.Tensor], floor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    C = sum(c.double() for c in Cs) / len(Cs)
-    return psd_sqrt(C, floor), psd_inv_sqrt(C, floor)
-
-
-def _kept(W: torch.Tensor, What: torch.Tensor, root: torch.Tensor) -> float:
+def kept_energy(W: torch.Tensor, What: torch.Tensor, root: torch.Tensor) -> float:
+    """``1 − ||(W − Ŵ) R||² / ||W R||²`` with ``R = C^{1/2}`` (float64)."""
     err = ((W.double() - What.double()) @ root).pow(2).sum()
     return float(1.0 - err / (W.double() @ root).pow(2).sum())
 
 
-def factorize_type(method: str, weights: list[torch.Tensor], Cs: list[torch.Tensor], k: int,
-                   r: int = 0, writer: bool = False, floor: float = 1e-6) -> TypeFactors:
-    """Factors of ``weights`` (one ``(out, in)`` matrix per layer, input second moments
-    ``Cs``) under ``method`` with rank ``k`` (and residual rank ``r`` for ``hybrid``)."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}: expected one of {METHODS}")
+def factorize_svd(weights: list[torch.Tensor], Cs: list[torch.Tensor], k: int,
+                  parts: int = 1, floor: float = 1e-6) -> TypeFactors:
+    """Per-layer whitened truncated SVD of rank ``k`` (each of ``parts`` row blocks on its
+    own, as SVD-LLM treats ``gate_proj`` and ``up_proj``)."""
     out, inn = weights[0].shape
-    if not 1 <= k <= min(out, inn):
-        raise ValueError(f"rank k={k} must be in [1, {min(out, inn)}] for ({out}, {inn})")
+    op = out // parts
+    if not 1 <= k <= min(op, inn):
+        raise ValueError(f"svd rank k={k} must be in [1, {min(op, inn)}] for ({op}, {inn})")
+    tf = TypeFactors("svd", TypeRanks(k, k), [[i] for i in range(len(weights))], parts)
+    for w, c in zip(weights, Cs, strict=True):
+        w = w.double()
+        root, inv_root = psd_sqrt(c, floor), psd_inv_sqrt(c, floor)
+        entry, rows = {}, []
+        for p in range(parts):
+            U, S, Vh = thin_svd(w[p * op:(p + 1) * op] @ root)
+            entry[f"B{p}"], entry[f"C{p}"] = U[:, :k] * S[:k], Vh[:k] @ inv_root
+            rows.append(entry[f"B{p}"] @ entry[f"C{p}"])
+        tf.per_layer.append(entry)
+        tf.energy.append(kept_energy(w, torch.cat(rows), root))
+    return tf
+
+
+def best_rectangular_ranks(whitened: list[torch.Tensor], budget: float, extra_per_layer: int = 0
+                           ) -> tuple[TypeRanks, torch.Tensor, torch.Tensor, float]:
+    """The ``(k_out, k_in)`` of the two-sided shared bases that keeps the most whitened
+    energy ``Σ_l ||U_{k_out}^T M_l V_{k_in}||²`` (``M_l = W_l S``) among the pairs whose
+    storage ``k_out·out + k_in·in + L k_out k_in (+ L·extra_per_layer)`` fits ``budget``.
+
+    Returns the ranks, the full output and input bases (columns by decreasing energy) and
+    the kept share of ``Σ_l ||M_l||²``."""
+    out, inn = whitened[0].shape
+    L = len(whitened)
+    room = budget - L * extra_per_layer
+    U = energy_weighted_basis(whitened, out, "output")  # (out, out)
+    V = energy_weighted_basis(whitened, inn, "input")  # (in, in)
+    E = torch.zeros(out, inn, dtype=torch.float64)
+    for m in whitened:
+        E += (U.T @ m @ V).pow(2)
+    F = E.cumsum(0).cumsum(1)  # F[a-1, b-1]: energy of the leading a × b block
+    k_out = torch.arange(1, out + 1, dtype=torch.float64)
+    k_in = torch.floor((room - k_out * out) / (inn + L * k_out)).clamp(max=inn)
+    ok = k_in >= 1
+    if not bool(ok.any()):
+        raise ValueError(f"a budget of {budget:,.0f} parameters cannot hold rank-1 shared "
+                         f"bases of {L} × ({out}, {inn})")
+    idx = torch.nonzero(ok).squeeze(1)
+    energy = F[idx, k_in[idx].long() - 1]
+    best = int(idx[int(torch.argmax(energy))])
+    ranks = TypeRanks(best + 1, int(k_in[best]))
+    return ranks, U, V, float(F[best, ranks.k_in - 1] / F[-1, -1])
+
+
+def factorize_shared(method: str, weights: list[torch.Tensor], Cs: list[torch.Tensor],
+                     ranks: TypeRanks | None = None, budget: float | None = None,
+                     floor: float = 1e-6) -> TypeFactors:
+    """``shared`` / ``hybrid`` factors with the given ``ranks``, or the energy-optimal
+    ``(k_out, k_in)`` under ``budget`` (the hybrid's residual rank comes from ``ranks.r``
+    either way; pass ``TypeRanks(0, 0, r)`` with a budget)."""
+    if method not in ("shared", "hybrid"):
+        raise ValueError(f"factorize_shared handles shared and hybrid, not {method!r}")
+    out, inn = weights[0].shape
+    L = len(weights)
+    r = ranks.r if (ranks is not None and method == "hybrid") else 0
+    if not 0 <= r <= min(out, inn):
+        raise ValueError(f"residual rank r={r} must be in [0, {min(out, inn)}]")
     W = [w.double() for w in weights]
-    roots = [psd_sqrt(c, floor) for c in Cs]
-    tf = TypeFactors(method, k, r)
-    if method == "svd" or (method == "onesided" and writer):
-        tf.method = "svd"
-        for w, c, root in zip(W, Cs, roots, strict=True):
-            U, S, Vh = thin_svd(w @ root)
-            B, C = U[:, :k] * S[:k], Vh[:k] @ psd_inv_sqrt(c, floor)
-            tf.per_layer.append({"B": B, "C": C})
-            tf.energy.append(_kept(w, B @ C, root))
-        return tf
-    S, S_inv = _whitening(Cs, floor)
+    C = sum(c.double() for c in Cs) / L
+    S, S_inv = psd_sqrt(C, floor), psd_inv_sqrt(C, floor)
     Wh = [w @ S for w in W]
-    V = energy_weighted_basis(Wh, k, "input")  # (in, k)
-    tf.P = V.T @ S_inv  # (k, in)
-    if method == "onesided":
-        for w, wh, root in zip(W, Wh, roots, strict=True):
-            D = wh @ V
-            tf.per_layer.append({"D": D})
-            tf.energy.append(_kept(w, D @ tf.P, root))
-        return tf
-    tf.U = energy_weighted_basis(Wh, k, "output")  # (out, k)
+    info: dict[str, Any] = {}
+    if budget is not None:
+        found, U_all, V_all, share = best_rectangular_ranks(Wh, budget, r * (out + inn))
+        ranks = TypeRanks(found.k_out, found.k_in, r)
+        U, V = U_all[:, :ranks.k_out], V_all[:, :ranks.k_in]
+        info["whitened_energy_share_of_best_block"] = share
+    elif ranks is not None:
+        if not (1 <= ranks.k_out <= out and 1 <= ranks.k_in <= inn):
+            raise ValueError(f"shared ranks (k_out={ranks.k_out}, k_in={ranks.k_in}) must be "
+                             f"in [1, {out}] × [1, {inn}]")
+        U = energy_weighted_basis(Wh, ranks.k_out, "output")  # (out, k_out)
+        V = energy_weighted_basis(Wh, ranks.k_in, "input")  # (in, k_in)
+    else:
+        raise ValueError("factorize_shared needs ranks or a budget")
+    tf = TypeFactors(method, ranks, [list(range(L))], 1, [{"P": V.T @ S_inv, "U": U}],
+                     info=info)
     res_cover = []
-    for w, wh, root in zip(W, Wh, roots, strict=True):
-        A = tf.U.T @ wh @ V
+    for w, wh, c in zip(W, Wh, Cs, strict=True):
+        A = U.T @ wh @ V  # (k_out, k_in)
         entry = {"core": A}
-        What = tf.U @ A @ tf.P
+        What = U @ A @ tf.bases[0]["P"]
         if method == "hybrid" and r > 0:
-            E = wh - tf.U @ A @ V.T  # whitened basis error
+            E = wh - U @ A @ V.T  # whitened basis error
             Ue, Se, Vhe = thin_svd(E)
             entry["res_b"], entry["res_c"] = Ue[:, :r] * Se[:r], Vhe[:r] @ S_inv
             What = What + entry["res_b"] @ entry["res_c"]
             res_cover.append(float(Se[:r].pow(2).sum() / Se.pow(2).sum().clamp_min(1e-300)))
         tf.per_layer.append(entry)
-        tf.energy.append(_kept(w, What, root))
+        tf.energy.append(kept_energy(w, What, psd_sqrt(c, floor)))
     if res_cover:
         tf.info["residual_share_of_basis_error"] = res_cover
     return tf
-

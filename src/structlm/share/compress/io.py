@@ -23,6 +23,7 @@ from ..adapters import MatrixType, get_adapter
 from ..loading import LoadedModel, load_model
 from .apply import CompressionConfig, build_modules
 from .factorize import TypeFactors
+from .ranks import TypeRanks
 
 __all__ = ["MANIFEST", "load_compressed", "save_compressed"]
 
@@ -51,18 +52,38 @@ def save_compressed(loaded: LoadedModel, report: dict[str, Any], folder: str | P
     return folder
 
 
-def _placeholder(method: str, k: int, r: int, out: int, inn: int, L: int) -> TypeFactors:
+def _placeholder(t: dict[str, Any], L: int) -> TypeFactors:
+    """Zero factors of the recorded method, ranks, groups and parts (the tensors are
+    loaded afterwards)."""
     z = torch.zeros
-    tf = TypeFactors(method, k, r)
-    if method == "svd":
-        tf.per_layer = [{"B": z(out, k), "C": z(k, inn)} for _ in range(L)]
-    elif method == "onesided":
-        tf.P = z(k, inn)
-        tf.per_layer = [{"D": z(out, k)} for _ in range(L)]
+    out, inn = t["shape"]
+    k = int(t["k"])
+    ranks = TypeRanks(int(t.get("k_out", k)), int(t.get("k_in", k)), int(t.get("r", 0)))
+    parts = int(t.get("parts", 1))
+    op = out // parts
+    sizes = t.get("group_sizes") or ([L] if t["method"] in ("shared", "hybrid") else [1] * L)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    groups = [list(range(s, s + n)) for s, n in zip(starts, sizes, strict=True)]
+    tf = TypeFactors(t["method"], ranks, groups, parts)
+    if t["method"] == "svd":
+        tf.per_layer = [{f"{x}{p}": z(op, k) if x == "B" else z(k, inn) for p in range(parts)
+                         for x in "BC"} for _ in range(L)]
+    elif t["method"] == "basis-sharing":
+        ks = [min(k, inn, len(g) * op) for g in groups]
+        tf.bases = [{f"P{p}": z(kg, inn) for p in range(parts)} for kg in ks]
+        tf.per_layer = [{} for _ in range(L)]
+        for g, kg in zip(groups, ks, strict=True):
+            for i in g:
+                tf.per_layer[i] = {f"D{p}": z(op, kg) for p in range(parts)}
+    elif t["method"] in ("shared", "hybrid"):
+        r = ranks.r
+        tf.bases = [{"P": z(ranks.k_in, inn), "U": z(out, ranks.k_out)}]
+        tf.per_layer = [{"core": z(ranks.k_out, ranks.k_in)}
+                        | ({"res_b": z(out, r), "res_c": z(r, inn)} if r else {})
+                        for _ in range(L)]
     else:
-        tf.P, tf.U = z(k, inn), z(out, k)
-        tf.per_layer = [{"core": z(k, k)} | ({"res_b": z(out, r), "res_c": z(r, inn)}
-                                            if r else {}) for _ in range(L)]
+        raise ValueError(f"unknown compression method {t['method']!r} in the manifest "
+                         "(saved by an older structlm? re-run share compress)")
     return tf
 
 
@@ -81,8 +102,7 @@ def load_compressed(folder: str | Path) -> LoadedModel:
     L = adapter.num_layers
     for name, t in manifest["compression"]["types"].items():
         mt = MatrixType(name)
-        out, inn = t["shape"]
-        factors = _placeholder(t["method"], t["k"], t["r"], out, inn, L)
+        factors = _placeholder(t, L)
         biases = [adapter.layers[i].bias(mt) for i in range(L)]
         for layer, mod in zip(adapter.layers, build_modules(factors, biases), strict=True):
             layer.replace(mt, mod)

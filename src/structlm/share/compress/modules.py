@@ -4,13 +4,12 @@ rebuilt at run time).
 * :class:`SharedBasisLinear` — ``y = U (A_l (P x)) [+ B_l (C_l x)] + b`` with the
   shared input map ``P = V^T S^+`` ``(k, in)`` and output basis ``U`` ``(out, k)``
   held by a :class:`SharedBasis` module (stored once per matrix type, frozen), the
-  per-layer core ``A_l`` ``(k, k)`` and an optional per-layer residual ``B_l C_l`` of
-  rank ``r``.
+  per-layer rectangular core ``A_l`` ``(k_out, k_in)`` and an optional per-layer
+  residual ``B_l C_l`` of rank ``r``.
 * :class:`LowRankLinear` — ``y = B (C x) + b``: per-layer whitened SVD factors
   (``B = U_r Σ_r``, ``C = V_r^T S_l^+``), trained as free factors.
-* :class:`OneSidedLinear` — ``y = D_l (P x) + b``: one input basis shared across
-  layers with full per-layer coefficients ``D_l`` ``(out, k)`` (the Basis Sharing
-  design).
+* :class:`OneSidedLinear` — ``y = D_l (P x) + b``: one input basis shared by a group of
+  layers with full per-layer coefficients ``D_l`` ``(out, k)`` (Basis Sharing).
 """
 
 from __future__ import annotations

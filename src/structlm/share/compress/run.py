@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..pipeline import evaluate_all, prepare
+from ..pipeline import evaluate_all, prepare, spread_windows
 from ..report import atomic_write_text, clean_json
 from .apply import CompressionConfig, compress_model
 from .finetune import FinetuneConfig, finetune
@@ -36,17 +36,19 @@ def run_compress(model: str, ccfg: CompressionConfig, out_dir: str | Path,
     assert prep.calibration is not None
     res: dict[str, Any] = {"model": prep.loaded.model_id, "model_note": prep.loaded.note,
                            "split": prep.split.describe(),
-                           "calibration": dict(prep.calibration.meta)}
+                           "calibration": dict(prep.calibration.meta), "text": prep.text}
     res["ppl_original"] = evaluate_all(prep.loaded.model, prep.eval_ids, progress=progress)
     t1 = time.time()
-    res["compression"] = compress_model(prep.adapter, prep.calibration, ccfg)
+    res["compression"] = compress_model(prep.adapter, prep.calibration, ccfg,
+                                        calib_tokens=prep.calib_ids)
     res["compress_seconds"] = time.time() - t1
     res["ppl_compressed"] = evaluate_all(prep.loaded.model, prep.eval_ids, progress=progress)
     if ft is not None and ft.steps > 0:
         in_domain = next(iter(prep.eval_ids.values()))
         res["finetune"] = {"config": dataclasses.asdict(ft),
-                           "curve": finetune(prep.loaded.model, prep.calib_ids,
-                                             in_domain[: ft.eval_tokens], ft, progress)}
+                           "curve": finetune(prep.loaded.model, prep.train_ids,
+                                             spread_windows(in_domain, ft.eval_tokens), ft,
+                                             progress)}
         res["ppl_finetuned"] = evaluate_all(prep.loaded.model, prep.eval_ids,
                                             progress=progress)
     if save:
