@@ -143,7 +143,7 @@ def _cmd_share_experiment(args: argparse.Namespace) -> int:
     if args.finetune_steps is not None:
         raw.setdefault("finetune", {})["steps"] = args.finetune_steps
     cfg = ExperimentConfig.from_dict(raw)
-    res = run_experiment(cfg, args.out)
+    res = run_experiment(cfg, args.out, analytic_only=args.analytic_only)
     print(f"{args.out.rstrip('/')}/report.md written ({res['seconds'] / 60:.1f} min)")
     return 0
 
@@ -234,6 +234,8 @@ def add_share_commands(sub: Any) -> None:
     ex.add_argument("--methods", default=None,
                     help="e.g. shared,hybrid,svd,basis-sharing,onesided-all-layers")
     ex.add_argument("--finetune-steps", type=int, default=None)
+    ex.add_argument("--analytic-only", action="store_true",
+                    help="stop after compressing and evaluating every arm (no fine-tuning)")
     ex.add_argument("--threads", type=int, default=2)
     ex.add_argument("--out", default="share-experiment")
     ex.set_defaults(func=_cmd_share_experiment)

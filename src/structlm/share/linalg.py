@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["captured_energy", "effective_rank", "energy_weighted_basis", "psd_inv_sqrt",
-           "psd_sqrt", "random_like_spectrum", "random_orthonormal", "singular_values",
+           "psd_roots", "psd_sqrt", "random_like_spectrum", "random_orthonormal", "singular_values",
            "subspace_overlap", "thin_svd", "top_subspace"]
 
 EXPLICIT_EIGH_MAX = 1024
@@ -27,6 +27,12 @@ def psd_sqrt(C: torch.Tensor, rel_floor: float = 1e-8) -> torch.Tensor:
     """``C^{1/2}`` of a PSD matrix (float64)."""
     e, V = _eigh_floored(C, rel_floor)
     return (V * e.sqrt()) @ V.T
+
+
+def psd_roots(C: torch.Tensor, rel_floor: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(C^{1/2}, C^{-1/2})`` from one eigen-decomposition (float64, floored)."""
+    e, V = _eigh_floored(C, rel_floor)
+    return (V * e.sqrt()) @ V.T, (V * e.rsqrt()) @ V.T
 
 
 def psd_inv_sqrt(C: torch.Tensor, rel_floor: float = 1e-8) -> torch.Tensor:
@@ -84,7 +90,8 @@ def energy_weighted_basis(mats: list[torch.Tensor], k: int, side: str,
     ``sum_l W_l W_l^T`` (output side) — each layer weighted by its energy.
 
     Explicit ``eigh`` up to :data:`EXPLICIT_EIGH_MAX` dimensions (or when the Krylov
-    span would be as wide as ``G``, e.g. ``k`` = a quarter of a 3072 side); else a randomised
+    span would be as wide as ``G``, e.g. ``k`` = a quarter of a 3072 side) — of the
+    smaller Gram matrix ``A Aᵀ`` when the layers stack fewer rows than ``dim``; else a randomised
     block Krylov method (``iters`` powers of ``G`` applied implicitly, Rayleigh–Ritz on
     the whole Krylov span in float64), which avoids forming and diagonalising a large
     ``G`` and keeps ≥ 99.9% of the optimal captured energy in the tests."""
@@ -92,6 +99,12 @@ def energy_weighted_basis(mats: list[torch.Tensor], k: int, side: str,
     width = (iters + 1) * (k + max(8, k // 4))  # the Krylov span's width
     if dim <= EXPLICIT_EIGH_MAX or width >= dim:  # (a span as wide as G: eigh is cheaper)
         A = torch.cat([W.double() if side == "input" else W.double().T for W in mats])
+        if k < A.shape[0] < dim:  # fewer stacked rows than dim: eigh of the small Gram A Aᵀ
+            _, U = torch.linalg.eigh(A @ A.T)
+            V = A.T @ U[:, -k:].flip(1)  # G's eigenvectors, norms sqrt(eigenvalue)
+            norms = V.norm(dim=0)
+            if float(norms.min()) > 1e-3 * float(norms.max()):  # orthonormal to ~1e-10
+                return V / norms
         _, V = torch.linalg.eigh(A.T @ A)  # (dim, dim), float64
         return V[:, -k:].flip(1)
     # block Krylov (float32 iterations, float64 Rayleigh-Ritz): the span of

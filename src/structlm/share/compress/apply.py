@@ -14,7 +14,7 @@ from ..adapters import ConcatProjection, MatrixType, ModelAdapter, parse_types
 from ..calibration import Calibration
 from ..configs import dataclass_from_dict
 from .basis_sharing import factorize_basis_sharing
-from .factorize import TypeFactors, factorize_shared, factorize_svd
+from .factorize import RootCache, TypeFactors, factorize_shared, factorize_svd
 from .modules import LowRankLinear, OneSidedLinear, SharedBasis, SharedBasisLinear
 from .ranks import (
     BASIS_SHARING,
@@ -172,20 +172,23 @@ def plan_types(adapter: ModelAdapter, cfg: CompressionConfig) -> list[TypePlan]:
 
 
 def factorize_plan(plan: TypePlan, weights: list[torch.Tensor], Cs: list[torch.Tensor],
-                   cfg: CompressionConfig) -> TypeFactors:
-    """The factors of one type under its plan."""
+                   cfg: CompressionConfig, roots: RootCache | None = None) -> TypeFactors:
+    """The factors of one type under its plan (``roots``: whitening roots shared across
+    the types that read one site)."""
+    roots = roots or RootCache(cfg.eig_floor)
     if plan.method == "svd":
         assert plan.ranks is not None
-        return factorize_svd(weights, Cs, plan.ranks.k, plan.parts, cfg.eig_floor)
+        return factorize_svd(weights, Cs, plan.ranks.k, plan.parts, cfg.eig_floor, roots)
     if plan.method == "basis-sharing":
         assert plan.ranks is not None
         return factorize_basis_sharing(weights, Cs, plan.ranks.k, plan.groups, plan.parts,
-                                       cfg.eig_floor)
+                                       cfg.eig_floor, roots)
     if plan.ranks is not None:
-        return factorize_shared(plan.method, weights, Cs, plan.ranks, None, cfg.eig_floor)
+        return factorize_shared(plan.method, weights, Cs, plan.ranks, None, cfg.eig_floor,
+                                roots)
     r = cfg.residual_rank if plan.method == "hybrid" else 0
     return factorize_shared(plan.method, weights, Cs, TypeRanks(0, 0, r), plan.budget,
-                            cfg.eig_floor)
+                            cfg.eig_floor, roots)
 
 
 def _split_bias(b: torch.Tensor | None, parts: int) -> list[torch.Tensor | None]:
@@ -232,13 +235,14 @@ def compress_model(adapter: ModelAdapter, cal: Calibration, cfg: CompressionConf
     orig_sum = stored_sum = 0
     originals: dict[MatrixType, list[torch.Tensor]] = {}
     plans = plan_types(adapter, cfg)
+    roots = RootCache(cfg.eig_floor)
     for plan in plans:
         t = plan.type
         weights = adapter.weights(t)
         if cfg.update:
             originals[t] = weights
         Cs = [cal.C(i, t) for i in range(L)]
-        factors = factorize_plan(plan, weights, Cs, cfg)
+        factors = factorize_plan(plan, weights, Cs, cfg, roots)
         biases = [adapter.layers[i].bias(t) for i in range(L)]
         for layer, mod in zip(adapter.layers, build_modules(factors, biases), strict=True):
             layer.replace(t, mod)

@@ -40,8 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..linalg import energy_weighted_basis, psd_inv_sqrt, psd_sqrt
-from .factorize import TypeFactors, kept_energy
+from ..linalg import energy_weighted_basis, psd_inv_sqrt, psd_roots, psd_sqrt
+from .factorize import RootCache, TypeFactors, kept_energy
 from .ranks import TypeRanks, max_basis_rank
 
 __all__ = ["factorize_basis_sharing", "update_coefficients"]
@@ -49,7 +49,8 @@ __all__ = ["factorize_basis_sharing", "update_coefficients"]
 
 def factorize_basis_sharing(weights: list[torch.Tensor], Cs: list[torch.Tensor], k: int,
                             groups: list[list[int]], parts: int = 1,
-                            floor: float = 1e-6) -> TypeFactors:
+                            floor: float = 1e-6, roots: RootCache | None = None
+                            ) -> TypeFactors:
     """Shared input bases of size ``k`` per group (and part) with per-layer coefficients;
     a group whose stacked matrix has fewer directions keeps all of them."""
     out, inn = weights[0].shape
@@ -65,7 +66,8 @@ def factorize_basis_sharing(weights: list[torch.Tensor], Cs: list[torch.Tensor],
     W = [w.double() for w in weights]
     for g in groups:
         C = sum(Cs[i].double() for i in g) / len(g)  # the group's XᵀX up to a scale
-        S, S_inv = psd_sqrt(C, floor), psd_inv_sqrt(C, floor)
+        S, S_inv = psd_roots(C, floor) if len(g) > 1 else (roots or RootCache(floor)).get(
+            Cs[g[0]])
         kg = min(k, max_basis_rank(inn, len(g), op))
         basis = {}
         for p in range(parts):
@@ -77,7 +79,7 @@ def factorize_basis_sharing(weights: list[torch.Tensor], Cs: list[torch.Tensor],
         tf.bases.append(basis)
     for i, g in enumerate(_group_of(groups, len(W))):
         What = torch.cat([tf.per_layer[i][f"D{p}"] @ tf.bases[g][f"P{p}"] for p in range(parts)])
-        tf.energy.append(kept_energy(W[i], What, psd_sqrt(Cs[i], floor)))
+        tf.energy.append(kept_energy(W[i], What, (roots or RootCache(floor)).get(Cs[i])[0]))
     tf.info["group_sizes"] = [len(g) for g in groups]
     return tf
 

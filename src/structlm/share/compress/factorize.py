@@ -30,11 +30,26 @@ from typing import Any
 
 import torch
 
-from ..linalg import energy_weighted_basis, psd_inv_sqrt, psd_sqrt, thin_svd
+from ..linalg import energy_weighted_basis, psd_roots, thin_svd
 from .ranks import TypeRanks
 
-__all__ = ["TypeFactors", "best_rectangular_ranks", "factorize_shared", "factorize_svd",
-           "kept_energy"]
+__all__ = ["RootCache", "TypeFactors", "best_rectangular_ranks", "factorize_shared",
+           "factorize_svd", "kept_energy"]
+
+
+class RootCache:
+    """``C^{1/2}`` and ``C^{-1/2}`` of input second moments, one ``eigh`` each, reused by
+    every type that reads the same matrix (Q, K and V read one site)."""
+
+    def __init__(self, floor: float) -> None:
+        self.floor = floor
+        self._roots: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def get(self, C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(C^{1/2}, C^{-1/2})`` (the cache keeps ``C`` alive, so its id stays unique)."""
+        if id(C) not in self._roots:
+            self._roots[id(C)] = (C, psd_roots(C, self.floor))
+        return self._roots[id(C)][1]
 
 
 @dataclass
@@ -65,7 +80,8 @@ def kept_energy(W: torch.Tensor, What: torch.Tensor, root: torch.Tensor) -> floa
 
 
 def factorize_svd(weights: list[torch.Tensor], Cs: list[torch.Tensor], k: int,
-                  parts: int = 1, floor: float = 1e-6) -> TypeFactors:
+                  parts: int = 1, floor: float = 1e-6,
+                  roots: RootCache | None = None) -> TypeFactors:
     """Per-layer whitened truncated SVD of rank ``k`` (each of ``parts`` row blocks on its
     own, as SVD-LLM treats ``gate_proj`` and ``up_proj``)."""
     out, inn = weights[0].shape
@@ -75,7 +91,7 @@ def factorize_svd(weights: list[torch.Tensor], Cs: list[torch.Tensor], k: int,
     tf = TypeFactors("svd", TypeRanks(k, k), [[i] for i in range(len(weights))], parts)
     for w, c in zip(weights, Cs, strict=True):
         w = w.double()
-        root, inv_root = psd_sqrt(c, floor), psd_inv_sqrt(c, floor)
+        root, inv_root = (roots or RootCache(floor)).get(c)
         entry, rows = {}, []
         for p in range(parts):
             U, S, Vh = thin_svd(w[p * op:(p + 1) * op] @ root)
@@ -118,7 +134,7 @@ def best_rectangular_ranks(whitened: list[torch.Tensor], budget: float, extra_pe
 
 def factorize_shared(method: str, weights: list[torch.Tensor], Cs: list[torch.Tensor],
                      ranks: TypeRanks | None = None, budget: float | None = None,
-                     floor: float = 1e-6) -> TypeFactors:
+                     floor: float = 1e-6, roots: RootCache | None = None) -> TypeFactors:
     """``shared`` / ``hybrid`` factors with the given ``ranks``, or the energy-optimal
     ``(k_out, k_in)`` under ``budget`` (the hybrid's residual rank comes from ``ranks.r``
     either way; pass ``TypeRanks(0, 0, r)`` with a budget)."""
@@ -131,8 +147,9 @@ def factorize_shared(method: str, weights: list[torch.Tensor], Cs: list[torch.Te
         raise ValueError(f"residual rank r={r} must be in [0, {min(out, inn)}]")
     W = [w.double() for w in weights]
     C = sum(c.double() for c in Cs) / L
-    S, S_inv = psd_sqrt(C, floor), psd_inv_sqrt(C, floor)
+    S, S_inv = psd_roots(C, floor)
     Wh = [w @ S for w in W]
+    roots = roots or RootCache(floor)
     info: dict[str, Any] = {}
     if budget is not None:
         found, U_all, V_all, share = best_rectangular_ranks(Wh, budget, r * (out + inn))
@@ -161,7 +178,7 @@ def factorize_shared(method: str, weights: list[torch.Tensor], Cs: list[torch.Te
             What = What + entry["res_b"] @ entry["res_c"]
             res_cover.append(float(Se[:r].pow(2).sum() / Se.pow(2).sum().clamp_min(1e-300)))
         tf.per_layer.append(entry)
-        tf.energy.append(kept_energy(w, What, psd_sqrt(c, floor)))
+        tf.energy.append(kept_energy(w, What, roots.get(c)[0]))
     if res_cover:
         tf.info["residual_share_of_basis_error"] = res_cover
     return tf
