@@ -5,15 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from structlm.share.alignment import align
+from structlm.share.alignment import align, drop_split
+from structlm.share.analyze import Thresholds, _alignment_test, _subspace_test
 from structlm.share.linalg import (
     effective_rank,
+    energy_weighted_basis,
     psd_inv_sqrt,
     psd_sqrt,
     random_like_spectrum,
     random_orthonormal,
+    subspace_overlap,
 )
-from structlm.share.subspaces import functional_matrices, subspace_scores
+from structlm.share.subspaces import functional_matrices, per_side_k, subspace_scores
 
 
 def _gen(seed: int = 0) -> torch.Generator:
@@ -128,3 +131,124 @@ def test_stacked_gated_rows_move_together() -> None:
     assert align(R, W, row_blocks=2)["perm_diag"] < 1e-10
     with pytest.raises(ValueError, match="row_blocks=3 must divide"):
         align(R, W, row_blocks=3)
+
+
+class _NoBar:
+    def update(self, _n: int) -> None:
+        pass
+
+
+def test_two_random_matrices_raw_residual_is_two_but_drop_from_scale_is_small() -> None:
+    """Why the cheap-move drop is measured from ``scale``: two independent Gaussian
+    matrices of equal norm have a raw residual ≈ 2 and a scale residual ≈ 1, so almost
+    all of a raw → perm_diag drop is 'norm scaling' for any pair of matrices."""
+    g = _gen(8)
+    R = torch.randn(64, 48, generator=g, dtype=torch.float64)
+    W = torch.randn(64, 48, generator=g, dtype=torch.float64)
+    W = W * (R.norm() / W.norm())
+    res = align(R, W)
+    assert res["raw"] == pytest.approx(2.0, abs=0.1)
+    split = drop_split([res])
+    assert 0 <= split["total"] < 0.2
+    assert split["total"] == pytest.approx(split["permutation"] + split["diagonal"], abs=1e-12)
+
+
+def test_drop_split_attributes_permutations_and_diagonals() -> None:
+    """A permuted copy drops entirely in the permutation part; a diagonally scaled copy
+    entirely in the diagonal part."""
+    g = _gen(9)
+    R = torch.randn(50, 40, generator=g, dtype=torch.float64)
+    rows, cols = torch.randperm(50, generator=g), torch.randperm(40, generator=g)
+    permuted = align(R, 2.0 * R[rows][:, cols])
+    dr = 0.3 + 1.4 * torch.rand(50, 1, generator=g, dtype=torch.float64)
+    dc = 0.3 + 1.4 * torch.rand(40, generator=g, dtype=torch.float64)
+    scaled = align(R, R * dr * dc)
+    sp, sd = drop_split([permuted]), drop_split([scaled])
+    assert permuted["scale"] > 0.9
+    assert sp["permutation"] == pytest.approx(permuted["scale"], abs=1e-9)
+    assert sp["diagonal"] == pytest.approx(0.0, abs=1e-9)
+    assert sp["permutation_share"] == pytest.approx(1.0, abs=1e-9)
+    assert scaled["scale"] > 0.01  # the diagonal scalings really cost something
+    assert sd["permutation"] == pytest.approx(0.0, abs=1e-12)
+    assert sd["diagonal"] == pytest.approx(scaled["scale"], abs=1e-9)
+    assert sd["permutation_share"] == pytest.approx(0.0, abs=1e-12)
+    # medians over layers, share from the sums
+    both = drop_split([permuted, scaled, permuted])
+    assert both["permutation"] == pytest.approx(permuted["scale"], abs=1e-9)
+    assert both["diagonal"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_alignment_test_reports_the_split_with_both_nulls_beside_it() -> None:
+    g = _gen(10)
+    R = torch.randn(40, 30, generator=g, dtype=torch.float64)
+    weights = {0: R}
+    for layer in (1, 2, 3):
+        rows, cols = torch.randperm(40, generator=g), torch.randperm(30, generator=g)
+        weights[layer] = (R[rows][:, cols] * (0.5 + torch.rand(40, 1, generator=g,
+                                                                dtype=torch.float64)))
+    res = _alignment_test(weights, 0, g, Thresholds(), _NoBar())
+    assert "norm_scaling_share_of_cheap_drop" not in res
+    drops = res["cheap_drop"]
+    assert drops["baseline"] == "scale"
+    for kind in ("real", "null_gaussian", "null_spectrum"):
+        assert set(drops[kind]) == {"total", "permutation", "diagonal", "permutation_share"}
+    assert drops["real"]["total"] > 0.9 and drops["real"]["permutation"] > 0.8
+    assert drops["null_gaussian"]["total"] < 0.2 and drops["null_spectrum"]["total"] < 0.2
+    assert drops["excess_over_gaussian"]["total"] == pytest.approx(
+        drops["real"]["total"] - drops["null_gaussian"]["total"])
+    assert res["median"]["real"]["perm_diag"] < 1e-8 and res["verdict"] == "lives"
+
+
+def test_per_side_k_follows_each_side_including_gqa_shapes() -> None:
+    assert per_side_k((192, 576), 0.25) == {"output": 48, "input": 144}  # SmolLM2 K/V
+    assert per_side_k((576, 576), 0.25) == {"output": 144, "input": 144}
+    assert per_side_k((3072, 576), 0.25) == {"output": 768, "input": 144}
+    assert per_side_k((576, 1536), 0.25) == {"output": 144, "input": 384}
+    with pytest.raises(ValueError, match="k_fraction"):
+        per_side_k((8, 8), 1.0)
+
+
+def test_gqa_shaped_sharing_needs_per_side_k() -> None:
+    """K/V-like (48×144) layers whose rows live in one shared 36-dim input subspace (each
+    layer's own 12-dim row space a different part of it) and whose columns share a
+    12-dim output subspace: with per-side k (12 out, 36 in) both sides score 1; the old
+    ``min(out, in)/4`` = 12 on the input side misses most of the shared input subspace."""
+    g = _gen(11)
+    U, V = random_orthonormal(48, 12, g), random_orthonormal(144, 36, g)
+    mats = [U @ torch.randn(12, 36, generator=g, dtype=torch.float64) @ V.T
+            for _ in range(8)]
+    ks = per_side_k(mats[0].shape, 0.25)
+    res = _subspace_test(mats, mats, ks, g, Thresholds(), 0.9)
+    assert (res["k_input"], res["k_output"]) == (36, 12)
+    assert res["input"]["real"]["score"] == pytest.approx(1.0, abs=1e-9)
+    assert res["output"]["real"]["score"] == pytest.approx(1.0, abs=1e-9)
+    assert subspace_scores(mats, 12, "input", g)["score"] < 0.7
+
+
+def test_k_above_the_rank_on_a_tall_matrix() -> None:
+    """Output side of a tall (MLP-in-like) matrix with k_out > in: the own subspace is
+    the whole column space; layers sharing one column space score 1, random ones ~0."""
+    g = _gen(12)
+    U = random_orthonormal(96, 16, g)
+    shared = [U @ torch.randn(16, 16, generator=g, dtype=torch.float64) for _ in range(6)]
+    res = subspace_scores(shared, 24, "output", g)
+    assert res["k_own"] == 16 and res["overlap_chance"] == pytest.approx(16 / 96)
+    assert res["own"] == pytest.approx([1.0] * 6)
+    assert res["score"] == pytest.approx(1.0, abs=1e-9)
+    assert res["overlap_all_pairs"] == pytest.approx(1.0, abs=1e-9)
+    rnd = [torch.randn(96, 16, generator=g, dtype=torch.float64) for _ in range(40)]
+    assert abs(subspace_scores(rnd, 24, "output", g)["score"]) < 0.25
+
+
+def test_shared_basis_through_the_small_gram_matches_the_direct_one() -> None:
+    """Few tall layers (12 × 40 = 480 stacked rows < 1100 output dimensions, k = 200 so
+    the Krylov span would be wider than 1100): the basis from the small Gram ``A Aᵀ`` is
+    orthonormal and spans the top-k eigenvectors of ``Σ W Wᵀ``."""
+    g = _gen(13)
+    scales = torch.linspace(0.2, 3.0, 40, dtype=torch.float64)
+    mats = [torch.randn(1100, 40, generator=g, dtype=torch.float64) * scales
+            for _ in range(12)]
+    B = energy_weighted_basis(mats, 200, "output")
+    torch.testing.assert_close(B.T @ B, torch.eye(200, dtype=torch.float64))
+    top = torch.linalg.eigh(sum(W @ W.T for W in mats))[1][:, -200:]
+    assert subspace_overlap(B, top) == pytest.approx(1.0, abs=1e-9)

@@ -1,6 +1,10 @@
 """``structlm share analyze``: tests 1–3 with null controls, the role classifier, and
 the base model's perplexity, on one pretrained model — one report folder.
 
+Test 3 runs on three input covariances (:data:`FUNCTIONAL_VARIANTS`): the calibration's
+uncentred ``E[x xᵀ]`` (primary), the centred one, and one without the attention-sink
+positions (a second pass over the calibration windows, :mod:`structlm.share.sinks`).
+
 Thresholds are part of :class:`AnalysisConfig` and are written into the report before
 any test runs (``config.json``), so verdicts are decided by numbers fixed in advance.
 """
@@ -19,15 +23,37 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .adapters import MATRIX_TYPES, MatrixType, ModelAdapter, parse_types
-from .alignment import MOVES, align
+from .adapters import MATRIX_TYPES, SITE_OF, MatrixType, ModelAdapter, parse_types
+from .alignment import DROP_PARTS, MOVES, align, drop_split
+from .calibration import Calibration
 from .configs import dataclass_from_dict
 from .linalg import psd_sqrt, random_like_spectrum, thin_svd
-from .pipeline import evaluate_all, prepare
-from .roles import FEATURE_NAMES, role_features, transfer_test
-from .subspaces import functional_matrices, subspace_scores
+from .pipeline import Prepared, evaluate_all, prepare
+from .roles import (
+    FEATURE_NAMES,
+    SHAPE_FEATURE_NAMES,
+    role_features,
+    shape_features,
+    transfer_test,
+)
+from .sinks import calibration_windows, sink_excluded_second_moments
+from .subspaces import functional_matrices, per_side_k, subspace_scores
 
-__all__ = ["AnalysisConfig", "Thresholds", "run_analysis"]
+__all__ = ["FUNCTIONAL_PRIMARY", "FUNCTIONAL_VARIANTS", "AnalysisConfig", "Thresholds",
+           "run_analysis"]
+
+FUNCTIONAL_VARIANTS = ("uncentred", "centred", "sink_excluded")
+"""Input covariances of test 3: ``E[x xᵀ]`` over every position (the calibration's),
+``E[x xᵀ] − μμᵀ`` (centred), and ``E[x xᵀ]`` without the first ``sink_tokens``
+positions of every window (attention-sink positions excluded)."""
+
+FUNCTIONAL_PRIMARY = "uncentred"
+"""The variant whose verdict is test 3's headline (the earlier reports' choice)."""
+
+FUNCTIONAL_KEYS = {"uncentred": "functional_subspaces",
+                   "centred": "functional_subspaces_centred",
+                   "sink_excluded": "functional_subspaces_sink_excluded"}
+"""Where each variant's result sits in ``results["tests"][type]``."""
 
 
 @dataclass
@@ -35,11 +61,14 @@ class Thresholds:
     """Decision thresholds, fixed before the run."""
 
     alignment_max_residual: float = 0.5
-    """Test 1 lives if the median cheap-move (perm + diagonal) residual is at most this..."""
+    """Test 1 lives if the median cheap-move (perm + diagonal) residual is at most this...
+    (the cheap-move drop from the ``scale`` baseline and its split are reported beside,
+    not used by the verdict)"""
     alignment_min_margin: float = 0.1
     """...and at least this far below the null's."""
     subspace_min_score: float = 0.5
-    """Tests 2/3 live if the mean score is at least this..."""
+    """Tests 2/3 live if the mean score is at least this (test 3: applied to each input
+    covariance variant separately)..."""
     subspace_min_margin: float = 0.2
     """...and at least this far above the null control's score."""
     classifier_max_p: float = 0.05
@@ -67,10 +96,23 @@ class AnalysisConfig:
     reference_layer: int | None = None
     """Test 1's reference layer (``None``: the middle of ``layers``)."""
     k_fraction: float = 0.25
-    """Subspace size k = k_fraction × min(out, in) (d/4 for square matrices)."""
+    """Subspace size per side, tests 2–3: ``k_in = k_fraction × in`` on the input side and
+    ``k_out = k_fraction × out`` on the output side (d/4 for square matrices; SmolLM2's
+    192×576 K and V: ``k_out = 48``, ``k_in = 144``; its 3072×576 MLP-in: ``k_out = 768``,
+    above the rank 576, so that side's own subspace is the whole column space)."""
+    sink_pass: bool = True
+    """Test 3 with attention-sink positions excluded: a second forward pass over the same
+    calibration tokens (about the calibration's cost; cached beside it). ``False`` skips
+    that variant; the uncentred and centred variants need no extra pass."""
+    sink_tokens: int = 4
+    """Positions at the start of every calibration window left out of the sink-excluded
+    covariance."""
     energy: float = 0.9
+    """Energy fraction that defines the effective rank (tests 2–3)."""
     eig_floor: float = 1e-8
+    """Relative eigenvalue floor of the covariance square roots (test 3)."""
     permutations: int = 500
+    """Label shuffles of the role classifier's permutation test."""
     seed: int = 0
     thresholds: Thresholds = field(default_factory=Thresholds)
 
@@ -85,6 +127,10 @@ def _median(xs: list[float]) -> float:
 
 def _alignment_test(weights: dict[int, torch.Tensor], ref: int, gen: torch.Generator,
                     th: Thresholds, bar: Any, row_blocks: int = 1) -> dict[str, Any]:
+    """Test 1 for one matrix type: every layer (and its Gaussian and same-spectrum nulls)
+    aligned to ``weights[ref]``; medians per move, the cheap-move drop from the ``scale``
+    baseline split into permutation and diagonal parts (``cheap_drop``), locality, and
+    the verdict. ``bar``: anything with ``update(n)``."""
     R = weights[ref]
     jobs: list[tuple[int, str, torch.Tensor]] = []
     for layer, W in weights.items():  # nulls drawn first, in a fixed order (reproducible)
@@ -108,8 +154,13 @@ def _alignment_test(weights: dict[int, torch.Tensor], ref: int, gen: torch.Gener
     summary = {kind: {m: _median([v[kind][m] for v in per_layer.values()]) for m in MOVES}
                for kind in ("real", "null_gaussian", "null_spectrum")}
     real, null = summary["real"], summary["null_gaussian"]
-    drop = real["raw"] - real["perm_diag"]
-    scaling_share = (real["raw"] - real["scale"]) / drop if drop > 1e-12 else float("nan")
+    # the cheap-move drop from the scale baseline, split into its permutation and its
+    # diagonal part, with the nulls' drops through the same moves beside it
+    drops: dict[str, Any] = {"baseline": "scale"}
+    for kind in ("real", "null_gaussian", "null_spectrum"):
+        drops[kind] = drop_split([v[kind] for v in per_layer.values()])
+    drops["excess_over_gaussian"] = {p: drops["real"][p] - drops["null_gaussian"][p]
+                                     for p in DROP_PARTS}
     dists = sorted({v["distance"] for v in per_layer.values()})
     near = [v["real"]["rot1"] for v in per_layer.values() if v["distance"] <= 2]
     far_cut = max(3, (max(dists) + 1) // 2) if dists else 3
@@ -117,50 +168,119 @@ def _alignment_test(weights: dict[int, torch.Tensor], ref: int, gen: torch.Gener
     lives = (real["perm_diag"] <= th.alignment_max_residual
              and null["perm_diag"] - real["perm_diag"] >= th.alignment_min_margin)
     return {"reference_layer": ref, "per_layer": per_layer, "median": summary,
-            "norm_scaling_share_of_cheap_drop": scaling_share,
+            "cheap_drop": drops,
             "locality": {"near_rot1": _median(near), "far_rot1": _median(far),
                          "gradient": _median(far) - _median(near) if near and far
                          else float("nan"), "far_from_distance": far_cut},
             "verdict": "lives" if lives else "fails"}
 
 
-def _subspace_test(real: list[torch.Tensor], null: list[torch.Tensor], k: int,
+def _subspace_test(real: list[torch.Tensor], null: list[torch.Tensor], ks: dict[str, int],
                    gen: torch.Generator, th: Thresholds, energy: float) -> dict[str, Any]:
+    """Scores of ``real`` and ``null`` on both sides (``ks``: k per side) and the verdict."""
     out: dict[str, Any] = {}
     svd_real = [thin_svd(W) for W in real]  # once for both sides
     svd_null = [thin_svd(W) for W in null]
     for side in ("input", "output"):
-        out[side] = {"real": subspace_scores(real, k, side, gen, energy, svd_real),
-                     "null": subspace_scores(null, k, side, gen, energy, svd_null)}
+        out[side] = {"real": subspace_scores(real, ks[side], side, gen, energy, svd_real),
+                     "null": subspace_scores(null, ks[side], side, gen, energy, svd_null)}
     score = float(np.mean([out[s]["real"]["score"] for s in ("input", "output")]))
     nscore = float(np.mean([out[s]["null"]["score"] for s in ("input", "output")]))
     lives = score >= th.subspace_min_score and score - nscore >= th.subspace_min_margin
-    out.update(score=score, null_score=nscore, k=k, verdict="lives" if lives else "fails")
+    out.update(score=score, null_score=nscore, k_input=ks["input"], k_output=ks["output"],
+               verdict="lives" if lives else "fails")
     return out
+
+
+def _covariances(cal: Calibration, sink: dict[tuple[int, str], torch.Tensor] | None,
+                 layer: int, site: str) -> dict[str, torch.Tensor]:
+    """The input covariance variants of one (layer, site) (float64)."""
+    C = cal.second_moments[(layer, site)].double()
+    mu = cal.means[(layer, site)].double()
+    out = {"uncentred": C, "centred": C - torch.outer(mu, mu)}
+    if sink is not None:
+        out["sink_excluded"] = sink[(layer, site)].double()
+    return out
+
+
+def _functional_tests(W: list[torch.Tensor], nulls: list[torch.Tensor],
+                      roots: dict[str, list[torch.Tensor]], ks: dict[str, int],
+                      gen: torch.Generator, cfg: AnalysisConfig) -> dict[str, Any]:
+    """Test 3 on every covariance variant in ``roots`` (variant → per-layer roots)."""
+    res: dict[str, Any] = {}
+    for variant in FUNCTIONAL_VARIANTS:
+        key = FUNCTIONAL_KEYS[variant]
+        if variant not in roots:
+            res[key] = {"covariance": variant, "primary": variant == FUNCTIONAL_PRIMARY,
+                        "skipped": "sink_pass is off"}
+            continue
+        r = _subspace_test(functional_matrices(W, roots[variant]),
+                           functional_matrices(nulls, roots[variant]), ks, gen,
+                           cfg.thresholds, cfg.energy)
+        r.update(covariance=variant, primary=variant == FUNCTIONAL_PRIMARY)
+        res[key] = r
+    return res
 
 
 def _role_test(adapter: ModelAdapter, layers: list[int], permutations: int,
                seed: int, th: Thresholds) -> dict[str, Any]:
-    feats: dict[MatrixType, np.ndarray] = {
-        t: np.stack([role_features(W) for W in adapter.weights(t, layers)])
-        for t in MATRIX_TYPES}
+    """The role classifier's two transfer directions, on the shape-free features and,
+    as a control, on the shapes alone."""
+    mats = {t: adapter.weights(t, layers) for t in MATRIX_TYPES}
+    attn_types = [MatrixType.Q, MatrixType.K, MatrixType.V, MatrixType.O]
+    mlp_types = [MatrixType.MLP_IN, MatrixType.MLP_OUT]
 
-    def stack(types: list[MatrixType]) -> tuple[np.ndarray, np.ndarray]:
-        X = np.concatenate([feats[t] for t in types])
-        y = np.concatenate([np.full(len(feats[t]), int(adapter.writes_residual(t)))
-                            for t in types])
-        return X, y
+    def transfers(featurize: Any, names: tuple[str, ...]) -> dict[str, Any]:
+        feats = {t: np.stack([featurize(W) for W in mats[t]]) for t in MATRIX_TYPES}
 
-    attn = stack([MatrixType.Q, MatrixType.K, MatrixType.V, MatrixType.O])
-    mlp = stack([MatrixType.MLP_IN, MatrixType.MLP_OUT])
-    res = {"features": list(FEATURE_NAMES),
-           "attention_to_mlp": transfer_test(*attn, *mlp, permutations, seed),
-           "mlp_to_attention": transfer_test(*mlp, *attn, permutations, seed)}
-    for key in ("attention_to_mlp", "mlp_to_attention"):
-        r = res[key]
-        r["transfers"] = bool(r["accuracy"] > r["majority_rate"]
-                              and r["p_value"] <= th.classifier_max_p)
+        def stack(types: list[MatrixType]) -> tuple[np.ndarray, np.ndarray]:
+            X = np.concatenate([feats[t] for t in types])
+            y = np.concatenate([np.full(len(feats[t]), int(adapter.writes_residual(t)))
+                                for t in types])
+            return X, y
+
+        attn, mlp = stack(attn_types), stack(mlp_types)
+        res: dict[str, Any] = {
+            "features": list(names),
+            "attention_to_mlp": transfer_test(*attn, *mlp, permutations, seed),
+            "mlp_to_attention": transfer_test(*mlp, *attn, permutations, seed)}
+        for key in ("attention_to_mlp", "mlp_to_attention"):
+            r = res[key]
+            r["transfers"] = bool(r["accuracy"] > r["majority_rate"]
+                                  and r["p_value"] <= th.classifier_max_p)
+        return res
+
+    res = transfers(role_features, FEATURE_NAMES)
+    # the shape-only control: what the shapes alone score in the same transfer test
+    res["shape_only"] = transfers(shape_features, SHAPE_FEATURE_NAMES)
     return res
+
+
+def _sink_pass(cfg: AnalysisConfig, prep: Prepared, layers: list[int], types: list[MatrixType],
+               progress: bool) -> dict[str, Any]:
+    """The sink-excluded second moments (``moments``; ``None`` when the pass is off) and
+    a description of the covariance variants."""
+    cal = prep.calibration
+    assert cal is not None
+    info: dict[str, Any] = {"primary": FUNCTIONAL_PRIMARY, "variants": list(FUNCTIONAL_VARIANTS),
+                            "sink_tokens": cfg.sink_tokens if cfg.sink_pass else None,
+                            "moments": None}
+    if not cfg.sink_pass:
+        info["variants"] = [v for v in FUNCTIONAL_VARIANTS if v != "sink_excluded"]
+        return info
+    t0 = time.time()
+    sites = tuple(sorted({SITE_OF[t] for t in types}))
+    meta = {k: cal.meta.get(k) for k in ("model", "corpus", "calib_tokens", "seed",
+                                           "documents")}
+    info["moments"] = sink_excluded_second_moments(
+        prep.adapter, prep.calib_ids, cfg.seq_len, cfg.batch_size, layers, sites,
+        cfg.sink_tokens, cache_meta=meta, calibration_path=cal.meta.get("path"),
+        progress=progress)
+    n_windows, width = calibration_windows(prep.calib_ids, cfg.seq_len).shape
+    info.update(sink_pass_windows=n_windows,
+                sink_pass_positions=n_windows * (width - cfg.sink_tokens),
+                sink_pass_seconds=time.time() - t0)
+    return info
 
 
 def run_analysis(cfg: AnalysisConfig, out_dir: str | Path, progress: bool = True
@@ -175,6 +295,9 @@ def run_analysis(cfg: AnalysisConfig, out_dir: str | Path, progress: bool = True
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
+    if cfg.sink_pass and not 0 < cfg.sink_tokens < cfg.seq_len:
+        raise ValueError(f"sink_tokens must be in (0, seq_len={cfg.seq_len}), got "
+                         f"{cfg.sink_tokens}")
     if cfg.layers is not None and len(cfg.layers) < 3:
         raise ValueError(f"layers must hold at least 3 indices, got {cfg.layers}")
     prep = prepare(cfg.model, cfg.corpus, cfg.second_corpus, cfg.eval_fraction,
@@ -210,19 +333,25 @@ def run_analysis(cfg: AnalysisConfig, out_dir: str | Path, progress: bool = True
                                          weights[t], ref, gen, cfg.thresholds, bar,
                                          adapter.row_blocks(t))}
     bar.close()
+    results["functional_covariances"] = _sink_pass(cfg, prep, layers, types, progress)
+    sink = results["functional_covariances"].pop("moments")
+    root_cache: dict[str, dict[str, list[torch.Tensor]]] = {}  # one site at a time
     for t in tqdm(types, desc="tests 2-3 (subspaces)", unit="type", disable=not progress):
         W = [weights[t][i].double() for i in layers]
         nulls = []
         for w in W:
             g = torch.randn(w.shape, generator=gen, dtype=torch.float64)
             nulls.append(g * (w.norm() / g.norm()))
-        k = max(1, round(cfg.k_fraction * min(W[0].shape)))
-        roots = [psd_sqrt(cal.C(i, t), cfg.eig_floor) for i in layers]
+        ks = per_side_k(W[0].shape, cfg.k_fraction)
+        site = SITE_OF[t]
+        if site not in root_cache:  # Q, K and V read the same site: roots computed once
+            root_cache.clear()
+            covs = [_covariances(cal, sink, i, site) for i in layers]
+            root_cache[site] = {v: [psd_sqrt(c[v], cfg.eig_floor) for c in covs]
+                                for v in covs[0]}
         res = results["tests"][t.value]
-        res["weight_subspaces"] = _subspace_test(W, nulls, k, gen, cfg.thresholds, cfg.energy)
-        res["functional_subspaces"] = _subspace_test(
-            functional_matrices(W, roots), functional_matrices(nulls, roots), k, gen,
-            cfg.thresholds, cfg.energy)
+        res["weight_subspaces"] = _subspace_test(W, nulls, ks, gen, cfg.thresholds, cfg.energy)
+        res.update(_functional_tests(W, nulls, root_cache[site], ks, gen, cfg))
     if set(types) == set(MATRIX_TYPES):
         results["roles"] = _role_test(adapter, layers, cfg.permutations, cfg.seed,
                                       cfg.thresholds)

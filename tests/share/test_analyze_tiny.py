@@ -1,0 +1,78 @@
+"""``run_analysis`` end to end on a tiny random LLaMA (no download, seconds): every
+result field of tests 1–3 and the role classifier, and the report."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from structlm.share import analyze
+from structlm.share.adapters import get_adapter
+from structlm.share.calibration import calibrate
+from structlm.share.testing import tiny_llama
+
+
+class _Split:
+    def describe(self) -> dict[str, Any]:
+        return {"calibration_documents": ["synthetic/1"], "evaluation_documents": []}
+
+
+class _Loaded:
+    def __init__(self, model: Any) -> None:
+        self.model, self.tokenizer, self.model_id, self.note = model, None, "tiny-llama", ""
+
+
+def test_run_analysis_on_a_tiny_llama(tmp_path, monkeypatch) -> None:
+    model = tiny_llama(seed=2)
+    adapter = get_adapter(model)
+    tokens = torch.randint(0, 89, (8 * 32,), generator=torch.Generator().manual_seed(0))
+
+    def fake_prepare(*_a: Any, **_k: Any) -> SimpleNamespace:
+        cal = calibrate(adapter, tokens, seq_len=32, batch_size=4, progress=False,
+                        meta={"model": "tiny-llama", "corpus": "synthetic"})
+        cal.meta["path"] = str(tmp_path / "cal.safetensors")
+        return SimpleNamespace(loaded=_Loaded(model), adapter=adapter, split=_Split(),
+                               calib_ids=tokens, eval_ids={}, calibration=cal)
+
+    monkeypatch.setattr(analyze, "prepare", fake_prepare)
+    cfg = analyze.AnalysisConfig(seq_len=32, batch_size=4, eval_tokens=0, permutations=10,
+                                 second_corpus="")
+    res = analyze.run_analysis(cfg, tmp_path / "out", progress=False)
+    fc = res["functional_covariances"]
+    assert fc["primary"] == "uncentred" and fc["sink_tokens"] == 4
+    assert fc["variants"] == ["uncentred", "centred", "sink_excluded"]
+    assert fc["sink_pass_positions"] == 8 * (32 - 4)
+    k = res["tests"]["k"]
+    assert k["shape"] == [16, 32]  # GQA: 2 KV heads of 8
+    for key in ("weight_subspaces", "functional_subspaces", "functional_subspaces_centred",
+                "functional_subspaces_sink_excluded"):
+        assert (k[key]["k_input"], k[key]["k_output"]) == (8, 4), key
+        assert k[key]["verdict"] in ("lives", "fails")
+    assert k["functional_subspaces"]["primary"] is True
+    assert k["functional_subspaces_centred"]["primary"] is False
+    drops = k["alignment"]["cheap_drop"]
+    assert set(drops) == {"baseline", "real", "null_gaussian", "null_spectrum",
+                          "excess_over_gaussian"}
+    assert "norm_scaling_share_of_cheap_drop" not in k["alignment"]
+    assert res["tests"]["mlp_in"]["weight_subspaces"]["k_output"] == 24  # 96 rows / 4
+    assert set(res["roles"]["shape_only"]) == {"features", "attention_to_mlp",
+                                               "mlp_to_attention"}
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert "cheap_drop" in saved["tests"]["q"]["alignment"]
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "| 3 functional subspaces (primary) | q |" in report
+    assert "| 3 functional, centred | q |" in report
+    assert "| 3 functional, sinks excluded | q |" in report
+    assert "not comparable to the seed's 0.693" in report
+    assert "shape-only control" in report and "drop from scale" in report
+    # the sink pass was cached beside the calibration
+    assert list(tmp_path.glob("cal.sinks-*.safetensors"))
+    # without the sink pass: two variants, the third marked skipped
+    cfg.sink_pass = False
+    res = analyze.run_analysis(cfg, tmp_path / "out2", progress=False)
+    assert res["functional_covariances"]["variants"] == ["uncentred", "centred"]
+    assert "skipped" in res["tests"]["q"]["functional_subspaces_sink_excluded"]
+    assert "skipped: sink_pass is off" in (tmp_path / "out2" / "report.md").read_text()

@@ -1,0 +1,132 @@
+"""Test 3's input covariance variants: uncentred, centred, attention-sink positions left
+out (known answers on synthetic data and on a tiny random LLaMA)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from structlm.share import sinks
+from structlm.share.adapters import get_adapter
+from structlm.share.analyze import (
+    FUNCTIONAL_KEYS,
+    AnalysisConfig,
+    _covariances,
+    _functional_tests,
+)
+from structlm.share.calibration import Calibration, CovarianceAccumulator, calibrate
+from structlm.share.linalg import effective_rank, psd_sqrt
+from structlm.share.subspaces import functional_matrices, per_side_k
+from structlm.share.testing import tiny_llama
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _calibration(x: torch.Tensor) -> Calibration:
+    acc = CovarianceAccumulator(x.shape[-1])
+    acc.update(x)
+    cal = Calibration(meta={})
+    cal.second_moments[(0, "attn_in")] = acc.second_moment()
+    cal.means[(0, "attn_in")] = acc.mean()
+    return cal
+
+
+def test_centred_covariance_removes_a_dominant_mean_direction() -> None:
+    """Inputs with a huge common mean (an attention-sink-like direction): the uncentred
+    second moment makes every functional matrix rank 1; the centred one is the sample
+    covariance and gives back the spread of the inputs."""
+    g = _gen(0)
+    d = 24
+    mu = 40.0 * torch.randn(d, generator=g, dtype=torch.float64)
+    A = torch.randn(d, d, generator=g, dtype=torch.float64)
+    x = mu + torch.randn(4000, d, generator=g, dtype=torch.float64) @ A
+    covs = _covariances(_calibration(x), None, 0, "attn_in")
+    assert set(covs) == {"uncentred", "centred"}
+    torch.testing.assert_close(covs["centred"], torch.cov(x.T, correction=0))
+    torch.testing.assert_close(covs["uncentred"], x.T @ x / x.shape[0])
+    W = torch.randn(16, d, generator=g, dtype=torch.float64)
+    ranks = {v: effective_rank(functional_matrices([W], [psd_sqrt(c)])[0])
+             for v, c in covs.items()}
+    assert ranks["uncentred"] == 1 and ranks["centred"] >= 6
+
+
+def _reference_sink_moments(adapter: Any, tokens: torch.Tensor, seq_len: int,
+                            sink: int) -> dict[tuple[int, str], torch.Tensor]:
+    """Every input captured in full, then averaged by hand over positions ≥ ``sink``."""
+    seen: dict[tuple[int, str], list[torch.Tensor]] = {}
+    handles = []
+    for i in range(adapter.num_layers):
+        for site in ("attn_in", "mlp_out"):
+            def hook(_m: Any, args: tuple[Any, ...], key: tuple[int, str] = (i, site)) -> None:
+                seen.setdefault(key, []).append(args[0].detach().double())
+            handles.append(adapter.layers[i].site_module(site).register_forward_pre_hook(hook))
+    seqs = tokens[: tokens.numel() // seq_len * seq_len].view(-1, seq_len)
+    with torch.no_grad():
+        adapter.model(input_ids=seqs, use_cache=False)
+    for h in handles:
+        h.remove()
+    out = {}
+    for key, xs in seen.items():
+        x = torch.cat(xs)[:, sink:].reshape(-1, xs[0].shape[-1])
+        out[key] = x.T @ x / x.shape[0]
+    return out
+
+
+def test_sink_excluded_moments_match_a_hand_computed_reference(tmp_path, monkeypatch) -> None:
+    model = tiny_llama(seed=1)
+    adapter = get_adapter(model)
+    tokens = torch.randint(0, 89, (3 * 16 + 5,), generator=_gen(1))  # 3 windows + remainder
+    got = sinks.sink_excluded_second_moments(
+        adapter, tokens, 16, 2, [0, 1, 2], ("attn_in", "mlp_out"), 4,
+        cache_meta={"model": "tiny"}, calibration_path=str(tmp_path / "cal.safetensors"),
+        progress=False)
+    want = _reference_sink_moments(adapter, tokens, 16, 4)
+    assert set(got) == set(want)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key])
+    # (n, w) windows (how the pipeline hands them over) give the same windows
+    windows = sinks.sink_excluded_second_moments(
+        adapter, tokens[:48].view(3, 16), 512, 2, [0, 1, 2], ("attn_in", "mlp_out"), 4,
+        progress=False)
+    for key in want:
+        torch.testing.assert_close(windows[key], want[key])
+    # the first positions matter: all-position moments (the calibration's) differ
+    cal = calibrate(adapter, tokens, seq_len=16, batch_size=2, sites=("attn_in",),
+                    progress=False)
+    assert not torch.allclose(cal.second_moments[(1, "attn_in")], got[(1, "attn_in")])
+    # cached beside the calibration: a second call does not run the model
+    monkeypatch.setattr(sinks, "_accumulate", lambda *a, **k: pytest.fail("not cached"))
+    again = sinks.sink_excluded_second_moments(
+        adapter, tokens, 16, 2, [0, 1, 2], ("attn_in", "mlp_out"), 4,
+        cache_meta={"model": "tiny"}, calibration_path=str(tmp_path / "cal.safetensors"),
+        progress=False)
+    for key in want:
+        torch.testing.assert_close(again[key], got[key])
+    with pytest.raises(ValueError, match="sink_tokens"):
+        sinks.sink_excluded_second_moments(adapter, tokens, 16, 2, [0], ("attn_in",), 16)
+
+
+def test_functional_tests_report_every_variant_with_its_own_verdict() -> None:
+    g = _gen(2)
+    d, layers = 20, 4
+    W = [torch.randn(12, d, generator=g, dtype=torch.float64) for _ in range(layers)]
+    nulls = [torch.randn(12, d, generator=g, dtype=torch.float64) for _ in range(layers)]
+    B = torch.randn(d, d, generator=g, dtype=torch.float64)
+    C = B @ B.T / d + 0.1 * torch.eye(d, dtype=torch.float64)
+    roots = {v: [psd_sqrt(C)] * layers for v in ("uncentred", "centred", "sink_excluded")}
+    cfg = AnalysisConfig()
+    res = _functional_tests(W, nulls, roots, per_side_k(W[0].shape, cfg.k_fraction), g, cfg)
+    assert set(res) == set(FUNCTIONAL_KEYS.values())
+    for variant, key in FUNCTIONAL_KEYS.items():
+        r = res[key]
+        assert r["covariance"] == variant and r["primary"] == (variant == "uncentred")
+        assert r["verdict"] in ("lives", "fails")
+        assert (r["k_input"], r["k_output"]) == (5, 3)
+        assert len(r["output"]["real"]["effective_rank"]) == layers
+    del roots["sink_excluded"]
+    res = _functional_tests(W, nulls, roots, {"input": 5, "output": 3}, g, cfg)
+    assert "skipped" in res["functional_subspaces_sink_excluded"]
