@@ -312,9 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     bsh.add_argument("--compressed", default=None,
                      help="a folder written by 'structlm share compress' (its source model "
                      "is the original); default: compress MODEL on the fly")
-    bsh.add_argument("--method", default="shared",
+    bsh.add_argument("--method", default="basis-sharing",
                      choices=["shared", "hybrid", "svd", "basis-sharing", "onesided-all-layers"])
-    bsh.add_argument("--types", default="attn", help="attn, mlp, all or q,k,v,o,mlp_in,mlp_out")
+    bsh.add_argument("--types", default="all", help="attn, mlp, all or q,k,v,o,mlp_in,mlp_out")
     bsh.add_argument("--target-reduction", type=float, default=0.4,
                      help="fraction of the compressed matrices' parameters to remove")
     bsh.add_argument("--corpus", default="austen", help="calibration and prompt text")

@@ -18,6 +18,8 @@ from structlm.bench.share import (
     greedy_decode,
     measure,
     unique_parameters,
+    weights_read_per_token,
+    working_memory,
     write_outputs,
 )
 from structlm.cli import build_parser
@@ -117,3 +119,26 @@ def test_cli_parses_bench_share() -> None:
     assert args.model == "smollm2" and args.compressed == "d" and args.batches == (1, 4)
     assert (args.prompt_len, args.decode_tokens, args.trials) == (16, 5, 3)
     assert args.out == "bench-out/share" and args.func.__name__ == "_cmd_bench_share"
+
+
+def test_weights_read_count_every_use_of_a_shared_basis(models) -> None:
+    original, compressed, _report = models
+    emb = original.get_input_embeddings().weight
+    unique_o, _ = unique_parameters(original)
+    # tied head: the embedding matrix is read once (by the head), the lookup reads a row
+    assert weights_read_per_token(original) == unique_o + emb.shape[1]
+    # shared bases are stored once but read by every layer
+    unique_c, _ = unique_parameters(compressed)
+    basis = compressed.model.layers[0].self_attn.q_proj.basis
+    per_use = sum(p.numel() for p in basis.parameters())
+    uses = sum(1 for layer in compressed.model.layers if layer.self_attn.q_proj.basis is basis)
+    assert uses == len(compressed.model.layers) > 1
+    assert weights_read_per_token(compressed) >= unique_c + emb.shape[1] + (uses - 1) * per_use
+
+
+def test_working_memory_sees_an_allocation() -> None:
+    held = []
+    got = working_memory(lambda: held.append(torch.ones(64, 2**20 // 4)))  # 64 MiB
+    if got is None:
+        pytest.skip("no /proc/self/clear_refs here")
+    assert got >= 48 * 2**20

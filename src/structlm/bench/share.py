@@ -5,7 +5,15 @@ tensors once), and the compressed matrices vs the dense ones they replace; **pre
 forward of a ``(B, prompt_len)`` batch of real token ids with the KV cache on (last-position
 logits only, as ``generate`` does); **decode**: ``decode_tokens`` greedy cached single-token
 steps after an untimed prefill, a fresh cache each trial. The models alternate order every
-trial (medians kept). CSV with the environment; Markdown and plot drawn from the CSV.
+trial (medians kept). Beside each measured speed-up, the **ideal**: the ratio of weight
+elements read per token (:func:`weights_read_per_token`: a shared basis is read again by
+every layer that uses it, the input embedding is one row) — the bound for a
+bandwidth-bound decode and, as every weight element is one multiply–accumulate per
+token, for a compute-bound prefill (attention over the cache costs both models the same,
+so the real bound is lower). **Working memory**: the process's peak resident memory above
+its level before one prefill + decode of each model (Linux ``VmHWM``, reset through
+``/proc/self/clear_refs``): the KV cache and activations. CSV with the environment;
+Markdown and plot drawn from the CSV.
 """
 
 from __future__ import annotations
@@ -28,7 +36,8 @@ from tqdm import tqdm
 from .timing import environment, interleaved_medians, write_csv_atomic
 
 __all__ = ["ShareBenchConfig", "greedy_decode", "markdown_from_csv", "measure",
-           "plot_from_csv", "run_share_bench", "unique_parameters", "write_outputs"]
+           "plot_from_csv", "run_share_bench", "unique_parameters", "weights_read_per_token",
+           "working_memory", "write_outputs"]
 
 
 @dataclass(frozen=True)
@@ -38,8 +47,8 @@ class ShareBenchConfig:
 
     model: str = "smollm2"
     compressed: str = ""
-    method: str = "shared"
-    types: str = "attn"
+    method: str = "basis-sharing"
+    types: str = "all"
     target_reduction: float = 0.4
     corpus: str = "austen"
     calib_tokens: int = 32768
@@ -70,6 +79,47 @@ def unique_parameters(module: torch.nn.Module) -> tuple[int, int]:
         views[(st.data_ptr(), p.storage_offset())] = p.numel()
         storages[st.data_ptr()] = st.nbytes()
     return sum(views.values()), sum(storages.values())
+
+
+def weights_read_per_token(model: torch.nn.Module) -> int:
+    """Parameter elements one token's forward reads: every use of a tensor counts (a
+    basis shared by several layers is read by each; a tied head reads the embedding
+    matrix), except the input embedding, which is a row lookup."""
+    total = sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if emb is not None:
+        total -= emb.weight.numel() - emb.weight.shape[1]
+    return total
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def working_memory(run: Any) -> int | None:
+    """Peak resident bytes above the level before ``run()`` (Linux: ``VmHWM`` after a reset
+    through ``/proc/self/clear_refs``); ``None`` where that is not available."""
+    import gc
+
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        return None
+    before = _status_kib("VmRSS")
+    run()
+    peak = _status_kib("VmHWM")
+    if before is None or peak is None:
+        return None
+    return max(0, peak - before) * 1024
 
 
 def _step_kwargs(model: Any) -> tuple[dict[str, Any], str]:
@@ -145,7 +195,8 @@ def measure(original: Any, compressed: Any, ids: torch.Tensor, cfg: ShareBenchCo
             "types": rc.get("types", cfg.types), "target_reduction": rc.get("target_reduction"),
             "phase": "", "item": "", "batch": "", "prompt_len": cfg.prompt_len,
             "decode_tokens": cfg.decode_tokens, "original": 0.0, "compressed": 0.0,
-            "unit": "", "memory_ratio": "", "speedup": "", "original_tok_s": "",
+            "unit": "", "memory_ratio": "", "speedup": "", "ideal_speedup": "",
+            "original_tok_s": "",
             "compressed_tok_s": "", "trials": cfg.trials,
             **{f"env_{k}": v for k, v in environment().items()}}
     (po, bo), (pc, bc) = unique_parameters(original), unique_parameters(compressed)
@@ -154,8 +205,18 @@ def measure(original: Any, compressed: Any, ids: torch.Tensor, cfg: ShareBenchCo
         dense = report["original_parameters"] * next(original.parameters()).element_size()
         # the factors' bytes = everything held minus the untouched tensors (bo - dense)
         mem.append(("compressed_matrices_bytes", dense, bc - (bo - dense), "bytes"))
+    read_o, read_c = weights_read_per_token(original), weights_read_per_token(compressed)
+    mem.append(("weights_read_per_token", read_o, read_c, "count"))
+    x_mem = ids[: max(cfg.batches) * cfg.prompt_len].view(max(cfg.batches), cfg.prompt_len)
+    work = [working_memory(lambda m=m: greedy_decode(m, x_mem, cfg.decode_tokens))
+            for m in (original, compressed)]
+    if None not in work:
+        mem.append((f"working_memory_batch{max(cfg.batches)}", work[0], work[1], "bytes"))
+        mem.append((f"peak_memory_batch{max(cfg.batches)}", bo + work[0], bc + work[1],
+                    "bytes"))
     rows = [{**base, "phase": "memory", "item": item, "original": o, "compressed": c,
-             "unit": unit, "memory_ratio": round(o / c, 4)} for item, o, c, unit in mem]
+             "unit": unit, "memory_ratio": round(o / max(c, 1), 4)} for item, o, c, unit in mem]
+    ideal = round(read_o / read_c, 4)
     models = [original, compressed]
     grid = [(phase, b) for b in cfg.batches for phase in ("prefill", "decode")]
     for phase, b in tqdm(grid, desc="share bench", disable=not progress, unit="meas"):
@@ -169,7 +230,7 @@ def measure(original: Any, compressed: Any, ids: torch.Tensor, cfg: ShareBenchCo
             t_o, t_c = t_o / cfg.decode_tokens, t_c / cfg.decode_tokens
             unit, tokens = "s_per_token", b
         rows.append({**base, "phase": phase, "batch": b, "original": t_o, "compressed": t_c,
-                     "unit": unit, "speedup": round(t_o / t_c, 4),
+                     "unit": unit, "speedup": round(t_o / t_c, 4), "ideal_speedup": ideal,
                      "original_tok_s": round(tokens / t_o, 2),
                      "compressed_tok_s": round(tokens / t_c, 2)})
     return rows
@@ -198,11 +259,13 @@ def markdown_from_csv(csv_path: str) -> str:
         lines.append(f"| {r['item']} | {_amount(r['original'], r['unit'])} | "
                      f"{_amount(r['compressed'], r['unit'])} | "
                      f"{float(r['memory_ratio']):.3f}× |")
-    lines += ["", "Memory counts the parameters only: the KV cache (the k/v projections keep "
-              "their output size) and the activations are the same for both models, apart "
-              "from the small rank-k intermediates of the factorised matrices.", "",
+    lines += ["", "Parameters count each distinct tensor once; *weights read per token* "
+              "counts every use (a shared basis once per layer that uses it) — the ideal "
+              "speed-up below is its ratio. Working memory is the peak resident memory "
+              "above the level before one prefill + decode at the largest batch (KV cache "
+              "and activations); peak memory = parameter bytes + working memory.", "",
               "| phase | batch | original ms | compressed ms | per | tokens/s orig → comp | "
-              "speed-up |", "|---|---:|---:|---:|---|---:|---:|"]
+              "speed-up | ideal |", "|---|---:|---:|---:|---|---:|---:|---:|"]
     slower = []
     for r in (r for r in rows if r["phase"] != "memory"):
         sp = float(r["speedup"])
@@ -210,14 +273,15 @@ def markdown_from_csv(csv_path: str) -> str:
         lines.append(f"| {r['phase']} | {r['batch']} | {float(r['original']) * 1e3:.3f} | "
                      f"{float(r['compressed']) * 1e3:.3f} | {per} | "
                      f"{float(r['original_tok_s']):.1f} → {float(r['compressed_tok_s']):.1f} | "
-                     f"{sp:.3f}× |")
+                     f"{sp:.3f}× | {float(r['ideal_speedup']):.3f}× |")
         if sp < 1:
             slower.append(f"{r['phase']} at batch {r['batch']} ({sp:.2f}×)")
     verdict = ("**The compressed model is slower** (speed-up < 1) for " + ", ".join(slower)
                + ".") if slower else "The compressed model is not slower in any measurement."
     lines += ["", f"Speed-up = original time / compressed time (medians of {r0['trials']} "
-              "interleaved trials; decode in seconds per new token with its prefill untimed). "
-              + verdict]
+              "interleaved trials; decode in seconds per new token with its prefill untimed); "
+              "ideal = weights read per token, original / compressed (a speed-up above it "
+              "would mean an unfair baseline). " + verdict]
     return "\n".join(lines) + "\n"
 
 
@@ -234,6 +298,9 @@ def plot_from_csv(csv_path: str, png_path: str) -> None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))
     sp = [float(r["speedup"]) for r in lat]
     a1.bar(range(len(lat)), sp, color=["tab:green" if v >= 1 else "tab:red" for v in sp])
+    a1.scatter(range(len(lat)), [float(r["ideal_speedup"]) for r in lat], marker="_", s=400,
+               color="k", label="ideal (weights read)", zorder=3)
+    a1.legend(fontsize=7)
     a1.axhline(1.0, color="k", lw=1, ls="--")
     a1.set_xticks(range(len(lat)), [f"{r['phase']}\nB={r['batch']}" for r in lat])
     a1.set(ylabel="speed-up (original / compressed time)",
