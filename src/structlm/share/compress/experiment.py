@@ -49,6 +49,10 @@ def _long_finetune() -> FinetuneConfig:
     return FinetuneConfig(steps=300, warmup=15, eval_every=50)
 
 
+def _whole_finetune() -> FinetuneConfig:
+    return FinetuneConfig(steps=100, warmup=5, eval_every=25)
+
+
 @dataclass
 class ExperimentConfig:
     """Budgets of the experiment (SmolLM2 on 2 cores: several hours with the defaults;
@@ -75,7 +79,10 @@ class ExperimentConfig:
     """``basis-sharing``: consecutive layers per basis (the paper's LLaMA configs: 2)."""
     update: bool = False
     """``basis-sharing``: the paper's optional closed-form update step."""
-    finetune: FinetuneConfig = field(default_factory=_long_finetune)
+    finetune: FinetuneConfig = field(default_factory=_whole_finetune)
+    """Fine-tuning of every whole-model and scope arm (the same for every method)."""
+    seed_finetune: FinetuneConfig = field(default_factory=_long_finetune)
+    """Fine-tuning of the seed regime's arms (long enough to plateau: ≥ 300 steps)."""
     seed_regime: bool = True
     seed_types: str = "q"
     seed_k_fraction: float = 0.25
@@ -100,7 +107,8 @@ class ExperimentConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ExperimentConfig:
-        return dataclass_from_dict(cls, raw, {"finetune": FinetuneConfig})
+        return dataclass_from_dict(cls, raw, {"finetune": FinetuneConfig,
+                                              "seed_finetune": FinetuneConfig})
 
 
 def _ppl(model: Any, prep: Prepared) -> dict[str, float]:
@@ -221,6 +229,7 @@ class _Cell:
 
     section: str
     ccfg: CompressionConfig
+    ft: FinetuneConfig
     seeds: list[int]
     priority: list[int]
     """Per seed: its place in the fine-tuning order (lower first)."""
@@ -247,7 +256,8 @@ def _cells(cfg: ExperimentConfig, prep: Prepared, cache: _ArmCache,
             ccfg = ref if method == "shared" else CompressionConfig(
                 method=method, types=cfg.seed_types, target_reduction=budget,
                 group_size=cfg.group_size, residual_rank=cfg.residual_rank)
-            cells.append(_Cell("seed", ccfg, cfg.seeds, [10 + 100 * i for i in range(n_s)]))
+            cells.append(_Cell("seed", ccfg, cfg.seed_finetune, cfg.seeds,
+                               [10 + 100 * i for i in range(n_s)]))
     for j, red in enumerate(cfg.reductions):
         multi = red in cfg.multi_seed_reductions
         seeds = cfg.seeds if multi else cfg.seeds[:1]
@@ -257,7 +267,7 @@ def _cells(cfg: ExperimentConfig, prep: Prepared, cache: _ArmCache,
                                      group_size=cfg.group_size,
                                      update=cfg.update and method == "basis-sharing")
             first = 0 if multi else 5  # seed 0 of the multi-seed budgets first
-            cells.append(_Cell("whole", ccfg, seeds,
+            cells.append(_Cell("whole", ccfg, cfg.finetune, seeds,
                                [first + j + 100 * i for i in range(len(seeds))]))
     if cfg.scope:
         for method in ("shared", "hybrid"):
@@ -265,7 +275,7 @@ def _cells(cfg: ExperimentConfig, prep: Prepared, cache: _ArmCache,
                 ccfg = CompressionConfig(method=method, types=types,
                                          target_reduction=cfg.scope_reduction,
                                          residual_rank=cfg.residual_rank)
-                cells.append(_Cell("scope", ccfg, cfg.seeds[:1], [50]))
+                cells.append(_Cell("scope", ccfg, cfg.finetune, cfg.seeds[:1], [50]))
     for c in cells:
         a = cache.analytic(prep, c.ccfg, progress)
         if c.section == "whole":
@@ -281,8 +291,8 @@ def _assemble(cfg: ExperimentConfig, prep: Prepared, cache: _ArmCache, cells: li
     seed_entries = []
     for c in cells:
         a = cache.analytic(prep, c.ccfg, False)
-        arms = [{**a, **cache.tuned(prep, c.ccfg, cfg.finetune, s, False)}
-                for s in c.seeds if cache.has_tuned(prep, c.ccfg, cfg.finetune, s)]
+        arms = [{**a, **cache.tuned(prep, c.ccfg, c.ft, s, False)}
+                for s in c.seeds if cache.has_tuned(prep, c.ccfg, c.ft, s)]
         entry = {"method": c.ccfg.method, "reduction": c.ccfg.target_reduction,
                  "arms": arms or [a], "analytic": a["ppl_analytic"],
                  "finetuned": {t: _summary(arms, "ppl_finetuned", t) for t in texts},
@@ -325,7 +335,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, progress: bool = 
     def write() -> dict[str, Any]:
         res.update(_assemble(cfg, prep, cache, cells, info, texts))
         planned = sum(len(c.seeds) for c in cells)
-        done = sum(cache.has_tuned(prep, c.ccfg, cfg.finetune, s) for c in cells
+        done = sum(cache.has_tuned(prep, c.ccfg, c.ft, s) for c in cells
                    for s in c.seeds)
         res["finetuned_runs"] = {"done": done, "planned": planned}
         res["seconds"] = time.time() - t0
@@ -345,12 +355,13 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, progress: bool = 
         res["second_model"] = {"skipped": "no second model given (none is obtainable offline "
                                           "here); pass --second-model, e.g. gpt2-medium"}
     write()
-    if analytic_only or cfg.finetune.steps <= 0:
+    if analytic_only:
         return res
     queue = sorted(((p, i, s) for i, c in enumerate(cells)
                     for s, p in zip(c.seeds, c.priority, strict=True)), key=lambda x: (x[0], x[1]))
     for _, i, s in queue:
-        if not cache.has_tuned(prep, cells[i].ccfg, cfg.finetune, s):
-            cache.tuned(prep, cells[i].ccfg, cfg.finetune, s, progress)
+        c = cells[i]
+        if c.ft.steps > 0 and not cache.has_tuned(prep, c.ccfg, c.ft, s):
+            cache.tuned(prep, c.ccfg, c.ft, s, progress)
             write()
     return write()

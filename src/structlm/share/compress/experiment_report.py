@@ -230,18 +230,28 @@ def _text_lines(res: dict[str, Any]) -> list[str]:
 def write_experiment_report(res: dict[str, Any], cfg: Any, out: Path) -> None:
     """``report.md`` and the plots."""
     _plots(res, out)
-    ft = cfg.finetune
+    ft, sft = cfg.finetune, cfg.seed_finetune
+
+    def ft_text(f: Any) -> str:
+        return (f"{f.steps} steps × {f.batch_size} × {f.seq_len} tokens, lr {f.lr} "
+                f"({f.lr_scaling}), warm-up {f.warmup}, cosine to {f.min_lr_ratio}×")
+
     lines = [f"# Shared functional bases — tests 4–9 on {res['model']}", ""]
     if res.get("model_note"):
         lines += [f"**Note:** {res['model_note']}.", ""]
+    runs = res.get("finetuned_runs", {})
+    if runs and runs["done"] < runs["planned"]:
+        lines += [f"**Partial:** {runs['done']} of {runs['planned']} fine-tuning runs done "
+                  "so far (every arm's analytic numbers are complete); a rerun of the same "
+                  "command resumes from arms.json.", ""]
     lines += [f"Whole-model regime: {cfg.reductions} of every decoder linear type's "
               f"parameters ({cfg.types}) removed by each method, stored parameters equal to "
-              f"the budget within {cfg.budget_tolerance:.1%} (asserted). Every fine-tuned arm: "
-              f"{ft.steps} steps × {ft.batch_size} × {ft.seq_len} tokens, lr {ft.lr} "
-              f"({ft.lr_scaling}), warm-up {ft.warmup}, cosine to {ft.min_lr_ratio}× — the "
-              f"same for every method; seeds {cfg.seeds} at {cfg.multi_seed_reductions}, "
-              f"seed {cfg.seeds[0]} elsewhere. `basis-sharing`: groups of {cfg.group_size} "
-              f"consecutive layers, update step {'on' if cfg.update else 'off'}.", "",
+              f"the budget within {cfg.budget_tolerance:.1%} (asserted). Every whole-model "
+              f"and scope arm is fine-tuned the same way: {ft_text(ft)}; the seed regime's "
+              f"arms: {ft_text(sft)}. Seeds {cfg.seeds} at {cfg.multi_seed_reductions} and "
+              f"in the seed regime, seed {cfg.seeds[0]} elsewhere. `basis-sharing`: groups of "
+              f"{cfg.group_size} consecutive layers, update step "
+              f"{'on' if cfg.update else 'off'}.", "",
               "Rules" + (__doc__ or "Rules").split("Rules", 1)[1].rstrip(), ""]
     lines += _text_lines(res)
     for text in res["eval_texts"]:
