@@ -67,5 +67,12 @@ def test_eval_ppl_cli_json(capsys) -> None:
                "--window", "128", "--json"])
     assert rc == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert res["tokens"] == 299 and res["window"] == 128 and 5 < res["ppl"] < 300
+    # windows drawn across the held-out novels: ceil(300 / 127) = 3 windows of 128
+    assert res["tokens"] == 3 * 127 and res["windows"] == 3 and res["window"] == 128
+    assert 5 < res["ppl"] < 300
+    assert sum(res["text"]["windows_per_document"].values()) == 3
+    rc = main(["eval", "ppl", "smollm2", "--corpus", "austen", "--tokens", "300",
+               "--window", "128", "--sampling", "head", "--json"])
+    head = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and head["tokens"] == 299 and head["text"] == {"sampling": "head"}
     assert res["documents"] and all(d.startswith("austen/") for d in res["documents"])
