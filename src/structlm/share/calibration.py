@@ -25,6 +25,7 @@ from tqdm import tqdm
 from .adapters import SITE_OF, MatrixType, ModelAdapter
 
 __all__ = ["Calibration", "CovarianceAccumulator", "NonFiniteActivationError", "calibrate",
+           "calibration_windows",
            "load_or_calibrate"]
 
 SITES = ("attn_in", "attn_out", "mlp_in", "mlp_out")
@@ -111,18 +112,29 @@ class Calibration:
         return cal
 
 
-def calibrate(adapter: ModelAdapter, tokens: torch.Tensor, seq_len: int = 512,
-              batch_size: int = 4, layers: list[int] | None = None,
-              sites: tuple[str, ...] = SITES, meta: dict[str, Any] | None = None,
-              progress: bool = True) -> Calibration:
-    """Accumulate input second moments of ``sites`` in ``layers`` over ``tokens``
-    (``(n, w)`` windows, one sequence each, or ``(N,)`` ids cut into ``N // seq_len``
-    sequences; the remainder is dropped)."""
-    if tokens.dim() == 2:  # windows drawn across documents: one sequence each
+def calibration_windows(tokens: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The ``(n, w)`` windows the calibration runs: ``tokens`` itself when it is already
+    ``(n, w)`` windows, else ``(N,)`` ids cut into ``N // seq_len`` windows of
+    ``seq_len`` (the remainder dropped)."""
+    if tokens.dim() == 2:
         seq_len = tokens.shape[1]
     n_seq = tokens.numel() // seq_len
     if n_seq == 0:
-        raise ValueError(f"{tokens.numel()} tokens are fewer than one sequence of {seq_len}")
+        raise ValueError(f"{tokens.numel()} tokens are fewer than one window of {seq_len}")
+    return tokens.reshape(-1)[: n_seq * seq_len].view(n_seq, seq_len)
+
+
+def calibrate(adapter: ModelAdapter, tokens: torch.Tensor, seq_len: int = 512,
+              batch_size: int = 4, layers: list[int] | None = None,
+              sites: tuple[str, ...] = SITES, meta: dict[str, Any] | None = None,
+              progress: bool = True, skip_positions: int = 0,
+              desc: str = "calibration") -> Calibration:
+    """Accumulate input second moments of ``sites`` in ``layers`` over ``tokens``
+    (``(n, w)`` windows, one sequence each, or ``(N,)`` ids cut into ``N // seq_len``
+    sequences; the remainder is dropped). ``skip_positions``: leave out the first positions
+    of every window (the attention-sink positions, :mod:`structlm.share.sinks`)."""
+    seqs = calibration_windows(tokens, seq_len)
+    n_seq, seq_len = seqs.shape
     layers = list(range(adapter.num_layers)) if layers is None else list(layers)
     bad = [s for s in sites if s not in SITES]
     if bad:
@@ -133,6 +145,11 @@ def calibrate(adapter: ModelAdapter, tokens: torch.Tensor, seq_len: int = 512,
     def hook_for(key: tuple[int, str]) -> Callable[..., None]:
         def hook(_module: torch.nn.Module, args: tuple[Any, ...], *_: Any) -> None:
             x = args[0]
+            if skip_positions:
+                if x.dim() < 3:
+                    raise ValueError(f"site {key[1]} of layer {key[0]} gets a {x.dim()}-dim "
+                                     "input: positions cannot be told apart")
+                x = x[:, skip_positions:]  # (batch, positions, d)
             if key not in accs:
                 accs[key] = CovarianceAccumulator(x.shape[-1])
             accs[key].update(x)
@@ -143,11 +160,10 @@ def calibrate(adapter: ModelAdapter, tokens: torch.Tensor, seq_len: int = 512,
             mod = adapter.layers[i].site_module(site)
             handles.append(mod.register_forward_pre_hook(hook_for((i, site))))
     model = adapter.model
-    seqs = tokens.reshape(-1)[: n_seq * seq_len].view(n_seq, seq_len)
     device = next(model.parameters()).device
     try:
         with torch.no_grad():
-            for start in tqdm(range(0, n_seq, batch_size), desc="calibration", unit="batch",
+            for start in tqdm(range(0, n_seq, batch_size), desc=desc, unit="batch",
                               disable=not progress):
                 model(input_ids=seqs[start:start + batch_size].to(device), use_cache=False)
     finally:

@@ -17,65 +17,24 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from .adapters import ModelAdapter
-from .calibration import SITES, CovarianceAccumulator
+from .calibration import SITES, calibrate, calibration_windows
 
 __all__ = ["calibration_windows", "sink_excluded_second_moments"]
 
 
-def calibration_windows(tokens: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The ``(n, w)`` windows the calibration runs: ``tokens`` itself when it is already
-    ``(n, w)`` windows, else ``(N,)`` ids cut into ``N // seq_len`` windows of
-    ``seq_len`` (the remainder dropped) — the same cut as
-    :func:`~structlm.share.calibration.calibrate`."""
-    if tokens.dim() == 2:
-        seq_len = tokens.shape[1]
-    n_seq = tokens.numel() // seq_len
-    if n_seq == 0:
-        raise ValueError(f"{tokens.numel()} tokens are fewer than one window of {seq_len}")
-    return tokens.reshape(-1)[: n_seq * seq_len].view(n_seq, seq_len)
-
-
 def _accumulate(adapter: ModelAdapter, seqs: torch.Tensor, batch_size: int,
                 layers: list[int], sites: tuple[str, ...], sink_tokens: int,
-                progress: bool) -> dict[tuple[int, str], CovarianceAccumulator]:
-    n_seq = seqs.shape[0]
-    accs: dict[tuple[int, str], CovarianceAccumulator] = {}
-    handles = []
-
-    def hook_for(key: tuple[int, str]) -> Callable[..., None]:
-        def hook(_module: torch.nn.Module, args: tuple[Any, ...], *_: Any) -> None:
-            x = args[0]
-            if x.dim() < 3:
-                raise ValueError(f"site {key[1]} of layer {key[0]} gets a {x.dim()}-dim "
-                                 "input: positions cannot be told apart")
-            if key not in accs:
-                accs[key] = CovarianceAccumulator(x.shape[-1])
-            accs[key].update(x[:, sink_tokens:])  # (batch, positions, d)
-        return hook
-
-    for i in layers:
-        for site in sites:
-            mod = adapter.layers[i].site_module(site)
-            handles.append(mod.register_forward_pre_hook(hook_for((i, site))))
-    model = adapter.model
-    device = next(model.parameters()).device
-    try:
-        with torch.no_grad():
-            for start in tqdm(range(0, n_seq, batch_size), desc="sink-excluded pass",
-                              unit="batch", disable=not progress):
-                model(input_ids=seqs[start:start + batch_size].to(device), use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    return accs
+                progress: bool) -> dict[tuple[int, str], torch.Tensor]:
+    """The calibration pass itself, with the first ``sink_tokens`` positions skipped."""
+    cal = calibrate(adapter, seqs, batch_size=batch_size, layers=layers, sites=sites,
+                    progress=progress, skip_positions=sink_tokens, desc="sink-excluded pass")
+    return cal.second_moments
 
 
 def _cache_path(calibration_path: str, meta: dict[str, Any]) -> Path:
@@ -142,8 +101,7 @@ def sink_excluded_second_moments(adapter: ModelAdapter, tokens: torch.Tensor, se
             cached = _load(path)
             if cached is not None and all((i, s) in cached for i in layers for s in sites):
                 return cached
-    accs = _accumulate(adapter, seqs, batch_size, layers, sites, sink_tokens, progress)
-    moments = {key: acc.second_moment() for key, acc in accs.items()}
+    moments = _accumulate(adapter, seqs, batch_size, layers, sites, sink_tokens, progress)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         _save(path, moments)
