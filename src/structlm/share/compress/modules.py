@@ -10,14 +10,31 @@ rebuilt at run time).
   (``B = U_r Σ_r``, ``C = V_r^T S_l^+``), trained as free factors.
 * :class:`OneSidedLinear` — ``y = D_l (P x) + b``: one input basis shared by a group of
   layers with full per-layer coefficients ``D_l`` ``(out, k)`` (Basis Sharing).
+
+Every product is an ``F.linear`` (the bias fused into the last one). The two-sided
+module picks, per call, the cheaper of two association orders (see
+:func:`shared_basis_macs`): at a budget where ``k_out`` is close to ``out`` the chain
+``U (A (P x))`` costs several times a dense matrix per token, while merging ``U A``
+first costs ``out·k_out·k_in`` once per call and then ``in·k_in + k_in·out`` per token.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LowRankLinear", "OneSidedLinear", "SharedBasis", "SharedBasisLinear"]
+__all__ = ["LowRankLinear", "OneSidedLinear", "SharedBasis", "SharedBasisLinear",
+           "shared_basis_macs"]
+
+
+def shared_basis_macs(tokens: int, out: int, inn: int, k_out: int, k_in: int
+                      ) -> dict[str, int]:
+    """Multiply–accumulates of one ``U A P x`` call on ``tokens`` rows, per order:
+    ``chain`` = ``U (A (P x))``; ``merged`` = ``(U A) (P x)`` with ``U A`` formed in
+    the call."""
+    return {"chain": tokens * (inn * k_in + k_in * k_out + k_out * out),
+            "merged": out * k_out * k_in + tokens * (inn * k_in + k_in * out)}
 
 
 class SharedBasis(nn.Module):
@@ -56,11 +73,17 @@ class SharedBasisLinear(nn.Module):
         return self.basis.U.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        z = x @ self.basis.P.T  # (..., k)
-        y = (z @ self.core.T) @ self.basis.U.T  # (..., out)
+        z = F.linear(x, self.basis.P)  # (..., k_in)
+        k_out, k_in = self.core.shape
+        macs = shared_basis_macs(x.numel() // max(x.shape[-1], 1), self.out_features,
+                                 self.in_features, k_out, k_in)
+        if macs["merged"] < macs["chain"]:
+            y = F.linear(z, self.basis.U @ self.core, self.bias)  # (..., out)
+        else:
+            y = F.linear(F.linear(z, self.core), self.basis.U, self.bias)  # (..., out)
         if self.res_b is not None:
-            y = y + (x @ self.res_c.T) @ self.res_b.T  # (..., out)
-        return y if self.bias is None else y + self.bias
+            y = y + F.linear(F.linear(x, self.res_c), self.res_b)  # (..., out)
+        return y
 
     def dense_weight(self) -> torch.Tensor:
         """The equivalent ``(out, in)`` matrix (for analysis and tests only)."""
@@ -79,8 +102,7 @@ class LowRankLinear(nn.Module):
                                                            requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = (x @ self.C.T) @ self.B.T  # (..., r) then (..., out)
-        return y if self.bias is None else y + self.bias
+        return F.linear(F.linear(x, self.C), self.B, self.bias)  # (..., r) then (..., out)
 
     def dense_weight(self) -> torch.Tensor:
         return self.B @ self.C
@@ -100,8 +122,7 @@ class OneSidedLinear(nn.Module):
                                                            requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = (x @ self.basis.P.T) @ self.D.T  # (..., k) then (..., out)
-        return y if self.bias is None else y + self.bias
+        return F.linear(F.linear(x, self.basis.P), self.D, self.bias)  # (..., k), (..., out)
 
     def dense_weight(self) -> torch.Tensor:
         return self.D @ self.basis.P
