@@ -214,7 +214,8 @@ def add_share_commands(sub: Any) -> None:
     cp.add_argument("--corpus", default="austen")
     cp.add_argument("--second-corpus", default="shakespeare")
     cp.add_argument("--calib-tokens", type=int, default=32768)
-    cp.add_argument("--eval-tokens", type=int, default=8192)
+    cp.add_argument("--eval-tokens", type=int, default=16384,
+                    help="scored tokens per text, windows across held-out documents")
     cp.add_argument("--seed", type=int, default=0)
     cp.add_argument("--threads", type=int, default=2)
     cp.add_argument("--out", default="share-compressed")

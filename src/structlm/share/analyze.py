@@ -88,7 +88,7 @@ class AnalysisConfig:
     calib_tokens: int = 32768
     seq_len: int = 512
     batch_size: int = 4
-    eval_tokens: int = 8192
+    eval_tokens: int = 16384
     """Tokens per corpus for perplexity (0 skips perplexity)."""
     types: str = "all"
     layers: list[int] | None = None

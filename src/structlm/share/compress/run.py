@@ -22,7 +22,7 @@ __all__ = ["run_compress"]
 
 def run_compress(model: str, ccfg: CompressionConfig, out_dir: str | Path,
                  corpus: str = "austen", second_corpus: str = "shakespeare",
-                 calib_tokens: int = 32768, eval_tokens: int = 8192,
+                 calib_tokens: int = 32768, eval_tokens: int = 16384,
                  ft: FinetuneConfig | None = None, seed: int = 0, save: bool = True,
                  progress: bool = True) -> dict[str, Any]:
     """Compress ``model`` under ``ccfg``; writes ``compress.json``, ``report.md`` and (with
