@@ -205,7 +205,7 @@ def _cmd_bench_share(args: argparse.Namespace) -> int:
                            calib_tokens=args.calib_tokens, batches=args.batches,
                            prompt_len=args.prompt_len, decode_tokens=args.decode_tokens,
                            trials=args.trials, warmup=args.warmup, threads=args.threads,
-                           seed=args.seed)
+                           seed=args.seed, peak_memory=not args.no_peak_memory)
     run_share_bench(cfg, args.out)
     with open(args.out + ".md") as fh:
         print(fh.read())
@@ -326,6 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     bsh.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     bsh.add_argument("--threads", type=int, default=2)
     bsh.add_argument("--seed", type=int, default=0)
+    bsh.add_argument("--no-peak-memory", action="store_true",
+                     help="skip the peak-memory runs (a fresh process per model and batch)")
     bsh.add_argument("--out", default="bench-out/share", help="output prefix")
     bsh.set_defaults(func=_cmd_bench_share)
 

@@ -13,10 +13,12 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from structlm.bench.peak_memory import measure_peak_memory
 from structlm.bench.share import (
     ShareBenchConfig,
     greedy_decode,
     measure,
+    peak_memory_rows,
     unique_parameters,
     weights_read_per_token,
     write_outputs,
@@ -24,7 +26,8 @@ from structlm.bench.share import (
 from structlm.cli import build_parser
 from structlm.share.adapters import get_adapter
 from structlm.share.calibration import calibrate
-from structlm.share.compress import CompressionConfig, compress_model
+from structlm.share.compress import CompressionConfig, compress_model, save_compressed
+from structlm.share.loading import LoadedModel
 from structlm.share.testing import tiny_llama
 
 
@@ -71,7 +74,7 @@ def test_measure_rows_and_outputs(models, tmp_path) -> None:
     cfg = ShareBenchConfig(batches=(1, 3), prompt_len=7, decode_tokens=3, trials=2,
                            threads=1)
     rows = measure(original, compressed, _ids(64), cfg, report, model_id="tiny-llama")
-    lat = [r for r in rows if r["phase"] != "memory"]
+    lat = [r for r in rows if r["phase"] in ("prefill", "decode")]
     assert [(r["phase"], r["batch"]) for r in lat] == [
         ("prefill", 1), ("decode", 1), ("prefill", 3), ("decode", 3)]
     for r in lat:
@@ -133,3 +136,37 @@ def test_weights_read_count_every_use_of_a_shared_basis(models) -> None:
     uses = sum(1 for layer in compressed.model.layers if layer.self_attn.q_proj.basis is basis)
     assert uses == len(compressed.model.layers) > 1
     assert weights_read_per_token(compressed) >= unique_c + emb.shape[1] + (uses - 1) * per_use
+
+
+def test_peak_memory_in_fresh_processes(models, tmp_path) -> None:
+    original, compressed, report = models
+    src = tmp_path / "tiny"
+    original.save_pretrained(src)
+    save_compressed(LoadedModel(compressed, None, "tiny", source=str(src)), report,
+                    tmp_path / "comp")
+    cfg = ShareBenchConfig(batches=(2,), prompt_len=7, decode_tokens=3, threads=1)
+    rows = peak_memory_rows({"model": "tiny"}, str(src), str(tmp_path / "comp"), cfg)
+    got = {r["item"]: r for r in rows}
+    assert set(got) == {"resident_after_load", "peak_during_run", "run_working_memory"}
+    for side in ("original", "compressed"):
+        load, peak, work = (got[k][side] for k in ("resident_after_load", "peak_during_run",
+                                                   "run_working_memory"))
+        assert load > 50 * 2**20  # a Python process with torch and transformers loaded
+        assert peak >= load and work == peak - load
+    with pytest.raises(RuntimeError, match="peak-memory child failed"):
+        measure_peak_memory(str(src), str(tmp_path / "missing"), 1, 4, 1, 1)
+
+
+def test_markdown_has_the_peak_memory_table(models, tmp_path) -> None:
+    original, compressed, report = models
+    cfg = ShareBenchConfig(batches=(1,), prompt_len=7, decode_tokens=2, trials=1, threads=1)
+    rows = measure(original, compressed, _ids(64), cfg, report, model_id="tiny-llama")
+    base = rows[0]
+    rows += [{**base, "phase": "peak_memory", "item": item, "batch": 1, "original": 3 * 2**20,
+              "compressed": 2 * 2**20, "unit": "bytes", "memory_ratio": 1.5}
+             for item in ("resident_after_load", "peak_during_run", "run_working_memory")]
+    prefix = str(tmp_path / "share")
+    write_outputs(rows, prefix)
+    md = open(prefix + ".md").read()
+    assert "| peak during run | 1 | 3.00 MiB | 2.00 MiB | 1.500× |" in md
+    assert "working memory = peak − resident" in md

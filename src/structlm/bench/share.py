@@ -10,9 +10,11 @@ elements read per token (:func:`weights_read_per_token`: a shared basis is read 
 every layer that uses it, the input embedding is one row) — the bound for a
 bandwidth-bound decode and, as every weight element is one multiply–accumulate per
 token, for a compute-bound prefill (attention over the cache costs both models the same,
-so the real bound is lower). Peak memory beyond the parameters is not measured: a
-resident-memory high-water mark in one process mostly sees the allocator reusing memory
-freed by the other model's run (measured: 3.8 MiB for the first model, 0 for the second).
+so the real bound is lower). **peak memory** (``peak_memory=True``): per model and batch,
+a fresh process loads the model, resets the resident high-water mark, runs the same
+prefill + decode loop and reports resident memory after loading, the peak during the run
+and their difference (:mod:`.peak_memory`; one process per model, since an in-process
+high-water mark mostly sees the allocator reusing memory the other model's run freed).
 CSV with the environment; Markdown and plot drawn from the CSV.
 """
 
@@ -24,6 +26,7 @@ import inspect
 import json
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,8 +39,8 @@ from tqdm import tqdm
 from .timing import environment, interleaved_medians, write_csv_atomic
 
 __all__ = ["ShareBenchConfig", "greedy_decode", "markdown_from_csv", "measure",
-           "plot_from_csv", "run_share_bench", "unique_parameters", "weights_read_per_token",
-           "write_outputs"]
+           "peak_memory_rows", "plot_from_csv", "run_share_bench", "unique_parameters",
+           "weights_read_per_token", "write_outputs"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,8 @@ class ShareBenchConfig:
     warmup: int = 1
     threads: int = 2
     seed: int = 0
+    peak_memory: bool = True
+    """Measure peak resident memory in a fresh process per model and batch."""
 
     def __post_init__(self) -> None:
         if not self.batches or any(int(b) < 1 for b in self.batches):
@@ -225,11 +230,25 @@ def markdown_from_csv(csv_path: str) -> str:
     lines += ["", "Parameters count each distinct tensor once; *weights read per token* "
               "counts every use (a shared basis once per layer that uses it) — the ideal "
               "speed-up below is its ratio. The KV cache is the same for both models (K and "
-              "V keep their output size).", "",
-              "| phase | batch | original ms | compressed ms | per | tokens/s orig → comp | "
+              "V keep their output size)."]
+    peak = [r for r in rows if r["phase"] == "peak_memory"]
+    if peak:
+        lines += ["", "| peak memory (fresh process per model) | batch | original | compressed "
+                  "| original / compressed |", "|---|---:|---:|---:|---:|"]
+        for r in peak:
+            lines.append(f"| {r['item'].replace('_', ' ')} | {r['batch']} | "
+                         f"{_amount(r['original'], 'bytes')} | "
+                         f"{_amount(r['compressed'], 'bytes')} | "
+                         f"{float(r['memory_ratio']):.3f}× |")
+        lines += ["", "Resident = the process's resident set after loading the model (parameters,"
+                  " libraries, runtime); peak = its high-water mark during one prefill of "
+                  f"(batch, {r0['prompt_len']}) plus {r0['decode_tokens']} cached decode steps, "
+                  "reset after loading; working memory = peak − resident (activations, KV cache,"
+                  " logits)."]
+    lines += ["", "| phase | batch | original ms | compressed ms | per | tokens/s orig → comp | "
               "speed-up | ideal |", "|---|---:|---:|---:|---|---:|---:|---:|"]
     slower = []
-    for r in (r for r in rows if r["phase"] != "memory"):
+    for r in (r for r in rows if r["phase"] in ("prefill", "decode")):
         sp = float(r["speedup"])
         per = "new token" if r["unit"] == "s_per_token" else "call"
         lines.append(f"| {r['phase']} | {r['batch']} | {float(r['original']) * 1e3:.3f} | "
@@ -255,7 +274,7 @@ def plot_from_csv(csv_path: str, png_path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = _read(csv_path)
-    lat = [r for r in rows if r["phase"] != "memory"]
+    lat = [r for r in rows if r["phase"] in ("prefill", "decode")]
     mem = [r for r in rows if r["phase"] == "memory" and r["unit"] == "bytes"]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))
     sp = [float(r["speedup"]) for r in lat]
@@ -325,5 +344,36 @@ def run_share_bench(cfg: ShareBenchConfig, out_prefix: str, progress: bool = Tru
         report = compress_model(get_adapter(compressed), prep.calibration, ccfg,
                                 calib_tokens=prep.calib_ids)
     rows = measure(loaded.model, compressed.eval(), ids, cfg, report, loaded.model_id, progress)
+    if cfg.peak_memory:
+        source = loaded.source or loaded.model_id
+        if cfg.compressed:
+            rows += peak_memory_rows(rows[0], source, cfg.compressed, cfg, progress)
+        else:
+            from ..share.compress import save_compressed
+
+            parent = Path(os.path.abspath(out_prefix)).parent
+            parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=parent, prefix=".bench-model-") as tmp:
+                loaded.model = compressed  # save_compressed writes loaded.model
+                save_compressed(loaded, report, Path(tmp) / "model")
+                rows += peak_memory_rows(rows[0], source, str(Path(tmp) / "model"), cfg,
+                                         progress)
     write_outputs(rows, out_prefix)
+    return rows
+
+
+def peak_memory_rows(base: dict[str, Any], source: str, compressed_dir: str,
+                     cfg: ShareBenchConfig, progress: bool = False) -> list[dict[str, Any]]:
+    """Rows of peak resident memory, original vs compressed, per batch (fresh processes)."""
+    from .peak_memory import measure_peak_memory
+
+    rows = []
+    for b in tqdm(cfg.batches, desc="peak memory", disable=not progress, unit="batch"):
+        o, c = (measure_peak_memory(source, d, b, cfg.prompt_len, cfg.decode_tokens,
+                                    cfg.threads, cfg.seed) for d in ("", compressed_dir))
+        rows += [{**base, "phase": "peak_memory", "item": item, "batch": b,
+                  "original": o[item], "compressed": c[item], "unit": "bytes",
+                  "memory_ratio": round(o[item] / max(c[item], 1), 4), "speedup": "",
+                  "ideal_speedup": "", "original_tok_s": "", "compressed_tok_s": ""}
+                 for item in ("resident_after_load", "peak_during_run", "run_working_memory")]
     return rows
