@@ -1,16 +1,15 @@
-"""Peak resident memory of serving a model, measured in a fresh process per model.
+"""Resident memory of serving a model, measured in a fresh process per model.
 
-One child process per (model, batch): it loads the model (the source model by name, or a
-folder written by ``structlm share compress``), resets the kernel's resident high-water
-mark (``/proc/self/clear_refs`` ← ``5``, Linux ≥ 4.0), runs the benchmark's loop — one
-prefill of ``(batch, prompt_len)`` token ids with the KV cache, then ``decode_tokens``
-greedy cached steps — and reads ``VmHWM`` back. A child of its own means the figure is
-not the allocator reusing memory another model's run freed (which an in-process
-high-water mark mostly sees), and the loader's transient copies (e.g. de-quantising a
-GGUF) are excluded by the reset.
-
-Reported per model: resident memory after loading (parameters + runtime), the peak during
-the run, and their difference — the run's working memory (activations, KV cache, logits).
+One child process per (model, batch) loads the model (the source model by name, or a
+folder written by ``structlm share compress``) and runs the benchmark's loop — one prefill
+of ``(batch, prompt_len)`` token ids with the KV cache, then ``decode_tokens`` greedy
+cached steps. It reports, from ``/proc/self/status``: the resident set after loading,
+the peak resident set over loading and running (``VmHWM``: what the machine must have
+free), and at the end the resident set split into anonymous memory and file-backed pages
+(safetensors weights are memory-mapped: the original model's parameters sit in the page
+cache, reclaimable and shared between processes, while factors built in memory are
+anonymous). A child of its own means the figures are not the allocator reusing memory
+another model's run freed, which an in-process high-water mark mostly sees.
 """
 
 from __future__ import annotations
@@ -36,8 +35,8 @@ def _status_kib(key: str) -> int:
 
 def peak_memory_of_run(source: str, compressed: str, batch: int, prompt_len: int,
                        decode_tokens: int, threads: int, seed: int = 0) -> dict[str, int]:
-    """In *this* process: load, reset the high-water mark, run, read it (bytes). Call it
-    in a fresh process (:func:`measure_peak_memory` does)."""
+    """In *this* process: load, run, read the resident figures (bytes). Call it in a
+    fresh process (:func:`measure_peak_memory` does)."""
     import gc
 
     import torch
@@ -52,13 +51,12 @@ def peak_memory_of_run(source: str, compressed: str, batch: int, prompt_len: int
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, prompt_len), generator=gen)  # (B, T)
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")  # resets VmHWM to the current resident size
     loaded_kib = _status_kib("VmRSS")
     greedy_decode(model, ids, decode_tokens)
-    peak_kib = _status_kib("VmHWM")
-    return {"resident_after_load": loaded_kib * 1024, "peak_during_run": peak_kib * 1024,
-            "run_working_memory": (peak_kib - loaded_kib) * 1024}
+    return {"resident_after_load": loaded_kib * 1024,
+            "peak_load_and_run": _status_kib("VmHWM") * 1024,
+            "anonymous_after_run": _status_kib("RssAnon") * 1024,
+            "file_backed_after_run": _status_kib("RssFile") * 1024}
 
 
 def measure_peak_memory(source: str, compressed: str, batch: int, prompt_len: int,

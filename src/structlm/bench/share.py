@@ -11,10 +11,11 @@ every layer that uses it, the input embedding is one row) — the bound for a
 bandwidth-bound decode and, as every weight element is one multiply–accumulate per
 token, for a compute-bound prefill (attention over the cache costs both models the same,
 so the real bound is lower). **peak memory** (``peak_memory=True``): per model and batch,
-a fresh process loads the model, resets the resident high-water mark, runs the same
-prefill + decode loop and reports resident memory after loading, the peak during the run
-and their difference (:mod:`.peak_memory`; one process per model, since an in-process
-high-water mark mostly sees the allocator reusing memory the other model's run freed).
+a fresh process loads the model, runs the same prefill + decode loop and reports the
+resident set after loading, the peak over loading and running, and the resident set at
+the end split into anonymous and file-backed pages (:mod:`.peak_memory`; one process per
+model, since an in-process high-water mark mostly sees the allocator reusing memory the
+other model's run freed).
 CSV with the environment; Markdown and plot drawn from the CSV.
 """
 
@@ -240,11 +241,12 @@ def markdown_from_csv(csv_path: str) -> str:
                          f"{_amount(r['original'], 'bytes')} | "
                          f"{_amount(r['compressed'], 'bytes')} | "
                          f"{float(r['memory_ratio']):.3f}× |")
-        lines += ["", "Resident = the process's resident set after loading the model (parameters,"
-                  " libraries, runtime); peak = its high-water mark during one prefill of "
-                  f"(batch, {r0['prompt_len']}) plus {r0['decode_tokens']} cached decode steps, "
-                  "reset after loading; working memory = peak − resident (activations, KV cache,"
-                  " logits)."]
+        lines += ["", "Each model in a fresh process: resident set after loading (parameters, "
+                  "libraries, runtime); peak = the high-water mark over loading and one prefill "
+                  f"of (batch, {r0['prompt_len']}) plus {r0['decode_tokens']} cached decode "
+                  "steps; at the end, the resident set split into anonymous memory and "
+                  "file-backed pages (memory-mapped safetensors weights: page cache, "
+                  "reclaimable and shared between processes)."]
     lines += ["", "| phase | batch | original ms | compressed ms | per | tokens/s orig → comp | "
               "speed-up | ideal |", "|---|---:|---:|---:|---|---:|---:|---:|"]
     slower = []
@@ -375,5 +377,6 @@ def peak_memory_rows(base: dict[str, Any], source: str, compressed_dir: str,
                   "original": o[item], "compressed": c[item], "unit": "bytes",
                   "memory_ratio": round(o[item] / max(c[item], 1), 4), "speedup": "",
                   "ideal_speedup": "", "original_tok_s": "", "compressed_tok_s": ""}
-                 for item in ("resident_after_load", "peak_during_run", "run_working_memory")]
+                 for item in ("resident_after_load", "peak_load_and_run", "anonymous_after_run",
+                              "file_backed_after_run")]
     return rows
