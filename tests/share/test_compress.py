@@ -246,6 +246,35 @@ def test_compress_model_save_load_round_trip(method: str, tmp_path) -> None:
     tiny_llama(num_hidden_layers=5).save_pretrained(src)
     manifest = (out / "structlm_compression.json")
     manifest.write_text(manifest.read_text().replace('"unused"', f'"{src}"'))
+    for f in src.glob("*.safetensors"):  # the source's weights are never read
+        f.unlink()
     back = load_compressed(out)
     torch.testing.assert_close(_logits(back.model), after, rtol=0, atol=0)
     assert sum(p.numel() for p in back.model.parameters()) == held
+    bm = back.model
+    if bm.config.tie_word_embeddings:
+        assert bm.lm_head.weight is bm.model.embed_tokens.weight
+    if method in ("shared", "hybrid"):
+        bad = get_adapter(bm)
+        assert bad.layers[0].module(MatrixType.Q).basis is bad.layers[2].module(MatrixType.Q).basis
+
+
+def test_load_compressed_refuses_a_file_that_lacks_a_factor(tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_llama(num_hidden_layers=3)
+    ad = get_adapter(model)
+    ids = _ids(4 * 32)
+    cal = calibrate(ad, ids, seq_len=32, batch_size=2, progress=False)
+    rep = compress_model(ad, cal, CompressionConfig(method="svd", types="q",
+                                                    target_reduction=0.5))
+    src = tmp_path / "source"
+    tiny_llama(num_hidden_layers=3).save_pretrained(src)
+    out = tmp_path / "compressed"
+    save_compressed(LoadedModel(model, None, "tiny-llama", "", source=str(src)), rep, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    dropped = next(k for k in tensors if k.endswith("q_proj.B"))
+    del tensors[dropped]
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match="lacks tensors for"):
+        load_compressed(out)

@@ -81,8 +81,13 @@ def _smollm2_folder() -> Path:
     return dest
 
 
-def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Model and tokenizer for ``spec`` (a built-in name, a local folder or a hub id)."""
+def load_model(spec: str, dtype: torch.dtype = torch.float32, weights: bool = True
+               ) -> LoadedModel:
+    """Model and tokenizer for ``spec`` (a built-in name, a local folder or a hub id).
+
+    ``weights=False``: the architecture only, its parameters allocated but neither
+    initialised nor read (never resident until written) — for a caller that assigns
+    every parameter afterwards (:func:`~structlm.share.compress.io.load_compressed`)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers import AutoModelForCausalLM
 
@@ -100,7 +105,15 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     else:
         folder, model_id = spec, spec
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        if weights:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        else:
+            from transformers import AutoConfig
+            from transformers.initialization import no_init_weights
+
+            with no_init_weights():
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder),
+                                                         dtype=dtype)
     except OSError as e:
         raise ValueError(f"cannot load model {spec!r}: not a built-in name "
                          f"({sorted(BUILTIN_MODELS)}), a local folder, or a reachable hub "

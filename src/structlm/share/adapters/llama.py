@@ -50,21 +50,16 @@ class LlamaLayerAdapter(LayerAdapter):
             return mlp.proj_in if site == "mlp_in" else mlp.down
         return mlp.gate_proj if site == "mlp_in" else mlp.down_proj
 
-    def _gated(self) -> GatedMLP:
-        mlp = self.block.mlp
-        if not isinstance(mlp, GatedMLP):
-            from .modules import linear_from
-
-            w, b = self._weight_bias(MatrixType.MLP_IN)
-            width = mlp.gate_proj.out_features
-            self.block.mlp = GatedMLP(linear_from(w, b), mlp.down_proj, width, mlp.act_fn)
-        return self.block.mlp
-
     def replace(self, t: MatrixType, module: nn.Module) -> None:
         if t in _ATTN:
             setattr(self.block.self_attn, _ATTN[t], module)
         elif t is MatrixType.MLP_IN:
-            self._gated().proj_in = module
+            mlp = self.block.mlp
+            if isinstance(mlp, GatedMLP):
+                mlp.proj_in = module
+            else:  # the new module replaces gate and up at once: nothing to stack
+                self.block.mlp = GatedMLP(module, mlp.down_proj, mlp.gate_proj.out_features,
+                                          mlp.act_fn)
         elif isinstance(self.block.mlp, GatedMLP):
             self.block.mlp.down = module
         else:

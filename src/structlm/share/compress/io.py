@@ -53,9 +53,11 @@ def save_compressed(loaded: LoadedModel, report: dict[str, Any], folder: str | P
 
 
 def _placeholder(t: dict[str, Any], L: int) -> TypeFactors:
-    """Zero factors of the recorded method, ranks, groups and parts (the tensors are
-    loaded afterwards)."""
-    z = torch.zeros
+    """Factors of the recorded method, ranks, groups and parts on the ``meta`` device (no
+    memory; the saved tensors are assigned afterwards)."""
+    def z(*shape: int) -> torch.Tensor:
+        return torch.empty(*shape, device="meta")
+
     out, inn = t["shape"]
     k = int(t["k"])
     ranks = TypeRanks(int(t.get("k_out", k)), int(t.get("k_in", k)), int(t.get("r", 0)))
@@ -87,16 +89,43 @@ def _placeholder(t: dict[str, Any], L: int) -> TypeFactors:
     return tf
 
 
+def _assign_saved_tensors(model: torch.nn.Module, path: Path) -> None:
+    """Point every parameter of ``model`` at the saved tensors (memory-mapped by
+    safetensors: no copy; the source model's weights are never read), re-tie tied
+    weights, and check that every parameter now comes from the file."""
+    from safetensors.torch import load_file
+
+    saved = load_file(str(path))
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # a skeleton from the config may not be tied yet
+    aliases: dict[int, list[str]] = {}  # a tensor under several names is saved under one
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    state = dict(saved)
+    for names in aliases.values():
+        have = [n for n in names if n in saved]
+        for n in names if have else []:
+            state.setdefault(n, saved[have[0]])
+    _, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if unexpected:
+        raise ValueError(f"{path} holds tensors the rebuilt model does not have: "
+                         f"{sorted(unexpected)[:5]}")
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # assign replaced the embedding; the tied head follows it
+    from_file = {t.data_ptr() for t in saved.values()}
+    left = [n for n, p in model.named_parameters() if p.data_ptr() not in from_file]
+    if left:  # never initialised: the architecture was built without weights
+        raise ValueError(f"{path} lacks tensors for {left[:5]} (saved by another version?)")
+
+
 def load_compressed(folder: str | Path) -> LoadedModel:
     """The compressed model saved in ``folder`` (by :func:`save_compressed`)."""
-    from safetensors.torch import load_model as load_tensors
-
     folder = Path(folder)
     path = folder / MANIFEST
     if not path.exists():
         raise ValueError(f"{folder} is not a compressed model folder (no {MANIFEST})")
     manifest = json.loads(path.read_text())
-    loaded = load_model(manifest["source_model"])
+    loaded = load_model(manifest["source_model"], weights=False)  # every tensor is in the file
     CompressionConfig.from_dict(manifest["compression"]["config"])  # validates
     adapter = get_adapter(loaded.model)
     L = adapter.num_layers
@@ -106,9 +135,7 @@ def load_compressed(folder: str | Path) -> LoadedModel:
         biases = [adapter.layers[i].bias(mt) for i in range(L)]
         for layer, mod in zip(adapter.layers, build_modules(factors, biases), strict=True):
             layer.replace(mt, mod)
-    missing, unexpected = load_tensors(loaded.model, str(folder / "model.safetensors"),
-                                       strict=True)
-    del missing, unexpected
+    _assign_saved_tensors(loaded.model, folder / "model.safetensors")
     loaded.model.eval()
     loaded.note = (manifest.get("source_note") or "") + \
         ("; " if manifest.get("source_note") else "") + \
