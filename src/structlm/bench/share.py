@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import dataclasses
 import inspect
 import json
 import os
@@ -356,8 +357,8 @@ def run_share_bench(cfg: ShareBenchConfig, out_prefix: str, progress: bool = Tru
             parent = Path(os.path.abspath(out_prefix)).parent
             parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=parent, prefix=".bench-model-") as tmp:
-                loaded.model = compressed  # save_compressed writes loaded.model
-                save_compressed(loaded, report, Path(tmp) / "model")
+                save_compressed(dataclasses.replace(loaded, model=compressed), report,
+                                Path(tmp) / "model")
                 rows += peak_memory_rows(rows[0], source, str(Path(tmp) / "model"), cfg,
                                          progress)
     write_outputs(rows, out_prefix)

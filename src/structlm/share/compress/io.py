@@ -103,9 +103,9 @@ def _assign_saved_tensors(model: torch.nn.Module, path: Path) -> None:
         aliases.setdefault(id(p), []).append(name)
     state = dict(saved)
     for names in aliases.values():
-        have = [n for n in names if n in saved]
-        for n in names if have else []:
-            state.setdefault(n, saved[have[0]])
+        found = next((saved[n] for n in names if n in saved), None)
+        if found is not None:
+            state.update({n: found for n in names})
     _, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if unexpected:
         raise ValueError(f"{path} holds tensors the rebuilt model does not have: "
