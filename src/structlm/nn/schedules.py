@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BlockSchedule", "CyclicSchedule", "TableSchedule", "TypeSchedule", "get_schedule"]
+__all__ = ["BlockSchedule", "CyclicSchedule", "TableSchedule", "TypeSchedule", "auto_schedule",
+           "check_type_coverage", "get_schedule", "type_counts"]
 
 
 class TypeSchedule(abc.ABC):
@@ -101,6 +102,9 @@ def get_schedule(spec: str | TypeSchedule | Sequence[int], q: int) -> TypeSchedu
     if not isinstance(spec, str):
         return TableSchedule(q, tuple(int(t) for t in spec))
     text = spec.strip().lower()
+    if text == "auto":
+        raise ValueError("type schedule 'auto' depends on the training context: resolve it "
+                         "with auto_schedule(q, seq_len) first")
     if text == "cyclic":
         return CyclicSchedule(q)
     if text in ("block", "paper"):
@@ -115,3 +119,36 @@ def get_schedule(spec: str | TypeSchedule | Sequence[int], q: int) -> TypeSchedu
         f"unknown schedule {spec!r}: expected 'cyclic', 'block', 'block:<size>[:<period>]' or "
         "'table:<t0>,<t1>,...'"
     )
+
+
+def auto_schedule(q: int, seq_len: int) -> str:
+    """The paper's block schedule scaled to a training context: blocks of
+    ``seq_len / (2q)`` positions, as the paper's 192 = 1536 / (2 * 4), so that every
+    training window holds every type, twice (``block:<size>``)."""
+    if seq_len < q:
+        raise ValueError(f"seq_len={seq_len} is shorter than q={q}: no schedule can give "
+                         f"every one of the {q} types a position in a window")
+    return f"block:{max(1, seq_len // (2 * q))}"
+
+
+def type_counts(schedule: TypeSchedule, seq_len: int) -> list[int]:
+    """Positions of each type in a window of absolute positions ``0 .. seq_len - 1`` (a
+    training window): ``counts[t]`` for ``t`` in ``[0, q)``."""
+    types = schedule(torch.arange(seq_len))
+    return [int(c) for c in torch.bincount(types, minlength=schedule.q)]
+
+
+def check_type_coverage(schedule: TypeSchedule, seq_len: int, spec: str = "") -> list[int]:
+    """:func:`type_counts`, raising when a type gets no position: its off-diagonal blocks
+    would never see a gradient, and generation at its positions would use untrained
+    weights."""
+    counts = type_counts(schedule, seq_len)
+    missing = [t for t, c in enumerate(counts) if c == 0]
+    if missing:
+        raise ValueError(
+            f"type schedule {spec or schedule!r} with q={schedule.q} gives types {missing} no "
+            f"position in a training window of seq_len={seq_len} (positions per type: "
+            f"{counts}); their weight blocks would never be trained. Use type_schedule "
+            f"'auto' (= {auto_schedule(schedule.q, seq_len)!r} here) or 'cyclic', a longer "
+            "seq_len, or set allow_untrained_types: true to train anyway")
+    return counts

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from ..nn.schedules import auto_schedule, check_type_coverage, get_schedule, type_counts
 from . import distributed as D
 
 __all__ = ["TrainConfig", "load_config", "train"]
@@ -40,8 +41,13 @@ class TrainConfig:
     """Model preset (``paper-110m``, ``cpu-small``, ``tiny``)."""
     algebra: str = "dense"
     """FFN algebra: ``dense`` or a catalogue name (``Q2^2``, ``Q4``, ...)."""
-    type_schedule: str = "block"
-    """Position types: ``block`` (the paper's 192-blocks), ``block:<n>``, ``cyclic``."""
+    type_schedule: str = "auto"
+    """Position types: ``auto`` (the paper's block rule scaled to ``seq_len``: blocks of
+    ``seq_len / (2q)``), ``block`` (the paper's 192-blocks), ``block:<n>``, ``cyclic``,
+    ``table:...``. A schedule that leaves a type without a position in a training
+    window is refused unless ``allow_untrained_types``."""
+    allow_untrained_types: bool = False
+    """Train even if some types never occur in a window (their blocks stay untrained)."""
     model_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Config fields to change on top of the preset (e.g. ``n_positions``)."""
     corpus: str = "shakespeare"
@@ -73,6 +79,35 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         D.check_parallel(self.parallel)
+        if self.seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
+        self.type_counts()  # refuses a schedule that leaves a type untrained
+
+    @property
+    def q(self) -> int:
+        """Number of position types of the FFN algebra (1 for dense)."""
+        from ..algebra import get_algebra
+
+        if self.algebra.strip().lower() in ("dense", "q1"):
+            return 1
+        return int(get_algebra(self.algebra).q or 1)
+
+    def model_schedule(self) -> str:
+        """The model config's ``type_schedule``: ``auto`` resolved for ``seq_len``."""
+        if self.type_schedule.strip().lower() == "auto":
+            return auto_schedule(self.q, self.seq_len) if self.q > 1 else "block"
+        return self.type_schedule
+
+    def type_counts(self) -> list[int]:
+        """Positions of each type in one training window (``[seq_len]`` for dense);
+        raises when a type has none, unless ``allow_untrained_types``."""
+        q, spec = self.q, self.model_schedule()
+        if q == 1:
+            return [self.seq_len]
+        schedule = get_schedule(spec, q)
+        if self.allow_untrained_types:
+            return type_counts(schedule, self.seq_len)
+        return check_type_coverage(schedule, self.seq_len, spec)
 
 
 _RUNTIME_FIELDS = frozenset({"parallel"})
@@ -83,7 +118,9 @@ other values (checkpoints are the same for every engine)."""
 def _same_run(saved: str, cfg: TrainConfig) -> bool:
     """Whether a saved ``config.json`` describes the run ``cfg``, ignoring
     ``_RUNTIME_FIELDS`` (so configs written before ``parallel`` existed still match)."""
-    old, new = json.loads(saved), json.loads(json.dumps(dataclasses.asdict(cfg)))
+    new = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    defaults = json.loads(json.dumps(dataclasses.asdict(TrainConfig())))
+    old = {**defaults, **json.loads(saved)}  # fields added since take their defaults
     return ({k: v for k, v in old.items() if k not in _RUNTIME_FIELDS}
             == {k: v for k, v in new.items() if k not in _RUNTIME_FIELDS})
 
@@ -114,7 +151,7 @@ def _build_model(cfg: TrainConfig) -> Any:
     from ..models import StructLMForCausalLM, config_from_preset
 
     torch.manual_seed(cfg.seed)
-    mcfg = config_from_preset(cfg.preset, cfg.algebra, type_schedule=cfg.type_schedule,
+    mcfg = config_from_preset(cfg.preset, cfg.algebra, type_schedule=cfg.model_schedule(),
                               **cfg.model_overrides)
     return StructLMForCausalLM(mcfg)
 
@@ -203,6 +240,7 @@ def train(cfg: TrainConfig, stop_after: int | None = None, progress: bool = True
         if ckpt.exists() and cfg_path.exists() and not _same_run(cfg_path.read_text(), cfg):
             raise ValueError(f"{out} holds a run with a different config; use another out_dir")
         cfg_path.write_text(cfg_json)
+        _write_type_counts(out / "types.json", cfg)
         build_token_dataset(cfg.corpus, data_dir, cfg.val_fraction, cfg.seed, cfg.heldout)
     if world > 1:
         dist.barrier()
@@ -225,10 +263,12 @@ def train(cfg: TrainConfig, stop_after: int | None = None, progress: bool = True
         step = state["step"]
         if rank == 0:
             rows = list(csv.DictReader(metrics.open())) if metrics.exists() else []
-            _write_rows(metrics, [r for r in rows if int(r["step"]) <= step])
+            _write_rows(metrics, [{k: r.get(k) or "" for k in _FIELDS} for r in rows
+                                  if int(r["step"]) <= step])
     elif rank == 0 and metrics.exists():
         metrics.unlink()
     autocast = D.autocast(engine, device)
+    per_window, windows_per_step = cfg.type_counts(), cfg.batch_size * cfg.grad_accum
     model.train()
     start = time.perf_counter()
     bar = tqdm(total=cfg.max_steps, initial=step, desc=f"train {cfg.algebra}",
@@ -260,6 +300,8 @@ def train(cfg: TrainConfig, stop_after: int | None = None, progress: bool = True
         row: dict[str, Any] = {"step": step, "lr": lr,
                                "train_loss": float(loss_sum) / cfg.grad_accum, "val_loss": "",
                                "tokens": step * cfg.batch_size * cfg.seq_len * cfg.grad_accum,
+                               "type_tokens": "/".join(str(c * windows_per_step * step)
+                                                       for c in per_window),
                                "seconds": round(time.perf_counter() - start, 3)}
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
             row["val_loss"] = _evaluate(model, data, cfg)
@@ -284,7 +326,22 @@ def train(cfg: TrainConfig, stop_after: int | None = None, progress: bool = True
     return metrics
 
 
-_FIELDS = ["step", "lr", "train_loss", "val_loss", "tokens", "seconds"]
+_FIELDS = ["step", "lr", "train_loss", "val_loss", "tokens", "type_tokens", "seconds"]
+"""``type_tokens``: training tokens seen so far by each position type, ``/``-separated."""
+
+
+def _write_type_counts(path: Path, cfg: TrainConfig) -> None:
+    """Record (and print) which position types a training window holds."""
+    counts = cfg.type_counts()
+    info = {"algebra": cfg.algebra, "q": cfg.q, "type_schedule": cfg.type_schedule,
+            "model_schedule": cfg.model_schedule() if cfg.q > 1 else None,
+            "seq_len": cfg.seq_len, "positions_per_type_per_window": counts}
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(info, indent=1))
+    os.replace(tmp, path)
+    if cfg.q > 1:
+        print(f"position types ({info['model_schedule']}, q={cfg.q}, seq_len={cfg.seq_len}): "
+              f"positions per type per window {counts}", flush=True)
 
 
 def _write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
