@@ -134,11 +134,14 @@ def _cmd_cost(args: argparse.Namespace) -> int:
     from .models import config_from_preset
     from .models.cost import model_cost
 
-    cost = model_cost(config_from_preset(args.preset, args.algebra))
+    overrides = {"type_schedule": args.schedule} if args.schedule else {}
+    cost = model_cost(config_from_preset(args.preset, args.algebra,
+                                         structured_scores=args.structured_scores, **overrides))
     if args.json:
         print(json.dumps(cost))
         return 0
-    print(f"preset {args.preset}, FFN algebra {args.algebra} (rho = {cost['rho_ffn']})")
+    print(f"preset {args.preset}, FFN algebra {args.algebra} (rho = {cost['rho_ffn']}), "
+          f"structured attention scores {'on' if cost['structured_scores'] else 'off'}")
     print(f"trainable parameters      {cost['parameters']:,}")
     dec = cost["decode_macs_per_token"]
     print(f"decode MACs / token       dense {dec['dense']:,}  algebra {dec['algebra']:,}  "
@@ -148,6 +151,16 @@ def _cmd_cost(args: argparse.Namespace) -> int:
     print("training MACs / token     component: dense -> algebra")
     for name, v in cost["training_macs_per_token"].items():
         print(f"  {name:<24}{v['dense']:>16,} -> {v['algebra']:>16,}")
+    sc = cost["scores"]
+    if sc:
+        def f(key: str) -> str:
+            return f"{sc[key]} = {float(Fraction(sc[key])):.4f}"
+
+        print(f"structured scores         rho_score {f('rho_score')} (schedule {sc['schedule']}, "
+              f"causal context {sc['context']}); balanced limit {f('rho_score_balanced_limit')}")
+        print(f"  attention speed-up bound forward {f('forward_bound')}, training "
+              f"{f('training_bound')}; at the limit {f('forward_bound_limit')}, "
+              f"{f('training_bound_limit')}")
     return 0
 
 
@@ -276,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     cost = sub.add_parser("cost", help="parameters and MACs of a model preset")
     cost.add_argument("--preset", default="paper-110m")
     cost.add_argument("--algebra", default="Q2^2", help="FFN algebra (dense, Q4, Q2^2, ...)")
+    cost.add_argument("--structured-scores", action="store_true",
+                      help="count attention scores as structured (seed 000 appendix G)")
+    cost.add_argument("--schedule", default="", help="type schedule (default: the preset's)")
     cost.add_argument("--json", action="store_true", help="one JSON object")
     cost.set_defaults(func=_cmd_cost)
 

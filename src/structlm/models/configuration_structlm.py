@@ -23,7 +23,11 @@ class StructLMConfig(PretrainedConfig):
         intermediate_size: SwiGLU width ``F``.
         algebra: ``"dense"`` or a catalogue name (``"Q2^2"``, ``"Q4"``, ...) for the FFN.
         type_schedule: position types from absolute positions: ``"block"`` (the paper's
-            ``floor((p mod 768) / 192)`` for q = 4), ``"block:<size>"``, ``"cyclic"``.
+            ``floor((p mod 768) / 192)`` for q = 4), ``"block:<size>"``, ``"cyclic"``,
+            ``"cross-layer:<one of these>"`` (type shifted by the layer index).
+        structured_scores: structured attention scores (seed 000 appendix G): a type-``i``
+            query scores a type-``j`` key on head-dimension groups ``F(i, j)`` only
+            (:mod:`structlm.nn.structured_scores`); off by default, as in the paper's LM.
         layer_norm_epsilon: LayerNorm epsilon.
         initializer_range: std of the normal initialisation.
     """
@@ -40,6 +44,7 @@ class StructLMConfig(PretrainedConfig):
         intermediate_size: int = 1536,
         algebra: str = "dense",
         type_schedule: str = "block",
+        structured_scores: bool = False,
         layer_norm_epsilon: float = 1e-5,
         initializer_range: float = 0.02,
         tie_word_embeddings: bool = True,
@@ -59,6 +64,20 @@ class StructLMConfig(PretrainedConfig):
         self.intermediate_size = intermediate_size
         self.algebra = algebra
         self.type_schedule = type_schedule
+        self.structured_scores = bool(structured_scores)
+        if self.structured_scores:
+            if algebra.strip().lower() in ("dense", "q1"):
+                raise ValueError("structured_scores needs an algebra (the query and key "
+                                 "types come from its position types), got algebra='dense'")
+            from ..algebra import get_algebra
+
+            q = int(get_algebra(algebra).q or 1)
+            head = hidden_size // num_attention_heads
+            if head % q:
+                raise ValueError(f"structured_scores splits each head into q={q} groups: "
+                                 f"head size {head} (hidden_size={hidden_size} / "
+                                 f"num_attention_heads={num_attention_heads}) is not "
+                                 f"divisible by {q}")
         self.layer_norm_epsilon = layer_norm_epsilon
         self.initializer_range = initializer_range
         super().__init__(tie_word_embeddings=tie_word_embeddings, bos_token_id=bos_token_id,

@@ -3,6 +3,9 @@
 Counts are per token, multiply–accumulates of matrix products only (no norms,
 activations, softmax or optimiser). Attention scores at training time use the mean
 causal length ``(T + 1) / 2`` of a full context ``T``; decode uses a full context.
+With ``structured_scores`` the ``QK^T`` half of the attention MACs is scaled by
+``rho_score`` of a full causal context under the model's schedule (averaged over
+layers for a cross-layer schedule); ``PV`` stays dense.
 """
 
 from __future__ import annotations
@@ -10,10 +13,15 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Any
 
-from ..algebra.cost import algebra_rho, decode_macs, decode_projection_ratio
+from ..algebra.cost import (
+    algebra_rho,
+    attention_speedup_bounds,
+    decode_macs,
+    decode_projection_ratio,
+)
 from .configuration_structlm import StructLMConfig
 
-__all__ = ["model_cost", "parameter_count"]
+__all__ = ["model_cost", "parameter_count", "score_cost"]
 
 
 def parameter_count(cfg: StructLMConfig) -> int:
@@ -31,17 +39,53 @@ def _rho(cfg: StructLMConfig) -> Fraction:
     return algebra_rho(cfg.algebra)
 
 
+def score_cost(cfg: StructLMConfig, context: int | None = None) -> dict[str, str] | None:
+    """Structured-score accounting of an algebra config (whether or not the option is
+    on): ``rho_score`` over the causal pairs of ``context`` positions (default: the full
+    context) under the config's schedule, the long balanced limit (mean ``|F(i, j)| / q``
+    over uniform types), and the seed's speed-up bounds of attention for each. ``None``
+    for a dense config."""
+    if cfg.algebra.strip().lower() in ("dense", "q1"):
+        return None
+    import torch
+
+    from ..algebra import get_algebra, support_of
+    from ..nn import get_schedule
+    from ..nn.structured_scores import score_groups, structured_rho
+
+    groups = score_groups(support_of(get_algebra(cfg.algebra)).mask)
+    q = groups.shape[0]
+    n = context or cfg.n_positions
+    pos = torch.arange(n)[None]
+    allowed = torch.ones(n, n, dtype=torch.bool).tril()[None]
+    schedule = get_schedule(cfg.type_schedule, q)
+    layers = range(q if schedule.depends_on_layer else 1)
+    rho = sum((structured_rho(schedule.at_layer(i)(pos), schedule.at_layer(i)(pos), groups,
+                              allowed) for i in layers), Fraction(0)) / len(layers)
+    limit = Fraction(int(groups.sum()), q ** 3)
+    fwd, train = attention_speedup_bounds(rho)
+    fwd_lim, train_lim = attention_speedup_bounds(limit)
+    return {"schedule": cfg.type_schedule, "context": str(n), "rho_score": str(rho),
+            "forward_bound": str(fwd), "training_bound": str(train),
+            "rho_score_balanced_limit": str(limit), "forward_bound_limit": str(fwd_lim),
+            "training_bound_limit": str(train_lim)}
+
+
 def model_cost(cfg: StructLMConfig) -> dict[str, Any]:
     """Parameters, decode MACs per token and training MACs per token by component."""
     d, f, v, t, n = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.n_positions,
                      cfg.num_hidden_layers)
     rho = _rho(cfg)
+    scores = score_cost(cfg)
+    rho_s = (Fraction(scores["rho_score"]) if scores and getattr(cfg, "structured_scores", False)
+             else Fraction(1))
     dec = {name: n * decode_macs(d, d, d, f, t, r) + d * v
            for name, r in (("dense", Fraction(1)), ("algebra", rho))}
+    dec["algebra"] -= n * t * d * (1 - rho_s)  # QK^T of the decoded token at full context
     mean_len = Fraction(t + 1, 2)
     fwd = {
         "attention_projections": (n * 4 * d * d, n * 4 * d * d),
-        "attention_scores": (n * 2 * d * mean_len, n * 2 * d * mean_len),
+        "attention_scores": (n * 2 * d * mean_len, n * d * mean_len * (1 + rho_s)),
         "ffn": (n * 3 * d * f, n * 3 * d * f * rho),
         "lm_head": (d * v, d * v),
     }
@@ -57,4 +101,6 @@ def model_cost(cfg: StructLMConfig) -> dict[str, Any]:
         "training_macs_per_token": {k: {s: round(x) for s, x in vals.items()}
                                     for k, vals in train.items()},
         "training_ratio": str(Fraction(train["total"]["algebra"]) / train["total"]["dense"]),
+        "structured_scores": bool(getattr(cfg, "structured_scores", False)),
+        "scores": scores,
     }

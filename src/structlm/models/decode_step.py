@@ -194,6 +194,9 @@ def fused_decode_applies(model: StructLMModel, x: torch.Tensor, mask: torch.Tens
         return False
     if torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters()):
         return False
+    if model.score_groups is not None or (model.schedule is not None
+                                          and model.schedule.depends_on_layer):
+        return False  # the fused step computes dense scores and one type for every layer
     layers = getattr(cache, "layers", None)
     if (not isinstance(layers, list) or len(layers) != len(model.h)
             or not all(type(layer) is GrowingKVLayer and layer.is_initialized

@@ -21,8 +21,9 @@ from torch import nn
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from ..algebra import get_algebra
+from ..algebra import get_algebra, support_of
 from ..nn import AlgebraLinear, DecodeLinear, get_schedule
+from ..nn.structured_scores import score_groups, structured_attention
 from ..ops import cpu_kernels
 from ..ops.blocked import FUSED_ROWS_MAX_ROWS
 from ..ops.partition import TypePartition
@@ -53,14 +54,21 @@ class StructLMAttention(nn.Module):
         self.proj = DecodeLinear(self.d_model, self.d_model, bias=True)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None,
-                cache: DynamicCache | None) -> torch.Tensor:
+                cache: DynamicCache | None,
+                score_types: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor:
+        """``score_types``: ``(query types (B, T), key types (B, S), groups (q, q, q))``
+        for structured scores; ``None``: dense scores."""
         b, t, d = x.shape  # (B, T, D)
         q, k, v = self.qkv(x).split(d, dim=2)
         q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2)
                    for z in (q, k, v))  # (B, nh, T, hs)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)  # (B, nh, S, hs)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, nh, T, hs)
+        if score_types is None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, nh, T, hs)
+        else:
+            y = structured_attention(q, k, v, *score_types, mask=mask)  # (B, nh, T, hs)
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 
 
@@ -162,9 +170,11 @@ class StructLMBlock(nn.Module):
         self.mlp = StructLMMLP(config)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cache: DynamicCache | None,
-                types: torch.Tensor | TypePartition | None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), mask, cache)
-        return x + self.mlp(self.ln_2(x), types)
+                types: torch.Tensor | TypePartition | None,
+                score_types: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask, cache, score_types)  # (B, T, D)
+        return x + self.mlp(self.ln_2(x), types)  # (B, T, D)
 
 
 class StructLMPreTrainedModel(PreTrainedModel):
@@ -208,6 +218,8 @@ class StructLMModel(StructLMPreTrainedModel):
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
         self.q = 1 if _is_dense(config) else int(get_algebra(config.algebra).q or 1)
         self.schedule = None if _is_dense(config) else get_schedule(config.type_schedule, self.q)
+        self.score_groups = (score_groups(support_of(get_algebra(config.algebra)).mask)
+                             if getattr(config, "structured_scores", False) else None)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -216,14 +228,55 @@ class StructLMModel(StructLMPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.wte = value
 
-    def position_types(self, position_ids: torch.Tensor) -> torch.Tensor | TypePartition | None:
-        """Types of absolute positions ``(B, T)``; on the CPU already as row sets."""
+    def position_types(self, position_ids: torch.Tensor, layer: int = 0
+                       ) -> torch.Tensor | TypePartition | None:
+        """FFN types of absolute positions ``(B, T)`` in decoder layer ``layer``; on the
+        CPU already as row sets."""
         if self.schedule is None:
             return None
-        types = self.schedule(position_ids)
+        types = self.schedule.at_layer(layer)(position_ids)
         if types.device.type == "cpu":
             return TypePartition(types.reshape(-1), self.q)
         return types
+
+    def _layer_types(self, position_ids: torch.Tensor, key_positions: torch.Tensor | None
+                     ) -> list[tuple[Any, Any]]:
+        """Per decoder layer: (FFN types, structured-score types or ``None``); computed
+        once per distinct layer schedule (one, or q for a cross-layer schedule)."""
+        memo: dict[int, tuple[Any, Any]] = {}
+        out = []
+        for i in range(len(self.h)):
+            key = i % self.q if self.schedule is not None and self.schedule.depends_on_layer else 0
+            if key not in memo:
+                score = None
+                if self.score_groups is not None:
+                    assert self.schedule is not None and key_positions is not None
+                    sched = self.schedule.at_layer(i)
+                    score = (sched(position_ids), sched(key_positions), self.score_groups)
+                memo[key] = (self.position_types(position_ids, i), score)
+            out.append(memo[key])
+        return out
+
+    def _key_positions(self, position_ids: torch.Tensor, cache: DynamicCache | None,
+                       past: int) -> torch.Tensor | None:
+        """Absolute positions ``(B, S)`` of every key (structured scores need the types of
+        cached keys); kept on the cache beside the keys."""
+        if self.score_groups is None:
+            return None
+        if cache is None:
+            return position_ids
+        if past == 0:
+            keys = position_ids
+        else:
+            held = getattr(cache, "_structlm_key_positions", None)
+            if held is None or held.shape[-1] < past or held.shape[0] != position_ids.shape[0]:
+                raise ValueError("structured attention scores need the positions of the "
+                                 "cached keys: continue with a cache this model filled "
+                                 f"({past} cached keys, positions of "
+                                 f"{None if held is None else tuple(held.shape)} held)")
+            keys = torch.cat([held[:, :past], position_ids], dim=1)  # a crop drops the tail
+        cache._structlm_key_positions = keys  # type: ignore[union-attr]
+        return keys
 
     def forward(
         self,
@@ -263,9 +316,11 @@ class StructLMModel(StructLMPreTrainedModel):
         if fused_decode_applies(self, x, mask, cache):
             x = fused_decode_blocks(self, x, position_ids, cache)  # (B, 1, D)
         else:
-            types = self.position_types(position_ids)
-            for block in self.h:
-                x = block(x, mask, cache, types)
+            position_ids = position_ids.expand(b, t)
+            keys = self._key_positions(position_ids, cache, past)  # (B, S) | None
+            for block, (types, score_types) in zip(self.h, self._layer_types(position_ids, keys),
+                                                   strict=True):
+                x = block(x, mask, cache, types, score_types)  # (B, T, D)
         return BaseModelOutputWithPast(last_hidden_state=self.ln_f(x), cache=cache)
 
     @staticmethod

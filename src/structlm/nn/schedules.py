@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BlockSchedule", "CyclicSchedule", "TableSchedule", "TypeSchedule", "auto_schedule",
+__all__ = ["BlockSchedule", "CrossLayerSchedule", "CyclicSchedule", "TableSchedule",
+           "TypeSchedule", "auto_schedule",
            "check_type_coverage", "get_schedule", "type_counts"]
 
 
@@ -20,6 +21,13 @@ class TypeSchedule(abc.ABC):
     """Base class: ``schedule(positions) -> types`` (same shape, int64)."""
 
     q: int
+
+    #: whether :meth:`at_layer` gives different types in different layers
+    depends_on_layer = False
+
+    def at_layer(self, layer: int) -> TypeSchedule:
+        """The schedule of decoder layer ``layer`` (the same in every layer by default)."""
+        return self
 
     def __call__(self, positions: torch.Tensor) -> torch.Tensor:
         if positions.dtype.is_floating_point:
@@ -91,10 +99,38 @@ class TableSchedule(TypeSchedule):
         return table[positions % len(self.table)]
 
 
+@dataclass(frozen=True)
+class CrossLayerSchedule(TypeSchedule):
+    """A cross-layer schedule: ``tau_l(p) = (base(p) + l) mod q`` in decoder layer ``l``.
+
+    Within a layer the types stay as balanced as ``base``'s; across ``q`` consecutive
+    layers every position takes every type, so each token's representation passes
+    through every type's off-diagonal blocks (with ``base`` alone a position keeps one
+    type in every layer). As a plain schedule it is layer ``layer``'s (0 by default)."""
+
+    q: int
+    base: TypeSchedule
+    layer: int = 0
+    depends_on_layer = True
+
+    def __post_init__(self) -> None:
+        if self.base.q != self.q:
+            raise ValueError(f"base schedule has q={self.base.q}, expected {self.q}")
+        if self.base.depends_on_layer:
+            raise ValueError("the base of a cross-layer schedule must not depend on the layer")
+
+    def at_layer(self, layer: int) -> CrossLayerSchedule:
+        return CrossLayerSchedule(self.q, self.base, layer % self.q)
+
+    def _types(self, positions: torch.Tensor) -> torch.Tensor:
+        return (self.base(positions) + self.layer) % self.q
+
+
 def get_schedule(spec: str | TypeSchedule | Sequence[int], q: int) -> TypeSchedule:
     """Schedule from a name: ``cyclic``, ``block`` (= ``block:192``, the paper's),
-    ``block:<size>``, ``block:<size>:<period>``, or ``table:<t0>,<t1>,...``; or a
-    sequence of types (a table)."""
+    ``block:<size>``, ``block:<size>:<period>``, ``table:<t0>,<t1>,...``, or
+    ``cross-layer:<any of these>`` (:class:`CrossLayerSchedule`); or a sequence of
+    types (a table)."""
     if isinstance(spec, TypeSchedule):
         if spec.q != q:
             raise ValueError(f"schedule has q={spec.q} but the layer has q={q}")
@@ -105,6 +141,8 @@ def get_schedule(spec: str | TypeSchedule | Sequence[int], q: int) -> TypeSchedu
     if text == "auto":
         raise ValueError("type schedule 'auto' depends on the training context: resolve it "
                          "with auto_schedule(q, seq_len) first")
+    if text.startswith("cross-layer:"):
+        return CrossLayerSchedule(q, get_schedule(text.split(":", 1)[1], q))
     if text == "cyclic":
         return CyclicSchedule(q)
     if text in ("block", "paper"):
@@ -116,8 +154,8 @@ def get_schedule(spec: str | TypeSchedule | Sequence[int], q: int) -> TypeSchedu
     if text.startswith("table:"):
         return TableSchedule(q, tuple(int(t) for t in text.split(":", 1)[1].split(",")))
     raise ValueError(
-        f"unknown schedule {spec!r}: expected 'cyclic', 'block', 'block:<size>[:<period>]' or "
-        "'table:<t0>,<t1>,...'"
+        f"unknown schedule {spec!r}: expected 'cyclic', 'block', 'block:<size>[:<period>]', "
+        "'table:<t0>,<t1>,...' or 'cross-layer:<one of these>'"
     )
 
 

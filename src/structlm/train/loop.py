@@ -44,8 +44,9 @@ class TrainConfig:
     type_schedule: str = "auto"
     """Position types: ``auto`` (the paper's block rule scaled to ``seq_len``: blocks of
     ``seq_len / (2q)``), ``block`` (the paper's 192-blocks), ``block:<n>``, ``cyclic``,
-    ``table:...``. A schedule that leaves a type without a position in a training
-    window is refused unless ``allow_untrained_types``."""
+    ``table:...``, ``cross-layer:<any of these>`` (type shifted by the layer index). A
+    schedule that leaves a type without a position in a training window is refused
+    unless ``allow_untrained_types``."""
     allow_untrained_types: bool = False
     """Train even if some types never occur in a window (their blocks stay untrained)."""
     model_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -94,8 +95,12 @@ class TrainConfig:
 
     def model_schedule(self) -> str:
         """The model config's ``type_schedule``: ``auto`` resolved for ``seq_len``."""
-        if self.type_schedule.strip().lower() == "auto":
-            return auto_schedule(self.q, self.seq_len) if self.q > 1 else "block"
+        spec = self.type_schedule.strip().lower()
+        prefix = ""
+        if spec.startswith("cross-layer:"):
+            prefix, spec = "cross-layer:", spec.split(":", 1)[1]
+        if spec == "auto":
+            return prefix + (auto_schedule(self.q, self.seq_len) if self.q > 1 else "block")
         return self.type_schedule
 
     def type_counts(self) -> list[int]:
