@@ -226,6 +226,17 @@ def _cmd_bench_share(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_study(args: argparse.Namespace) -> int:
+    from .train.study import run_study
+    from .train.study_config import load_study_config
+
+    cfg = load_study_config(args.config, out_dir=args.out, max_steps=args.max_steps)
+    report = run_study(cfg)
+    print(report.read_text())
+    print(f"wrote {report} (and runs.csv, arms.csv, curves.png, loss_vs_macs.png)")
+    return 0
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from .train import load_config, train
     from .train.plot import plot_loss_curves
@@ -285,6 +296,13 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--max-steps", type=int, default=None, help="override max_steps")
     tr.add_argument("--plot", default=None, help="combined loss plot when several configs")
     tr.set_defaults(func=_cmd_train)
+
+    st = sub.add_parser("study", help="train a set of arms on the same data, tokens and seeds, "
+                        "then report (resumes arm by arm)")
+    st.add_argument("config", help="study YAML (see configs/study/)")
+    st.add_argument("--out", default=None, help="override out_dir")
+    st.add_argument("--max-steps", type=int, default=None, help="override train.max_steps")
+    st.set_defaults(func=_cmd_study)
 
     cost = sub.add_parser("cost", help="parameters and MACs of a model preset")
     cost.add_argument("--preset", default="paper-110m")

@@ -63,6 +63,8 @@ class GenerateBenchConfig:
     runs: int = 4
     threads: int = 2
     seed: int = 0
+    tokenizer: str = "gpt2"
+    """``gpt2`` or a tokenizer folder (e.g. a trained model's, with its BPE)."""
 
 
 def ideal_decode_speedup(cfg: Any, context: float) -> float:
@@ -134,10 +136,10 @@ def _one_run(models: dict[str, Any], tok: Any, prompts: Sequence[str], mode: str
 def run_generate_bench(cfg: GenerateBenchConfig, out_prefix: str,
                        progress: bool = True) -> list[dict[str, Any]]:
     """Time both models; write ``<out_prefix>.csv``, ``.md`` and ``.png``; return the rows."""
-    from ..data import gpt2_tokenizer
+    from ..data import load_tokenizer
 
     torch.set_num_threads(cfg.threads)
-    tok = gpt2_tokenizer()
+    tok = load_tokenizer(cfg.tokenizer)
     models = {"dense": _load(cfg.dense_model, cfg.preset, "dense", cfg.seed),
               "algebra": _load(cfg.algebra_model, cfg.preset, cfg.algebra, cfg.seed)}
     env = environment()

@@ -14,10 +14,12 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
+from .bpe import parse_tokenizer_spec
 from .corpora import Document, load_corpus
 from .tokenizer import gpt2_encoding
 
@@ -56,10 +58,25 @@ def split_documents(docs: list[Document], val_fraction: float, seed: int
     return [d for d in docs if d.name not in val], [d for d in docs if d.name in val]
 
 
-def _write_tokens(path: Path, docs: list[Document]) -> int:
-    enc = gpt2_encoding()
-    eot = enc.eot_token
-    ids = enc.encode_ordinary_batch([d.text for d in docs]) if docs else []
+def _encoder(tokenizer_dir: Path | None) -> tuple[Any, int]:
+    """``(encode a list of texts, end-of-text id)`` for GPT-2 or a trained BPE folder."""
+    if tokenizer_dir is None:
+        enc = gpt2_encoding()
+        return enc.encode_ordinary_batch, enc.eot_token
+    from .bpe import load_bpe
+
+    tok = load_bpe(tokenizer_dir)
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in tok.backend_tokenizer.encode_batch(texts,
+                                                                  add_special_tokens=False)]
+
+    return encode, int(tok.eos_token_id)
+
+
+def _write_tokens(path: Path, docs: list[Document], tokenizer_dir: Path | None = None) -> int:
+    encode, eot = _encoder(tokenizer_dir)
+    ids = encode([d.text for d in docs]) if docs else []
     total = sum(len(x) + 1 for x in ids)
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     arr = np.memmap(tmp, dtype=np.uint16, mode="w+", shape=(max(total, 1),))
@@ -75,14 +92,19 @@ def _write_tokens(path: Path, docs: list[Document]) -> int:
 
 
 def build_token_dataset(corpus: str, out_dir: str | os.PathLike[str], val_fraction: float = 0.1,
-                        seed: int = 0, heldout: str = "") -> TokenDataset:
+                        seed: int = 0, heldout: str = "", tokenizer: str = "gpt2"
+                        ) -> TokenDataset:
     """Tokenise ``corpus`` (see :func:`~structlm.data.corpora.load_corpus`) into
     ``out_dir``; reuse an existing build with the same corpus, split and tokenizer.
 
     ``heldout``: a corpus spec (e.g. a benchmark's ``.jsonl``) whose texts the training
-    documents are decontaminated against (Jaccard >= 0.8 on 3-character shingles)."""
+    documents are decontaminated against (Jaccard >= 0.8 on 3-character shingles).
+    ``tokenizer``: ``gpt2`` or ``bpe:<vocab>`` — a byte-level BPE trained on the training
+    documents only (:mod:`.bpe`), saved in ``out_dir/tokenizer``."""
+    bpe_vocab = parse_tokenizer_spec(tokenizer)
     out = Path(out_dir)
-    want = {"version": _VERSION, "corpus": corpus, "tokenizer": "gpt2-r50k",
+    want = {"version": _VERSION, "corpus": corpus,
+            "tokenizer": "gpt2-r50k" if bpe_vocab is None else f"bpe:{bpe_vocab}",
             "val_fraction": val_fraction, "seed": seed, "heldout": heldout}
     meta_path = out / "meta.json"
     if meta_path.exists():
@@ -98,12 +120,20 @@ def build_token_dataset(corpus: str, out_dir: str | os.PathLike[str], val_fracti
 
         train, report = decontaminate(train, [d.text for d in load_corpus(heldout)])
         contaminated = report.removed
+    tok_dir = None
+    if bpe_vocab is not None:
+        from .bpe import train_bpe
+
+        tok_dir = out / "tokenizer"
+        train_bpe([d.text for d in train], bpe_vocab, tok_dir)
     meta = dict(want)
     meta.update(
         duplicates_removed=removed, decontaminated=contaminated,
         train_documents=[d.name for d in train], val_documents=[d.name for d in val],
-        train_tokens=_write_tokens(out / "train.bin", train),
-        val_tokens=_write_tokens(out / "val.bin", val),
+        train_tokens=_write_tokens(out / "train.bin", train, tok_dir),
+        val_tokens=_write_tokens(out / "val.bin", val, tok_dir),
+        vocab_size=50257 if tok_dir is None else bpe_vocab,
+        eot_token=_encoder(tok_dir)[1],
     )
     tmp = meta_path.with_name(f"meta.json.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(meta, indent=1))
@@ -122,6 +152,26 @@ class TokenDataset:
         self.meta = json.loads((self.root / "meta.json").read_text())
         self._maps = {s: np.memmap(self.root / f"{s}.bin", dtype=np.uint16, mode="r")[
             : self.meta[f"{s}_tokens"]] for s in ("train", "val")}
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary of the tokenizer the dataset was built with."""
+        return int(self.meta.get("vocab_size", 50257))
+
+    @property
+    def eot_token(self) -> int:
+        """The end-of-text id that separates documents."""
+        return int(self.meta.get("eot_token", 50256))
+
+    def tokenizer(self) -> Any:
+        """The Hugging Face tokenizer of the dataset (GPT-2 or its trained BPE)."""
+        if (self.root / "tokenizer").exists():
+            from .bpe import load_bpe
+
+            return load_bpe(self.root / "tokenizer")
+        from .tokenizer import gpt2_tokenizer
+
+        return gpt2_tokenizer()
 
     def tokens(self, split: str) -> np.ndarray:
         """All tokens of ``split`` (``train`` or ``val``)."""

@@ -39,14 +39,14 @@ def score_groups(support_mask: np.ndarray) -> torch.Tensor:
     mask = np.asarray(support_mask, dtype=bool)
     if mask.ndim != 3 or len(set(mask.shape)) != 1:
         raise ValueError(f"support mask must be (q, q, q), got {mask.shape}")
-    groups = torch.from_numpy(mask.transpose(0, 2, 1).copy())  # [i, j, a] = S[i, a, j]
-    q = groups.shape[0]
-    idx = torch.arange(q)
+    groups = mask.transpose(0, 2, 1)  # [i, j, a] = S[i, a, j]
+    idx = np.arange(groups.shape[0])
     if not (groups[idx[:, None], idx[None, :], idx[:, None]].all()
             and groups[idx[:, None], idx[None, :], idx[None, :]].all()):
         raise ValueError("the support does not give every query-key pair its own groups "
                          "(S[i, i, j] and S[i, j, j]): not a structured-score algebra")
-    return groups
+    # numpy first: models are built under transformers' meta-device context
+    return torch.tensor(groups.tolist(), dtype=torch.bool, device="cpu")
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, qtypes: torch.Tensor, ktypes: torch.Tensor,

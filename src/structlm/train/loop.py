@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from ..data.bpe import parse_tokenizer_spec
 from ..nn.schedules import auto_schedule, check_type_coverage, get_schedule, type_counts
 from . import distributed as D
 
@@ -53,11 +54,17 @@ class TrainConfig:
     """Config fields to change on top of the preset (e.g. ``n_positions``)."""
     corpus: str = "shakespeare"
     """Corpus spec (see ``structlm.data.corpora.load_corpus``)."""
+    tokenizer: str = "gpt2"
+    """``gpt2`` (50,257 tokens) or ``bpe:<vocab>``: a byte-level BPE trained on the
+    training documents; the model's vocabulary and BOS/EOS ids then follow it."""
     data_dir: str = ""
     """Token cache folder (default: ``<out_dir>/data``)."""
     heldout: str = ""
     """Corpus spec of held-out/benchmark texts to decontaminate the training data against."""
     val_fraction: float = 0.1
+    data_seed: int | None = None
+    """Seed of the train/validation document split (``None``: ``seed``); runs that are
+    compared across seeds keep one split."""
     seq_len: int = 256
     batch_size: int = 8
     grad_accum: int = 1
@@ -82,6 +89,12 @@ class TrainConfig:
         D.check_parallel(self.parallel)
         if self.seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
+        parse_tokenizer_spec(self.tokenizer)
+        if (self.tokenizer.strip().lower() != "gpt2"
+                and "vocab_size" in self.model_overrides):
+            raise ValueError(f"model_overrides.vocab_size={self.model_overrides['vocab_size']} "
+                             f"conflicts with tokenizer {self.tokenizer!r}: the vocabulary "
+                             "follows the trained tokenizer")
         self.type_counts()  # refuses a schedule that leaves a type untrained
 
     @property
@@ -152,12 +165,20 @@ def _lr_factor(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def _build_model(cfg: TrainConfig) -> Any:
+def _build_model(cfg: TrainConfig, data: Any = None) -> Any:
+    """The model of ``cfg``; with a BPE tokenizer its vocabulary and BOS/EOS come from
+    the token ``data``."""
     from ..models import StructLMForCausalLM, config_from_preset
 
     torch.manual_seed(cfg.seed)
+    vocab: dict[str, int] = {}
+    if cfg.tokenizer.strip().lower() != "gpt2":
+        if data is None:
+            raise ValueError("a BPE-tokenised run needs its token data to size the vocabulary")
+        vocab = dict(vocab_size=data.vocab_size, bos_token_id=data.eot_token,
+                     eos_token_id=data.eot_token)
     mcfg = config_from_preset(cfg.preset, cfg.algebra, type_schedule=cfg.model_schedule(),
-                              **cfg.model_overrides)
+                              **{**cfg.model_overrides, **vocab})
     return StructLMForCausalLM(mcfg)
 
 
@@ -246,11 +267,13 @@ def train(cfg: TrainConfig, stop_after: int | None = None, progress: bool = True
             raise ValueError(f"{out} holds a run with a different config; use another out_dir")
         cfg_path.write_text(cfg_json)
         _write_type_counts(out / "types.json", cfg)
-        build_token_dataset(cfg.corpus, data_dir, cfg.val_fraction, cfg.seed, cfg.heldout)
+        build_token_dataset(cfg.corpus, data_dir, cfg.val_fraction,
+                            cfg.seed if cfg.data_seed is None else cfg.data_seed, cfg.heldout,
+                            cfg.tokenizer)
     if world > 1:
         dist.barrier()
     data = TokenDataset(Path(data_dir))
-    model = _build_model(cfg).to(device)
+    model = _build_model(cfg, data).to(device)
     net = D.wrap(model, engine, device)  # FSDP shards ``model`` in place
     opt, sched = _build_optimizer(model, cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -325,6 +348,8 @@ def train(cfg: TrainConfig, stop_after: int | None = None, progress: bool = True
         full = D.unsharded(model, engine, rank)  # collective under FSDP
         if full is not None:  # rank 0
             full.save_pretrained(out / "model")
+            if cfg.tokenizer.strip().lower() != "gpt2":
+                data.tokenizer().save_pretrained(out / "model")
             plot_loss_curves([(cfg.algebra, str(metrics))], str(out / "loss.png"))
     if world > 1:
         dist.barrier()
