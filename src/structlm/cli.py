@@ -230,7 +230,8 @@ def _cmd_study(args: argparse.Namespace) -> int:
     from .train.study import run_study
     from .train.study_config import load_study_config
 
-    cfg = load_study_config(args.config, out_dir=args.out, max_steps=args.max_steps)
+    cfg = load_study_config(args.config, out_dir=args.out, max_steps=args.max_steps,
+                            threads=args.threads)
     report = run_study(cfg)
     print(report.read_text())
     print(f"wrote {report} (and runs.csv, arms.csv, curves.png, loss_vs_macs.png)")
@@ -302,6 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("config", help="study YAML (see configs/study/)")
     st.add_argument("--out", default=None, help="override out_dir")
     st.add_argument("--max-steps", type=int, default=None, help="override train.max_steps")
+    st.add_argument("--threads", type=int, default=None,
+                    help="torch threads (runtime only: a run may resume with another value)")
     st.set_defaults(func=_cmd_study)
 
     cost = sub.add_parser("cost", help="parameters and MACs of a model preset")

@@ -18,7 +18,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # structlm study (configs/study/cpu.yaml): the FFN (F = 4D) carries ~70% of the
     # non-embedding MACs; the vocabulary follows the study's BPE tokenizer
     "study-cpu": dict(vocab_size=8192, n_positions=256, hidden_size=256, num_hidden_layers=4,
-                      num_attention_heads=8, intermediate_size=1024),
+                      num_attention_heads=8, intermediate_size=1024, bos_token_id=0,
+                      eos_token_id=0),
     # for tests
     "study-tiny": dict(vocab_size=512, n_positions=64, hidden_size=32, num_hidden_layers=2,
                        num_attention_heads=4, intermediate_size=128, bos_token_id=0,

@@ -128,7 +128,7 @@ class TrainConfig:
         return check_type_coverage(schedule, self.seq_len, spec)
 
 
-_RUNTIME_FIELDS = frozenset({"parallel"})
+_RUNTIME_FIELDS = frozenset({"parallel", "threads"})
 """Fields that change how a run executes, not what it computes: a run may resume with
 other values (checkpoints are the same for every engine)."""
 

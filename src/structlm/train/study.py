@@ -52,9 +52,12 @@ def _check_same_study(out: Path, cfg: StudyConfig) -> None:
     path = out / "study_config.json"
     mine = dataclasses.asdict(cfg)
     shared = {k: v for k, v in mine.items() if k not in ("arms", "out_dir")}
+    shared["train"] = {k: v for k, v in cfg.train.items() if k != "threads"}  # runtime only
     if path.exists():
         old = json.loads(path.read_text())
         old_shared = {k: v for k, v in old.items() if k not in ("arms", "out_dir")}
+        old_shared["train"] = {k: v for k, v in old_shared.get("train", {}).items()
+                               if k != "threads"}
         if old_shared != json.loads(json.dumps(shared)):
             changed = sorted(k for k in shared if old_shared.get(k) != json.loads(
                 json.dumps(shared[k])))

@@ -183,7 +183,7 @@ class StudyConfig:
 
 def load_study_config(path: str, **overrides: Any) -> StudyConfig:
     """A :class:`StudyConfig` from YAML; unknown keys are an error naming them.
-    ``overrides`` (``None`` values ignored): ``out_dir``, ``max_steps``."""
+    ``overrides`` (``None`` values ignored): ``out_dir``, ``max_steps``, ``threads``."""
     import yaml
 
     with open(path) as fh:
@@ -196,8 +196,9 @@ def load_study_config(path: str, **overrides: Any) -> StudyConfig:
         raise ValueError(f"{path}: unknown keys {unknown}; expected some of {sorted(names)}")
     if overrides.get("out_dir"):
         raw["out_dir"] = overrides["out_dir"]
-    if overrides.get("max_steps") is not None:
-        raw["train"] = {**raw.get("train", {}), "max_steps": overrides["max_steps"]}
+    for key in ("max_steps", "threads"):
+        if overrides.get(key) is not None:
+            raw["train"] = {**(raw.get("train") or {}), key: overrides[key]}
     arm_fields = {f.name for f in dataclasses.fields(ArmSpec)}
     arms = []
     for i, a in enumerate(raw.get("arms") or []):
