@@ -26,7 +26,7 @@ def test_trained_bpe_is_lossless_with_eot_as_token_zero(tmp_path) -> None:
     tok = train_bpe(texts, 300, tmp_path / "tok")
     assert len(tok) == 300 and tok.eos_token_id == 0 and tok.convert_ids_to_tokens(0) == (
         "<|endoftext|>")
-    for t in texts + ["unseen words, ZEBRA 123"]:
+    for t in [*texts, "unseen words, ZEBRA 123"]:
         ids = tok(t)["input_ids"]
         assert max(ids) < 300 and tok.decode(ids) == t
     assert len(load_bpe(tmp_path / "tok")("To be")["input_ids"]) >= 1

@@ -1,10 +1,12 @@
 """Tokenise a corpus once into memory-mapped token files, split by document.
 
 ``build_token_dataset(corpus, out_dir)`` writes ``train.bin`` / ``val.bin`` (uint16
-GPT-2 ids, each document followed by ``<|endoftext|>``) and ``meta.json`` atomically,
-and reuses them when the meta matches. Exact duplicate documents (after whitespace
-and case normalisation) are removed first; the validation split is a deterministic
-set of whole documents.
+token ids, each document followed by ``<|endoftext|>``) and ``meta.json`` atomically,
+and reuses them when the meta matches — including a SHA-1 of the corpus's document names
+and texts, so a changed corpus is re-tokenised (and says so; a cache written before the
+fingerprint existed is adopted once and fingerprinted). Exact duplicate documents (after
+whitespace and case normalisation) are removed first; the validation split is a
+deterministic set of whole documents.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from .bpe import parse_tokenizer_spec
 from .corpora import Document, load_corpus
 from .tokenizer import gpt2_encoding
 
-__all__ = ["TokenDataset", "build_token_dataset", "dedup_exact", "split_documents"]
+__all__ = ["TokenDataset", "build_token_dataset", "corpus_fingerprint", "dedup_exact",
+           "split_documents"]
 
 _VERSION = 1
 
@@ -38,6 +41,18 @@ def dedup_exact(docs: list[Document]) -> tuple[list[Document], int]:
             seen.add(key)
             kept.append(d)
     return kept, len(docs) - len(kept)
+
+
+def corpus_fingerprint(docs: list[Document]) -> str:
+    """SHA-1 over every document's name and text, in order: the token cache is keyed on
+    the corpus's content, so an edited, added or removed file rebuilds it."""
+    h = hashlib.sha1()
+    for d in docs:
+        for part in (d.name, d.text):
+            b = part.encode()
+            h.update(len(b).to_bytes(8, "little"))
+            h.update(b)
+    return h.hexdigest()
 
 
 def split_documents(docs: list[Document], val_fraction: float, seed: int
@@ -107,12 +122,20 @@ def build_token_dataset(corpus: str, out_dir: str | os.PathLike[str], val_fracti
             "tokenizer": "gpt2-r50k" if bpe_vocab is None else f"bpe:{bpe_vocab}",
             "val_fraction": val_fraction, "seed": seed, "heldout": heldout}
     meta_path = out / "meta.json"
+    raw = load_corpus(corpus)
+    want["content_sha1"] = corpus_fingerprint(raw)
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())
+        if "content_sha1" not in meta and all(meta.get(k) == v for k, v in want.items()
+                                              if k != "content_sha1"):
+            meta["content_sha1"] = want["content_sha1"]  # an older cache: adopt it once
+            _write_meta(meta_path, meta)
         if all(meta.get(k) == v for k, v in want.items()):
             return TokenDataset(out)
+        changed = sorted(k for k, v in want.items() if meta.get(k) != v)
+        print(f"rebuilding the token cache in {out}: {', '.join(changed)} changed", flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    docs, removed = dedup_exact(load_corpus(corpus))
+    docs, removed = dedup_exact(raw)
     train, val = split_documents(docs, val_fraction, seed)
     contaminated: list[tuple[str, int, float]] = []
     if heldout:
@@ -135,10 +158,14 @@ def build_token_dataset(corpus: str, out_dir: str | os.PathLike[str], val_fracti
         vocab_size=50257 if tok_dir is None else bpe_vocab,
         eot_token=_encoder(tok_dir)[1],
     )
-    tmp = meta_path.with_name(f"meta.json.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, meta_path)
+    _write_meta(meta_path, meta)
     return TokenDataset(out)
+
+
+def _write_meta(path: Path, meta: dict[str, Any]) -> None:
+    tmp = path.with_name(f"meta.json.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, path)
 
 
 @dataclass

@@ -16,7 +16,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from tqdm import tqdm
 from ..data.bpe import parse_tokenizer_spec
 from ..nn.schedules import auto_schedule, check_type_coverage, get_schedule, type_counts
 from . import distributed as D
+from .checkpoint import recover_checkpoint, run_folder_lock, write_checkpoint
 
 __all__ = ["TrainConfig", "load_config", "train"]
 
@@ -89,6 +89,9 @@ class TrainConfig:
         D.check_parallel(self.parallel)
         if self.seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
+        if not 0 < self.val_fraction < 1:
+            raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}: "
+                             "training evaluates on held-out documents")
         parse_tokenizer_spec(self.tokenizer)
         if (self.tokenizer.strip().lower() != "gpt2"
                 and "vocab_size" in self.model_overrides):
@@ -213,25 +216,35 @@ def _evaluate(model: Any, data: Any, cfg: TrainConfig) -> float:
 
 def _save(ckpt: Path, model: Any, opt: Any, sched: Any, gen: torch.Generator, step: int,
           engine: D.Engine, rank: int) -> None:
-    """Write the checkpoint atomically from rank 0 (every rank calls: FSDP gathers)."""
+    """Write the checkpoint crash-safely from rank 0 (every rank calls: FSDP gathers);
+    see :mod:`.checkpoint`."""
     from safetensors.torch import save_model
 
     full, opt_state = D.unsharded(model, engine, rank), D.optimizer_state(model, opt, engine, rank)
     if full is None or opt_state is None:  # not rank 0
         return
-    tmp = ckpt.with_name(ckpt.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_model(full, str(tmp / "model.safetensors"))
-    torch.save({"optimizer": opt_state, "scheduler": sched.state_dict(), "step": step,
-                "sampler": gen.get_state(), "torch_rng": torch.get_rng_state()},
-               tmp / "state.pt")
-    old = ckpt.with_name(ckpt.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if ckpt.exists():
-        os.replace(ckpt, old)
-    os.replace(tmp, ckpt)
-    shutil.rmtree(old, ignore_errors=True)
+
+    def write(folder: Path) -> None:
+        save_model(full, str(folder / "model.safetensors"))
+        torch.save({"optimizer": opt_state, "scheduler": sched.state_dict(), "step": step,
+                    "sampler": gen.get_state(), "torch_rng": torch.get_rng_state()},
+                   folder / "state.pt")
+
+    write_checkpoint(ckpt, write, step)
+
+
+def _check_splits(data: Any, cfg: TrainConfig) -> None:
+    """Both splits hold at least one training window, before any step is taken."""
+    for split in ("train", "val"):
+        n = len(data.tokens(split))
+        if n <= cfg.seq_len + 1:
+            docs = len(data.meta.get(f"{split}_documents", []))
+            raise ValueError(
+                f"the {split} split of corpus {cfg.corpus!r} has {n} tokens in {docs} "
+                f"documents, fewer than one window of seq_len + 1 = {cfg.seq_len + 1}: the "
+                f"split is by whole documents (val_fraction={cfg.val_fraction}), so the "
+                "corpus needs at least two documents with enough text on each side; use a "
+                "larger corpus, another val_fraction or a shorter seq_len")
 
 
 def train(cfg: TrainConfig, stop_after: int | None = None, progress: bool = True) -> Path:
@@ -242,13 +255,23 @@ def train(cfg: TrainConfig, stop_after: int | None = None, progress: bool = True
     ``batch_size`` is the global batch, split evenly over the ranks (every rank draws
     the same windows and keeps its share), so a run gives the same curve on any number
     of processes; rank 0 logs and saves."""
-    import torch.distributed as dist
-
-    from ..data.tokens import TokenDataset, build_token_dataset
+    from contextlib import nullcontext
 
     torch.set_num_threads(cfg.threads)
     D.check_parallel(cfg.parallel)
     rank, world = D.init_distributed()
+    lock = run_folder_lock(Path(cfg.out_dir)) if rank == 0 else nullcontext()
+    with lock:
+        return _train(cfg, rank, world, stop_after, progress)
+
+
+def _train(cfg: TrainConfig, rank: int, world: int, stop_after: int | None, progress: bool
+           ) -> Path:
+    """:func:`train` inside the run folder's lock (rank 0)."""
+    import torch.distributed as dist
+
+    from ..data.tokens import TokenDataset, build_token_dataset
+
     engine = D.resolve_engine(cfg.parallel, world)
     if cfg.batch_size % world:
         raise ValueError(f"batch_size={cfg.batch_size} is not divisible by the "
@@ -263,6 +286,8 @@ def train(cfg: TrainConfig, stop_after: int | None = None, progress: bool = True
     data_dir = cfg.data_dir or out / "data"
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
+        for note in recover_checkpoint(ckpt)[1]:
+            print(f"{out}: {note}", flush=True)
         if ckpt.exists() and cfg_path.exists() and not _same_run(cfg_path.read_text(), cfg):
             raise ValueError(f"{out} holds a run with a different config; use another out_dir")
         cfg_path.write_text(cfg_json)
@@ -273,6 +298,7 @@ def train(cfg: TrainConfig, stop_after: int | None = None, progress: bool = True
     if world > 1:
         dist.barrier()
     data = TokenDataset(Path(data_dir))
+    _check_splits(data, cfg)
     model = _build_model(cfg, data).to(device)
     net = D.wrap(model, engine, device)  # FSDP shards ``model`` in place
     opt, sched = _build_optimizer(model, cfg)

@@ -11,34 +11,16 @@ study folder at a time (a lock file). The report is rewritten after every run.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import json
 import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from .checkpoint import run_folder_lock
 from .study_config import ArmSpec, StudyConfig
 
 __all__ = ["run_study", "run_summary"]
-
-
-@contextmanager
-def _single_writer(folder: Path) -> Iterator[None]:
-    """Hold ``folder/.lock`` for the block; a second writer gets a clear error."""
-    folder.mkdir(parents=True, exist_ok=True)
-    fh = open(folder / ".lock", "w")  # held for the whole block
-    try:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise RuntimeError(f"{folder} is being written by another process "
-                               "(one writer per study folder)") from None
-        yield
-    finally:
-        fh.close()
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -170,7 +152,7 @@ def run_study(cfg: StudyConfig, progress: bool = True) -> Path:
     from .study_report import write_report
 
     out = Path(cfg.out_dir)
-    with _single_writer(out):
+    with run_folder_lock(out, "study"):
         _check_same_study(out, cfg)
         first = cfg.run_config(*cfg.runs()[0])
         data = build_token_dataset(cfg.corpus, first.data_dir, first.val_fraction,

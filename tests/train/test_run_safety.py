@@ -1,0 +1,143 @@
+"""Nothing is lost: checkpoint swaps survive a kill at every step, one writer per run
+folder, empty splits and changed corpora are caught before training."""
+
+from __future__ import annotations
+
+import csv
+import fcntl
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import structlm.train.checkpoint as ck
+from structlm.data.tokens import build_token_dataset
+from structlm.train import TrainConfig, train
+
+
+def _write(step: int):
+    def write(folder: Path) -> None:
+        (folder / "model.safetensors").write_text(f"model {step}")
+        (folder / "state.pt").write_text(f"state {step}")
+    return write
+
+
+class _Killed(BaseException):
+    pass
+
+
+@pytest.mark.parametrize("kill_at", range(6))
+def test_a_kill_at_any_point_of_the_swap_keeps_the_newest_complete_checkpoint(
+        tmp_path, monkeypatch, kill_at: int) -> None:
+    ckpt = tmp_path / "checkpoint"
+    ck.write_checkpoint(ckpt, _write(3), 3)
+    # the swap's file operations, in order: rmtree(tmp), [write], rmtree(old),
+    # replace(ckpt, old), replace(tmp, ckpt), rmtree(old); kill before the kill_at-th
+    calls = {"n": 0}
+    real_replace, real_rmtree = os.replace, shutil.rmtree
+
+    def counted(real):
+        def op(*args, **kwargs):
+            if calls["n"] == kill_at:
+                raise _Killed
+            calls["n"] += 1
+            return real(*args, **kwargs)
+        return op
+
+    monkeypatch.setattr(ck.os, "replace", counted(real_replace))
+    monkeypatch.setattr(ck.shutil, "rmtree", counted(real_rmtree))
+    try:
+        ck.write_checkpoint(ckpt, _write(6), 6)
+        finished = True
+    except _Killed:
+        finished = False
+    monkeypatch.undo()
+    found, notes = ck.recover_checkpoint(ckpt)
+    assert found == ckpt
+    step = int((ckpt / ck.COMPLETE).read_text())
+    # the new checkpoint counts once its marker exists (written after the first op)
+    assert step == (6 if finished or kill_at >= 1 else 3), (kill_at, notes)
+    assert (ckpt / "model.safetensors").read_text() == f"model {step}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]  # nothing orphaned
+
+
+def test_incomplete_temporaries_are_removed_and_never_chosen(tmp_path) -> None:
+    ckpt = tmp_path / "checkpoint"
+    ck.write_checkpoint(ckpt, _write(3), 3)
+    half = tmp_path / "checkpoint.tmp-123"
+    half.mkdir()
+    (half / "model.safetensors").write_text("model 9")  # no state, no marker
+    found, notes = ck.recover_checkpoint(ckpt)
+    assert found == ckpt and (ckpt / ck.COMPLETE).read_text() == "3"
+    assert not half.exists() and "removed checkpoint.tmp-123 (incomplete)" in notes
+
+
+def _cfg(tmp_path: Path, **kw) -> TrainConfig:
+    return TrainConfig(**{**dict(out_dir=str(tmp_path / "run"), data_dir=str(tmp_path / "tok"),
+                                 preset="tiny", algebra="Q2^2",
+                                 model_overrides={"vocab_size": 50257}, corpus="bible",
+                                 seq_len=16, batch_size=2, max_steps=6, warmup_steps=1,
+                                 eval_every=3, eval_batches=1, save_every=3, threads=1), **kw})
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in csv.DictReader(open(path))]
+
+
+def test_a_run_killed_between_the_renames_resumes_from_the_newer_checkpoint(tmp_path,
+                                                                          capsys) -> None:
+    full = _rows(train(_cfg(tmp_path, out_dir=str(tmp_path / "full")), progress=False))
+    cfg = _cfg(tmp_path)
+    train(cfg, stop_after=3, progress=False)
+    run = Path(cfg.out_dir)
+    shutil.copytree(run / "checkpoint", tmp_path / "step3")
+    train(cfg, stop_after=6, progress=False)  # not finished: max_steps 6 reached below
+    # the state a kill leaves after "checkpoint -> .old", before "tmp -> checkpoint"
+    os.replace(run / "checkpoint", run / "checkpoint.tmp-999")
+    shutil.copytree(tmp_path / "step3", run / "checkpoint.old")
+    shutil.rmtree(run / "model", ignore_errors=True)
+    assert _rows(train(cfg, progress=False)) == full
+    assert "resumed from checkpoint.tmp-999 (step 6)" in capsys.readouterr().out
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("checkpoint")) == [
+        "checkpoint"]
+
+
+def test_a_second_writer_of_a_run_folder_is_refused(tmp_path) -> None:
+    cfg = _cfg(tmp_path)
+    Path(cfg.out_dir).mkdir(parents=True)
+    with open(Path(cfg.out_dir) / ".lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        with pytest.raises(RuntimeError, match="being written by another process"):
+            train(cfg, progress=False)
+    assert not (Path(cfg.out_dir) / "metrics.csv").exists()
+
+
+def test_a_one_document_corpus_is_refused_before_training(tmp_path) -> None:
+    text = tmp_path / "one.txt"
+    text.write_text("All the world's a stage, and all the men and women merely players. " * 50)
+    cfg = _cfg(tmp_path, corpus=str(text))
+    with pytest.raises(ValueError, match=r"the val split .* has 0 tokens in 0 documents"):
+        train(cfg, progress=False)
+    assert not (Path(cfg.out_dir) / "metrics.csv").exists()
+    with pytest.raises(ValueError, match=r"val_fraction must be in \(0, 1\), got 0"):
+        _cfg(tmp_path, val_fraction=0)
+
+
+def test_the_token_cache_follows_the_corpus_content(tmp_path, capsys) -> None:
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.txt").write_text("First document, long enough to matter. " * 20)
+    (folder / "b.txt").write_text("Second document, also some words here. " * 20)
+    first = build_token_dataset(str(folder), tmp_path / "cache", 0.5, 0)
+    n = first.meta["train_tokens"] + first.meta["val_tokens"]
+    assert build_token_dataset(str(folder), tmp_path / "cache", 0.5, 0).meta == first.meta
+    (folder / "b.txt").write_text("Second document, edited: now a good deal longer. " * 40)
+    edited = build_token_dataset(str(folder), tmp_path / "cache", 0.5, 0)
+    assert edited.meta["train_tokens"] + edited.meta["val_tokens"] > n
+    assert "content_sha1 changed" in capsys.readouterr().out
+    (folder / "c.txt").write_text("A third document appears. " * 20)
+    added = build_token_dataset(str(folder), tmp_path / "cache", 0.5, 0)
+    assert len(added.meta["train_documents"]) + len(added.meta["val_documents"]) == 3
