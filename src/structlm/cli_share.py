@@ -11,15 +11,23 @@ from .share.configs import read_yaml
 
 
 def _layers(text: str) -> list[int]:
-    """``0,3,5`` or ``0-9`` or a mix (``0-3,10``)."""
+    """``0,3,5`` or ``0-9`` or a mix (``0-3,10``); repeats and bad numbers are refused."""
+    from .share.pipeline import check_layers
+
     out: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        if "-" in part:
-            a, b = part.split("-", 1)
-            out.extend(range(int(a), int(b) + 1))
-        elif part:
-            out.append(int(part))
+    try:
+        for part in text.split(","):
+            part = part.strip()
+            if "-" in part:
+                a, b = part.split("-", 1)
+                if int(b) < int(a):
+                    raise argparse.ArgumentTypeError(f"empty layer range {part!r}")
+                out.extend(range(int(a), int(b) + 1))
+            elif part:
+                out.append(int(part))
+        check_layers(out)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"bad layer list {text!r}: {e}") from None
     return out
 
 

@@ -28,7 +28,7 @@ from .alignment import DROP_PARTS, MOVES, align, drop_split
 from .calibration import Calibration
 from .configs import dataclass_from_dict
 from .linalg import psd_sqrt, random_like_spectrum, thin_svd
-from .pipeline import Prepared, evaluate_all, prepare
+from .pipeline import Prepared, check_layers, evaluate_all, prepare
 from .roles import (
     FEATURE_NAMES,
     SHAPE_FEATURE_NAMES,
@@ -298,8 +298,10 @@ def run_analysis(cfg: AnalysisConfig, out_dir: str | Path, progress: bool = True
     if cfg.sink_pass and not 0 < cfg.sink_tokens < cfg.seq_len:
         raise ValueError(f"sink_tokens must be in (0, seq_len={cfg.seq_len}), got "
                          f"{cfg.sink_tokens}")
-    if cfg.layers is not None and len(cfg.layers) < 3:
-        raise ValueError(f"layers must hold at least 3 indices, got {cfg.layers}")
+    if cfg.layers is not None:
+        check_layers(list(cfg.layers))
+        if len(cfg.layers) < 3:
+            raise ValueError(f"layers must hold at least 3 indices, got {cfg.layers}")
     prep = prepare(cfg.model, cfg.corpus, cfg.second_corpus, cfg.eval_fraction,
                    cfg.calib_tokens, cfg.eval_tokens, cfg.seq_len, cfg.batch_size, cfg.seed,
                    layers=cfg.layers, progress=progress)

@@ -52,6 +52,21 @@ def _cache_dir() -> Path:
     return Path(root) / "calibration"
 
 
+def check_layers(layers: list[int], num_layers: int | None = None) -> None:
+    """Refuse repeated or out-of-range layer indices (a layer compared with itself, or
+    an index error deep inside calibration)."""
+    from collections import Counter
+
+    dup = sorted(i for i, n in Counter(layers).items() if n > 1)
+    if dup:
+        raise ValueError(f"layers {list(layers)} repeat {dup}: every compared layer must be "
+                         "distinct")
+    bad = [i for i in layers if i < 0 or (num_layers is not None and i >= num_layers)]
+    if bad:
+        where = f"[0, {num_layers})" if num_layers is not None else ">= 0"
+        raise ValueError(f"layers {bad} are out of range: expected indices in {where}")
+
+
 def prepare(model: str, corpus: str, second_corpus: str = "", eval_fraction: float = 0.25,
             calib_tokens: int = 32768, eval_tokens: int = 8192, seq_len: int = 512,
             batch_size: int = 4, seed: int = 0, layers: list[int] | None = None,
@@ -68,6 +83,8 @@ def prepare(model: str, corpus: str, second_corpus: str = "", eval_fraction: flo
         raise ValueError(f"calib_tokens={calib_tokens} is fewer than one window of "
                          f"seq_len={seq_len}")
     adapter = get_adapter(loaded.model)
+    if layers is not None:
+        check_layers(layers, adapter.num_layers)
     split = split_corpus(corpus, eval_fraction, seed)
     calib_tok = tokenize_documents(loaded.tokenizer, split.calibration)
     calib = sample_windows(split.calibration, calib_tok, calib_tokens // seq_len, seq_len, seed)
