@@ -39,3 +39,48 @@ def test_import_structlm_registers_the_model_with_transformers(tmp_path) -> None
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=300)
     assert out.stdout.strip().endswith("StructLMForCausalLM")
+
+
+@pytest.mark.parametrize(("argv", "match"), [
+    (["generate", "--prompt", "a", "--temperature", "-1"], "temperature must be >= 0"),
+    (["generate", "--prompt", "a", "--top-p", "2"], r"top-p must be in \(0, 1\]"),
+    (["generate", "--prompt", "  "], "must not be empty"),
+    (["generate", "--prompt", "a", "--max-new-tokens", "0"], "positive integer, got 0"),
+    (["bench", "generate", "--modes", "bogus"], r"unknown modes \['bogus'\]"),
+    (["bench", "generate", "--runs", "x"], "positive integer, got 'x'"),
+])
+def test_generation_flags_are_checked_at_parse(argv: list[str], match: str, capsys) -> None:
+    from structlm.cli import main
+
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert pytest.importorskip("re").search(match, capsys.readouterr().err)
+
+
+def test_a_model_that_cannot_be_built_is_refused_by_cost(capsys) -> None:
+    pytest.importorskip("transformers")
+    from structlm.cli import main
+
+    try:
+        rc = main(["cost", "--preset", "tiny", "--algebra", "Q3"])
+    except SystemExit as e:
+        rc = e.code
+    assert rc not in (0, None)
+    assert ("q=3 equal groups: {'hidden_size': 32, 'intermediate_size': 64} not divisible "
+            "by 3") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", [7.5, 0, True, "8"])
+def test_algebra_linear_widths_must_be_positive_integers(bad: object) -> None:
+    from structlm import AlgebraError, AlgebraLinear
+
+    with pytest.raises(AlgebraError, match="in_features must be a positive integer"):
+        AlgebraLinear(bad, 8, "Q2")  # type: ignore[arg-type]
+
+
+def test_unknown_model_override_is_refused() -> None:
+    pytest.importorskip("transformers")
+    from structlm.train import TrainConfig
+
+    with pytest.raises(ValueError, match=r"model_overrides: unknown keys \['hiden_size'\]"):
+        TrainConfig(model_overrides={"hiden_size": 64})

@@ -116,6 +116,57 @@ def _strs(text: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in text.split(",") if v.strip())
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _temperature(text: str) -> float:
+    value = _float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"temperature must be >= 0 (0 = greedy), got {value}")
+    return value
+
+
+def _top_p(text: str) -> float:
+    value = _float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"top-p must be in (0, 1], got {value}")
+    return value
+
+
+def _float(text: str) -> float:
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def _prompt(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("a prompt must not be empty")
+    return text
+
+
+def _generate_modes(text: str) -> tuple[str, ...]:
+    modes = _strs(text)
+    bad = [m for m in modes if m not in ("fixed", "paper")]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"unknown modes {bad or [text]}: expected a "
+                                         "comma-separated subset of fixed,paper")
+    return modes
+
+
 def _cmd_bench_layer(args: argparse.Namespace) -> int:
     from .bench.layer import config_from_args, run_layer_bench
 
@@ -320,11 +371,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=None, help="a saved model folder (save_pretrained)")
     gen.add_argument("--preset", default="cpu-small")
     gen.add_argument("--algebra", default="Q2^2")
-    gen.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    gen.add_argument("--top-p", type=float, default=0.95)
-    gen.add_argument("--top-k", type=int, default=50)
+    gen.add_argument("--prompt", action="append", required=True, type=_prompt,
+                     help="repeat for a batch")
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    gen.add_argument("--temperature", type=_temperature, default=0.8, help="0 = greedy")
+    gen.add_argument("--top-p", type=_top_p, default=0.95)
+    gen.add_argument("--top-k", type=_positive_int, default=50)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--threads", type=int, default=2)
     gen.set_defaults(func=_cmd_generate)
@@ -334,10 +386,10 @@ def build_parser() -> argparse.ArgumentParser:
     bgen.add_argument("--algebra", default="Q2^2")
     bgen.add_argument("--dense-model", default=None)
     bgen.add_argument("--algebra-model", default=None)
-    bgen.add_argument("--modes", type=_strs, default=("fixed", "paper"))
-    bgen.add_argument("--max-new-tokens", type=int, default=256)
-    bgen.add_argument("--runs", type=int, default=4, help="the first is dropped")
-    bgen.add_argument("--prompt", action="append", default=None)
+    bgen.add_argument("--modes", type=_generate_modes, default=("fixed", "paper"))
+    bgen.add_argument("--max-new-tokens", type=_positive_int, default=256)
+    bgen.add_argument("--runs", type=_positive_int, default=4, help="the first is dropped")
+    bgen.add_argument("--prompt", action="append", default=None, type=_prompt)
     bgen.add_argument("--threads", type=int, default=2)
     bgen.add_argument("--out", default="bench-out/generate")
     bgen.set_defaults(func=_cmd_bench_generate)

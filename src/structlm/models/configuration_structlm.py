@@ -65,6 +65,15 @@ class StructLMConfig(PretrainedConfig):
         self.algebra = algebra
         self.type_schedule = type_schedule
         self.structured_scores = bool(structured_scores)
+        if algebra.strip().lower() not in ("dense", "q1"):
+            from ..algebra import get_algebra
+
+            q = int(get_algebra(algebra).q or 1)
+            bad = {k: v for k, v in (("hidden_size", hidden_size),
+                                     ("intermediate_size", intermediate_size)) if v % q}
+            if bad:
+                raise ValueError(f"algebra {algebra!r} splits the FFN's widths into q={q} "
+                                 f"equal groups: {bad} not divisible by {q}")
         if self.structured_scores:
             if algebra.strip().lower() in ("dense", "q1"):
                 raise ValueError("structured_scores needs an algebra (the query and key "

@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 from fractions import Fraction
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -69,6 +70,9 @@ class AlgebraLinear(nn.Module):
         self.algebra_name = alg.name
         self.support = support_of(alg)
         q = self.support.q
+        for what, v in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
+                raise AlgebraError(f"{what} must be a positive integer, got {v!r}")
         self.in_features, self.out_features = int(in_features), int(out_features)
         if group_sizes is None:
             self.in_widths = split_widths(self.in_features, q, "in_features")

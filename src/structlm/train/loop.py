@@ -93,6 +93,7 @@ class TrainConfig:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}: "
                              "training evaluates on held-out documents")
         parse_tokenizer_spec(self.tokenizer)
+        _check_model_overrides(self.model_overrides)
         if (self.tokenizer.strip().lower() != "gpt2"
                 and "vocab_size" in self.model_overrides):
             raise ValueError(f"model_overrides.vocab_size={self.model_overrides['vocab_size']} "
@@ -129,6 +130,20 @@ class TrainConfig:
         if self.allow_untrained_types:
             return type_counts(schedule, self.seq_len)
         return check_type_coverage(schedule, self.seq_len, spec)
+
+
+def _check_model_overrides(overrides: dict[str, Any]) -> None:
+    """``model_overrides`` may set only fields of ``StructLMConfig``."""
+    import inspect
+
+    from ..models.configuration_structlm import StructLMConfig
+
+    known = set(inspect.signature(StructLMConfig.__init__).parameters) - {"self", "kwargs"}
+    known |= {"pad_token_id"}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"model_overrides: unknown keys {unknown}; expected some of "
+                         f"{sorted(known)}")
 
 
 _RUNTIME_FIELDS = frozenset({"parallel", "threads"})
