@@ -32,12 +32,26 @@ def effective_weight(weight: torch.Tensor, support_mask: np.ndarray, in_widths: 
 def reference_linear(x: torch.Tensor, weight: torch.Tensor, types: torch.Tensor,
                      support_mask: np.ndarray, in_widths: list[int],
                      out_widths: list[int]) -> torch.Tensor:
-    """``y[m] = x[m] @ W_eff(types[m])^T`` for ``x (M, K)``, ``types (M,)`` -> ``(M, N)``."""
+    """``y[m] = x[m] @ W_eff(types[m])^T`` for ``x (M, K)``, ``types (M,)`` -> ``(M, N)``,
+    computed as the support's sum ``y_delta = sum_{beta: S[alpha, beta, delta]} x_beta
+    W_{beta, delta}``: blocks off the support are never read, so a NaN or Inf in an input
+    group (or weight block) a type does not use stays out of that type's outputs — the
+    semantics every fast path follows (a multiply by a zero block would turn it into NaN)."""
+    q = support_mask.shape[0]
+    io = np.concatenate([[0], np.cumsum(in_widths)]).tolist()
+    oo = np.concatenate([[0], np.cumsum(out_widths)]).tolist()
     y = x.new_zeros(x.shape[0], weight.shape[0])
-    for alpha in range(support_mask.shape[0]):
+    for alpha in range(q):
         rows = (types == alpha).nonzero().flatten()
         if rows.numel() == 0:
             continue
-        w_eff = effective_weight(weight, support_mask, in_widths, out_widths, alpha)
-        y = y.index_copy(0, rows, x.index_select(0, rows) @ w_eff.t())
+        xr = x.index_select(0, rows)  # (M_alpha, K)
+        yr = x.new_zeros(rows.numel(), weight.shape[0])  # (M_alpha, N)
+        for delta in range(q):
+            for beta in range(q):
+                if support_mask[alpha, beta, delta]:
+                    yr[:, oo[delta]:oo[delta + 1]] += (
+                        xr[:, io[beta]:io[beta + 1]]
+                        @ weight[oo[delta]:oo[delta + 1], io[beta]:io[beta + 1]].t())
+        y = y.index_copy(0, rows, yr)
     return y
