@@ -24,7 +24,7 @@ def test_every_config_parses(path: str) -> None:
 def test_unknown_key_is_an_error(tmp_path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("algebra: Q4\nlearning_rate: 1\n")
-    with pytest.raises(ValueError, match=r"unknown keys \['learning_rate'\]"):
+    with pytest.raises(ValueError, match=r"unknown TrainConfig keys \['learning_rate'\]"):
         load_config(str(bad))
 
 

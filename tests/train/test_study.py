@@ -81,7 +81,7 @@ def test_bad_studies_are_refused_before_any_work(tmp_path, change, match) -> Non
 def test_unknown_yaml_keys_are_named(tmp_path) -> None:
     bad = tmp_path / "s.yaml"
     bad.write_text("out_dir: x\narms:\n  - {name: a, algebar: Q4}\n")
-    with pytest.raises(ValueError, match=r"unknown keys \['algebar'\]"):
+    with pytest.raises(ValueError, match=r"unknown ArmSpec keys \['algebar'\]"):
         load_study_config(str(bad))
 
 

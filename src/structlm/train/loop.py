@@ -87,8 +87,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         D.check_parallel(self.parallel)
-        if self.seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
+        for name in ("seq_len", "batch_size", "grad_accum", "max_steps", "eval_every",
+                     "eval_batches", "save_every", "threads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not 0 < self.val_fraction < 1:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}: "
                              "training evaluates on held-out documents")
@@ -162,17 +165,13 @@ def _same_run(saved: str, cfg: TrainConfig) -> bool:
 
 
 def load_config(path: str, **overrides: Any) -> TrainConfig:
-    """A :class:`TrainConfig` from YAML; unknown keys are an error naming them."""
-    import yaml
+    """A :class:`TrainConfig` from YAML: unknown keys and values of the wrong type are
+    errors naming them (``lr: 3e-4``, a string to PyYAML, is read as a float)."""
+    from ..config import dataclass_from_dict, read_yaml
 
-    with open(path) as fh:
-        raw = yaml.safe_load(fh) or {}
+    raw = read_yaml(path)
     raw.update({k: v for k, v in overrides.items() if v is not None})
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    unknown = sorted(set(raw) - names)
-    if unknown:
-        raise ValueError(f"{path}: unknown keys {unknown}; expected some of {sorted(names)}")
-    return TrainConfig(**raw)
+    return dataclass_from_dict(TrainConfig, raw, where=path)
 
 
 def _lr_factor(step: int, cfg: TrainConfig) -> float:

@@ -184,31 +184,19 @@ class StudyConfig:
 def load_study_config(path: str, **overrides: Any) -> StudyConfig:
     """A :class:`StudyConfig` from YAML; unknown keys are an error naming them.
     ``overrides`` (``None`` values ignored): ``out_dir``, ``max_steps``, ``threads``."""
-    import yaml
+    from ..config import ConfigError, dataclass_from_dict, read_yaml
 
-    with open(path) as fh:
-        raw = yaml.safe_load(fh) or {}
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: expected a mapping at the top level")
-    names = {f.name for f in dataclasses.fields(StudyConfig)}
-    unknown = sorted(set(raw) - names)
-    if unknown:
-        raise ValueError(f"{path}: unknown keys {unknown}; expected some of {sorted(names)}")
+    raw = read_yaml(path)
     if overrides.get("out_dir"):
         raw["out_dir"] = overrides["out_dir"]
     for key in ("max_steps", "threads"):
         if overrides.get(key) is not None:
             raw["train"] = {**(raw.get("train") or {}), key: overrides[key]}
-    arm_fields = {f.name for f in dataclasses.fields(ArmSpec)}
+    if "out_dir" not in raw:
+        raise ConfigError(f"{path}: out_dir is required")
     arms = []
     for i, a in enumerate(raw.get("arms") or []):
         if not isinstance(a, dict) or "name" not in a:
-            raise ValueError(f"{path}: arms[{i}] must be a mapping with a name")
-        bad = sorted(set(a) - arm_fields)
-        if bad:
-            raise ValueError(f"{path}: arms[{i}] ({a['name']}): unknown keys {bad}; expected "
-                             f"some of {sorted(arm_fields)}")
-        arms.append(ArmSpec(**{**a, "seeds": tuple(a.get("seeds", (0,)))}))
-    if "out_dir" not in raw:
-        raise ValueError(f"{path}: out_dir is required")
-    return StudyConfig(**{**raw, "arms": tuple(arms)})
+            raise ConfigError(f"{path}: arms[{i}] must be a mapping with a name")
+        arms.append(dataclass_from_dict(ArmSpec, a, where=f"{path}: arms[{i}] ({a['name']})"))
+    return dataclass_from_dict(StudyConfig, {**raw, "arms": arms}, where=path)

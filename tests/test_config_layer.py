@@ -1,0 +1,80 @@
+"""The one config layer: YAML files and values checked and coerced by type, with errors
+that name the file, key, value and expected type."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from structlm.config import ConfigError, coerce, dataclass_from_dict, read_yaml
+
+
+@dataclasses.dataclass
+class _Cfg:
+    lr: float = 1e-3
+    steps: int = 10
+    flag: bool = False
+    name: str = "x"
+    width: int | str = "preset"
+    seeds: tuple[int, ...] = (0,)
+    extra: dict[str, float] = dataclasses.field(default_factory=dict)
+    maybe: int | None = None
+
+
+def test_values_are_coerced_by_their_types() -> None:
+    cfg = dataclass_from_dict(_Cfg, {"lr": "3e-4", "steps": 10.0, "flag": "true", "width": 576,
+                                     "seeds": [0, "1"], "extra": {"a": 1}, "maybe": None})
+    assert cfg == _Cfg(lr=3e-4, steps=10, flag=True, width=576, seeds=(0, 1),
+                       extra={"a": 1.0}, maybe=None)
+    assert dataclass_from_dict(_Cfg, {"width": "mac-match:Q4"}).width == "mac-match:Q4"
+
+
+@pytest.mark.parametrize(("raw", "match"), [
+    ({"lr": "fast"}, r"lr: 'fast' is not a number \(in _Cfg\)"),
+    ({"steps": 2.5}, "steps: 2.5 is not an integer"),
+    ({"steps": True}, "steps: True is not an integer"),
+    ({"flag": 1}, "flag: 1 is not a boolean"),
+    ({"seeds": "0,1"}, r"seeds: '0,1' is not a list"),
+    ({"seeds": [0, "x"]}, r"seeds\[1\]: 'x' is not an integer"),
+    ({"extra": [1]}, "extra: \\[1\\] is not a mapping"),
+    ({"maybe": "many"}, "maybe: 'many' is not int or NoneType"),
+    ({"lr ": 1}, r"unknown _Cfg keys \['lr '\]"),
+])
+def test_bad_values_name_key_value_and_type(raw: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        dataclass_from_dict(_Cfg, raw, where="f.yaml")
+    assert coerce(float("inf"), float, "x") == float("inf")
+
+
+def test_yaml_files(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        read_yaml(str(tmp_path / "missing.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("lr: [1, 2\nsteps: 3\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: not valid YAML at line \d+, column \d+"):
+        read_yaml(str(bad))
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="expected a mapping of config keys, got list"):
+        read_yaml(str(listed))
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert read_yaml(str(empty)) == {}
+
+
+def test_train_config_yaml_reads_exponents_and_refuses_nonpositive_counts(tmp_path) -> None:
+    pytest.importorskip("transformers")
+    from structlm.train import load_config
+
+    path = tmp_path / "t.yaml"
+    path.write_text("lr: 3e-4\nmax_steps: 5\n")
+    assert load_config(str(path)).lr == 3e-4
+    for key, value in (("max_steps", 0), ("eval_every", -1), ("save_every", 0),
+                       ("grad_accum", 0), ("threads", 0), ("batch_size", 0)):
+        path.write_text(f"{key}: {value}\n")
+        with pytest.raises(ValueError, match=f"{key} must be a positive integer, got {value}"):
+            load_config(str(path))
+    path.write_text("batch_size: 2.5\n")
+    with pytest.raises(ValueError, match=r"batch_size: 2\.5 is not an integer"):
+        load_config(str(path))
