@@ -84,3 +84,41 @@ def test_unknown_model_override_is_refused() -> None:
 
     with pytest.raises(ValueError, match=r"model_overrides: unknown keys \['hiden_size'\]"):
         TrainConfig(model_overrides={"hiden_size": 64})
+
+
+def test_oversized_algebras_are_refused_before_building() -> None:
+    from structlm import AlgebraError, get_algebra
+
+    with pytest.raises(AlgebraError, match=r"q <= 256, got q=1024"):
+        get_algebra("Q1024")
+    with pytest.raises(AlgebraError, match="279,936 structure constants, over the 262,144"):
+        get_algebra("Q2^7")
+
+
+def test_schedules_and_from_linear_refuse_bad_arguments() -> None:
+    import torch
+
+    from structlm import AlgebraLinear, CyclicSchedule
+
+    with pytest.raises(ValueError, match="q >= 1 types, got q=0"):
+        CyclicSchedule(0)
+    with pytest.raises(TypeError, match=r"needs an nn\.Linear, got Conv1d"):
+        AlgebraLinear.from_linear(torch.nn.Conv1d(4, 4, 1), "Q2")  # type: ignore[arg-type]
+
+
+def test_generate_refuses_a_missing_model_and_a_too_long_request(tmp_path, capsys) -> None:
+    pytest.importorskip("transformers")
+    from structlm.cli import main
+
+    def run(argv: list[str]) -> str:
+        try:
+            rc = main(argv)
+        except SystemExit as e:
+            rc = e.code
+        assert rc not in (0, None)
+        return capsys.readouterr().err
+
+    assert "no saved model there" in run(["generate", "--model", str(tmp_path / "nope"),
+                                          "--prompt", "hi"])
+    assert "exceeds the model's context of 512 positions" in run(
+        ["generate", "--preset", "cpu-small", "--prompt", "hi", "--max-new-tokens", "600"])

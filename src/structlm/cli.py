@@ -226,6 +226,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.model:
         from transformers import AutoModelForCausalLM
 
+        if not os.path.isfile(os.path.join(args.model, "config.json")):
+            raise ValueError(f"--model {args.model!r}: no saved model there (expected a "
+                             "folder with config.json and weights, as save_pretrained writes)")
         model = AutoModelForCausalLM.from_pretrained(args.model).eval()
     else:
         torch.manual_seed(args.seed)
@@ -234,6 +237,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
               "trained model)")
     tok.padding_side = "left"
     enc = tok(list(args.prompt), return_tensors="pt", padding=True)
+    context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    need = enc["input_ids"].shape[1] + args.max_new_tokens
+    if context and need > context:
+        raise ValueError(f"the longest prompt ({enc['input_ids'].shape[1]} tokens) plus "
+                         f"--max-new-tokens {args.max_new_tokens} = {need} exceeds the model's "
+                         f"context of {context} positions")
     torch.manual_seed(args.seed)
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=args.max_new_tokens,

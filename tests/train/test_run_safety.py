@@ -141,3 +141,13 @@ def test_the_token_cache_follows_the_corpus_content(tmp_path, capsys) -> None:
     (folder / "c.txt").write_text("A third document appears. " * 20)
     added = build_token_dataset(str(folder), tmp_path / "cache", 0.5, 0)
     assert len(added.meta["train_documents"]) + len(added.meta["val_documents"]) == 3
+
+
+@pytest.mark.parametrize("victim", ["model.safetensors", "state.pt"])
+def test_a_truncated_checkpoint_file_is_named(tmp_path, victim: str) -> None:
+    cfg = _cfg(tmp_path, max_steps=6)
+    train(cfg, stop_after=3, progress=False)
+    path = Path(cfg.out_dir) / "checkpoint" / victim
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(RuntimeError, match=f"checkpoint file .*{victim} cannot be read"):
+        train(cfg, progress=False)

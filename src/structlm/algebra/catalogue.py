@@ -95,6 +95,10 @@ def tensor_product(a: Algebra, b: Algebra, name: str | None = None) -> Algebra:
     ``((r_a, r_b), (c_a, c_b))`` becomes ``(r_a q_B + r_b, c_a q_B + c_b)``, so group
     and type indices are mixed-radix numbers (for ``Q2^2``: 2-bit strings).
     """
+    if a.nnz * b.nnz > MAX_PRODUCT_NNZ:
+        raise AlgebraError(f"{name or a.name + 'x' + b.name}: the tensor product would hold "
+                           f"{a.nnz * b.nnz:,} structure constants, over the "
+                           f"{MAX_PRODUCT_NNZ:,} this builds in memory (Q2^6 has 46,656)")
     db = b.dim
     ea = np.repeat(a.entries, b.nnz, axis=0)
     eb = np.tile(b.entries, (a.nnz, 1))
@@ -121,6 +125,14 @@ def tensor_power(a: Algebra, power: int, name: str | None = None) -> Algebra:
     out.name = name or (a.name if power == 1 else f"{a.name}^{power}")
     return out
 
+
+MAX_Q = 256
+"""Largest ``q`` of ``Q<q>`` (``q^2`` basis elements; ``structlm algebra info Q256`` peaks
+at about 1 GB)."""
+MAX_PRODUCT_NNZ = 262_144
+"""Most structure constants of a tensor product built: its facts (associativity,
+radical) take time and memory growing faster than its constants (Q2^6, 46,656 of them:
+~17 s and 0.7 GB on 2 cores; Q2^8 ran out of 6 GB)."""
 
 _GRAPH_RE = re.compile(r"^graph:(\d+):(.*)$")
 _Q_RE = re.compile(r"^Q(\d+)(?:\^(\d+))?$")
@@ -154,8 +166,11 @@ def get_algebra(name: str) -> Algebra:
     m = _Q_RE.match(text)
     if m:
         q = int(m.group(1))
-        if q < 1 or q > 1024:
-            raise AlgebraError(f"Q<q> needs 1 <= q <= 1024, got q={q} in {name!r}")
+        if q < 1 or q > MAX_Q:
+            raise AlgebraError(f"Q<q> needs 1 <= q <= {MAX_Q}, got q={q} in {name!r}: it "
+                               f"has q^2 = {q * q:,} basis elements, and its facts take "
+                               "memory growing with their square (Q256: about 1 GB; the "
+                               "paper's largest is q = 256)")
         base = complete_graph_algebra(q)
         return base if m.group(2) is None else tensor_power(base, int(m.group(2)), name=text)
     m = _GRAPH_RE.match(text)

@@ -106,6 +106,8 @@ class AlgebraLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, algebra: str | Algebra = "Q4",
                     **kwargs: object) -> AlgebraLinear:
         """Convert a dense layer, keeping its weight and bias bit for bit."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"from_linear needs an nn.Linear, got {type(linear).__name__}")
         layer = cls(linear.in_features, linear.out_features, algebra,
                     bias=linear.bias is not None, device=linear.weight.device,
                     dtype=linear.weight.dtype, **kwargs)  # type: ignore[arg-type]

@@ -29,6 +29,10 @@ class TypeSchedule(abc.ABC):
         """The schedule of decoder layer ``layer`` (the same in every layer by default)."""
         return self
 
+    def __post_init__(self) -> None:
+        if isinstance(self.q, bool) or not isinstance(self.q, int) or self.q < 1:
+            raise ValueError(f"a schedule needs q >= 1 types, got q={self.q!r}")
+
     def __call__(self, positions: torch.Tensor) -> torch.Tensor:
         if positions.dtype.is_floating_point:
             raise TypeError(f"positions must be integers, got {positions.dtype}")
@@ -64,6 +68,7 @@ class BlockSchedule(TypeSchedule):
     period: int | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.block < 1:
             raise ValueError(f"block size must be >= 1, got {self.block}")
         if self.period is None:
@@ -88,6 +93,7 @@ class TableSchedule(TypeSchedule):
     table: tuple[int, ...]
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.table:
             raise ValueError("a table schedule needs at least one entry")
         bad = [t for t in self.table if not 0 <= t < self.q]
@@ -114,6 +120,7 @@ class CrossLayerSchedule(TypeSchedule):
     depends_on_layer = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.base.q != self.q:
             raise ValueError(f"base schedule has q={self.base.q}, expected {self.q}")
         if self.base.depends_on_layer:

@@ -247,6 +247,12 @@ def _save(ckpt: Path, model: Any, opt: Any, sched: Any, gen: torch.Generator, st
     write_checkpoint(ckpt, write, step)
 
 
+def _corrupt(path: Path, err: Exception) -> str:
+    return (f"checkpoint file {path} cannot be read ({type(err).__name__}: {err}); it is the "
+            "only checkpoint kept (older ones are removed once a newer one is complete): "
+            f"delete {path.parent} to restart the run from step 0")
+
+
 def _check_splits(data: Any, cfg: TrainConfig) -> None:
     """Both splits hold at least one training window, before any step is taken."""
     for split in ("train", "val"):
@@ -320,10 +326,15 @@ def _train(cfg: TrainConfig, rank: int, world: int, stop_after: int | None, prog
     step = 0
     metrics = out / "metrics.csv"
     if ckpt.exists():
-        D.load_model(model, str(ckpt / "model.safetensors"), engine, device)
-        # CPU (RNG states must stay there); under FSDP mapped lazily: rank 0 broadcasts
-        state = torch.load(ckpt / "state.pt", weights_only=False, map_location="cpu",
-                           mmap=engine == "fsdp")
+        try:
+            D.load_model(model, str(ckpt / "model.safetensors"), engine, device)
+        except Exception as e:
+            raise RuntimeError(_corrupt(ckpt / "model.safetensors", e)) from e
+        try:  # CPU (RNG states must stay there); under FSDP mapped lazily: rank 0 broadcasts
+            state = torch.load(ckpt / "state.pt", weights_only=False, map_location="cpu",
+                               mmap=engine == "fsdp")
+        except Exception as e:
+            raise RuntimeError(_corrupt(ckpt / "state.pt", e)) from e
         D.load_optimizer(model, opt, state["optimizer"], engine)
         sched.load_state_dict(state["scheduler"])
         gen.set_state(state["sampler"])
