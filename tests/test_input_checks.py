@@ -122,3 +122,18 @@ def test_generate_refuses_a_missing_model_and_a_too_long_request(tmp_path, capsy
                                           "--prompt", "hi"])
     assert "exceeds the model's context of 512 positions" in run(
         ["generate", "--preset", "cpu-small", "--prompt", "hi", "--max-new-tokens", "600"])
+
+
+@pytest.mark.parametrize("argv", [["generate", "--preset", "tiny", "--prompt", "hi"],
+                                  ["bench", "generate", "--preset", "study-cpu"]])
+def test_presets_without_the_gpt2_vocabulary_are_refused_by_gpt2_commands(argv, capsys) -> None:
+    pytest.importorskip("transformers")
+    from structlm.cli import main
+
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code
+    assert rc not in (0, None)
+    assert "tokenises with GPT-2 (50,257 tokens): use one of ['cpu-small', 'paper-110m']" in (
+        capsys.readouterr().err)

@@ -231,6 +231,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                              "folder with config.json and weights, as save_pretrained writes)")
         model = AutoModelForCausalLM.from_pretrained(args.model).eval()
     else:
+        _check_gpt2_preset(args.preset)
         torch.manual_seed(args.seed)
         model = StructLMForCausalLM(config_from_preset(args.preset, args.algebra)).eval()
         print(f"(random {args.preset} weights with {args.algebra} FFNs: pass --model DIR for a "
@@ -254,8 +255,25 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_gpt2_preset(preset: str) -> None:
+    """Commands that tokenise with GPT-2 need a preset with its 50,257-token vocabulary."""
+    from .models.presets import PRESETS
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}: expected one of {sorted(PRESETS)}")
+    vocab = PRESETS[preset]["vocab_size"]
+    if vocab != 50257:
+        ok = sorted(p for p, v in PRESETS.items() if v["vocab_size"] == 50257)
+        raise ValueError(f"preset {preset!r} has a {vocab}-token vocabulary, but this command "
+                         f"tokenises with GPT-2 (50,257 tokens): use one of {ok}, or --model "
+                         "for a trained model with its own tokenizer")
+
+
 def _cmd_bench_generate(args: argparse.Namespace) -> int:
     from .bench.generate import GenerateBenchConfig, run_generate_bench
+
+    if not (args.dense_model and args.algebra_model):
+        _check_gpt2_preset(args.preset)
 
     cfg = GenerateBenchConfig(preset=args.preset, algebra=args.algebra,
                               dense_model=args.dense_model or "",

@@ -56,9 +56,19 @@ def test_config_change_is_refused(tmp_path) -> None:
     data = str(tmp_path / "tokens")
     cfg = _cfg(str(tmp_path / "a"), data)
     train(cfg, stop_after=3, progress=False)
+    lr = cfg.lr
     cfg.lr = 1e-3
-    with pytest.raises(ValueError, match="different config"):
+    with pytest.raises(ValueError, match=r"different config \(lr: 0\.0003 -> 0\.001\)"):
         train(cfg, progress=False)
+    # what cannot change the result may change: threads, when to save/evaluate, and a
+    # longer run; a shorter one than the checkpoint is refused
+    cfg.lr, cfg.threads, cfg.save_every, cfg.eval_every = lr, 1, 2, 2
+    cfg.max_steps = 2
+    with pytest.raises(ValueError, match="checkpoint is at step 3, beyond max_steps=2"):
+        train(cfg, progress=False)
+    cfg.max_steps = 8
+    rows = _rows(train(cfg, progress=False))
+    assert [int(r["step"]) for r in rows] == list(range(1, 9))
 
 
 def test_torchrun_two_processes_match_one(tmp_path) -> None:

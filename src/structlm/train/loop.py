@@ -149,19 +149,28 @@ def _check_model_overrides(overrides: dict[str, Any]) -> None:
                          f"{sorted(known)}")
 
 
-_RUNTIME_FIELDS = frozenset({"parallel", "threads"})
-"""Fields that change how a run executes, not what it computes: a run may resume with
-other values (checkpoints are the same for every engine)."""
+_RUNTIME_FIELDS = frozenset({"parallel", "threads", "save_every", "eval_every", "max_steps"})
+"""Fields a run may resume with other values: how it executes (engine, threads), when it
+saves or evaluates, and ``max_steps`` (a longer run continues from its checkpoint with the
+learning-rate schedule of the new length; a value below the checkpoint's step is
+refused). Checkpoints are the same for every engine."""
+
+
+def _run_differences(saved: str, cfg: TrainConfig) -> list[str]:
+    """Fields in which a saved ``config.json`` and ``cfg`` differ, as ``key: old -> new``,
+    ignoring ``_RUNTIME_FIELDS`` (fields added since the file was written take their
+    defaults)."""
+    new = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    defaults = json.loads(json.dumps(dataclasses.asdict(TrainConfig())))
+    old = {**defaults, **json.loads(saved)}
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+            if k not in _RUNTIME_FIELDS and old.get(k) != new.get(k)]
 
 
 def _same_run(saved: str, cfg: TrainConfig) -> bool:
-    """Whether a saved ``config.json`` describes the run ``cfg``, ignoring
-    ``_RUNTIME_FIELDS`` (so configs written before ``parallel`` existed still match)."""
-    new = json.loads(json.dumps(dataclasses.asdict(cfg)))
-    defaults = json.loads(json.dumps(dataclasses.asdict(TrainConfig())))
-    old = {**defaults, **json.loads(saved)}  # fields added since take their defaults
-    return ({k: v for k, v in old.items() if k not in _RUNTIME_FIELDS}
-            == {k: v for k, v in new.items() if k not in _RUNTIME_FIELDS})
+    """Whether a saved ``config.json`` describes the run ``cfg`` (see
+    :func:`_run_differences`)."""
+    return not _run_differences(saved, cfg)
 
 
 def load_config(path: str, **overrides: Any) -> TrainConfig:
@@ -308,8 +317,12 @@ def _train(cfg: TrainConfig, rank: int, world: int, stop_after: int | None, prog
         out.mkdir(parents=True, exist_ok=True)
         for note in recover_checkpoint(ckpt)[1]:
             print(f"{out}: {note}", flush=True)
-        if ckpt.exists() and cfg_path.exists() and not _same_run(cfg_path.read_text(), cfg):
-            raise ValueError(f"{out} holds a run with a different config; use another out_dir")
+        if ckpt.exists() and cfg_path.exists():
+            diff = _run_differences(cfg_path.read_text(), cfg)
+            if diff:
+                raise ValueError(f"{out} holds a run with a different config ({'; '.join(diff)})"
+                                 "; use another out_dir, or change only "
+                                 f"{sorted(_RUNTIME_FIELDS)}")
         cfg_path.write_text(cfg_json)
         _write_type_counts(out / "types.json", cfg)
         build_token_dataset(cfg.corpus, data_dir, cfg.val_fraction,
@@ -340,6 +353,9 @@ def _train(cfg: TrainConfig, rank: int, world: int, stop_after: int | None, prog
         gen.set_state(state["sampler"])
         torch.set_rng_state(state["torch_rng"])
         step = state["step"]
+        if step > cfg.max_steps:
+            raise ValueError(f"{out}: the checkpoint is at step {step}, beyond max_steps="
+                             f"{cfg.max_steps}; a run can be extended, not shortened")
         if rank == 0:
             rows = list(csv.DictReader(metrics.open())) if metrics.exists() else []
             _write_rows(metrics, [{k: r.get(k) or "" for k in _FIELDS} for r in rows
