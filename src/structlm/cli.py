@@ -229,7 +229,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if not os.path.isfile(os.path.join(args.model, "config.json")):
             raise ValueError(f"--model {args.model!r}: no saved model there (expected a "
                              "folder with config.json and weights, as save_pretrained writes)")
-        model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+        except Exception as e:  # a garbage config, truncated or mis-shaped weights
+            raise ValueError(f"--model {args.model!r} cannot be loaded "
+                             f"({type(e).__name__}: {str(e).splitlines()[0][:300]})") from e
     else:
         _check_gpt2_preset(args.preset)
         torch.manual_seed(args.seed)
@@ -463,10 +467,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``structlm`` command."""
+    from .config import RunError
+
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (AlgebraError, ValueError) as err:
+    except (AlgebraError, ValueError, RunError, FileNotFoundError) as err:
         print(f"structlm: error: {err}", file=sys.stderr)
         return 2
 

@@ -17,13 +17,18 @@ import typing
 from collections import abc
 from typing import Any, TypeVar, Union
 
-__all__ = ["ConfigError", "coerce", "dataclass_from_dict", "read_yaml"]
+__all__ = ["ConfigError", "RunError", "coerce", "dataclass_from_dict", "read_yaml"]
 
 T = TypeVar("T")
 
 
 class ConfigError(ValueError):
     """A config value or file that cannot be used (the message names it)."""
+
+
+class RunError(RuntimeError):
+    """A run that cannot proceed for a reason the user can act on (a folder another
+    process writes, an unreadable checkpoint); the message says what to do."""
 
 
 def read_yaml(path: str | None) -> dict[str, Any]:

@@ -172,7 +172,14 @@ def get_algebra(name: str) -> Algebra:
                                "memory growing with their square (Q256: about 1 GB; the "
                                "paper's largest is q = 256)")
         base = complete_graph_algebra(q)
-        return base if m.group(2) is None else tensor_power(base, int(m.group(2)), name=text)
+        if m.group(2) is None:
+            return base
+        power = int(m.group(2))
+        if power >= 1 and base.nnz ** power > MAX_PRODUCT_NNZ:
+            raise AlgebraError(f"{text}: the tensor power would hold {base.nnz ** power:,} "
+                               f"structure constants, over the {MAX_PRODUCT_NNZ:,} this builds "
+                               "in memory (Q2^6 has 46,656)")
+        return tensor_power(base, power, name=text)
     m = _GRAPH_RE.match(text)
     if m:
         n = int(m.group(1))

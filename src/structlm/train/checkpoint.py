@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
+from ..config import RunError
+
 __all__ = ["COMPLETE", "recover_checkpoint", "run_folder_lock", "write_checkpoint"]
 
 COMPLETE = "COMPLETE"
@@ -104,7 +106,7 @@ def run_folder_lock(folder: Path, what: str = "run") -> Iterator[IO[str]]:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise RuntimeError(f"{folder} is being written by another process (one writer "
+            raise RunError(f"{folder} is being written by another process (one writer "
                                f"per {what} folder)") from None
         yield fh
     finally:

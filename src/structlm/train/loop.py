@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from ..config import RunError
 from ..data.bpe import parse_tokenizer_spec
 from ..nn.schedules import auto_schedule, check_type_coverage, get_schedule, type_counts
 from . import distributed as D
@@ -342,12 +343,12 @@ def _train(cfg: TrainConfig, rank: int, world: int, stop_after: int | None, prog
         try:
             D.load_model(model, str(ckpt / "model.safetensors"), engine, device)
         except Exception as e:
-            raise RuntimeError(_corrupt(ckpt / "model.safetensors", e)) from e
+            raise RunError(_corrupt(ckpt / "model.safetensors", e)) from e
         try:  # CPU (RNG states must stay there); under FSDP mapped lazily: rank 0 broadcasts
             state = torch.load(ckpt / "state.pt", weights_only=False, map_location="cpu",
                                mmap=engine == "fsdp")
         except Exception as e:
-            raise RuntimeError(_corrupt(ckpt / "state.pt", e)) from e
+            raise RunError(_corrupt(ckpt / "state.pt", e)) from e
         D.load_optimizer(model, opt, state["optimizer"], engine)
         sched.load_state_dict(state["scheduler"])
         gen.set_state(state["sampler"])

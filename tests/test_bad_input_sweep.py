@@ -1,0 +1,21 @@
+"""The bad-input sweep (benchmarks/bad_input_sweep.py) stays at zero tracebacks and zero
+silent cases."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_bad_input_in_the_sweep_is_a_clear_error(tmp_path) -> None:
+    pytest.importorskip("transformers")
+    out = tmp_path / "sweep.md"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bad_input_sweep.py"),
+                          "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "0 tracebacks, 0 silent" in out.read_text()
