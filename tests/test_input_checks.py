@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from structlm.cli_share import _layers
+from structlm.cli.args import layer_list as _layers
 from structlm.share.pipeline import check_layers
 
 

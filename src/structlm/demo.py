@@ -28,8 +28,8 @@ def run_demo(out_dir: str = "demo-report", steps: int = 100, algebra: str = "Q2^
              gen_tokens: int = 64, share: bool = True) -> Path:
     """Run the demo; returns the path of ``report.md``."""
     from .algebra.catalogue import CATALOGUE_NAMES
+    from .algebra.facts import algebra_table_markdown
     from .bench.generate import GenerateBenchConfig, run_generate_bench
-    from .cli import algebra_table_markdown
     from .data import gpt2_tokenizer
     from .models import config_from_preset
     from .models.cost import model_cost

@@ -1,4 +1,5 @@
-"""CLI commands of Part B: ``structlm eval ppl`` and ``structlm share analyze``."""
+"""``structlm eval ppl``, ``structlm share analyze | compress | experiment`` and
+``structlm bench share``: the shared-basis commands."""
 
 from __future__ import annotations
 
@@ -6,37 +7,17 @@ import argparse
 import json
 from typing import Any
 
-from .share.compress.ranks import METHODS
-from .share.configs import read_yaml
-
-
-def _layers(text: str) -> list[int]:
-    """``0,3,5`` or ``0-9`` or a mix (``0-3,10``); repeats and bad numbers are refused."""
-    from .share.pipeline import check_layers
-
-    out: list[int] = []
-    try:
-        for part in text.split(","):
-            part = part.strip()
-            if "-" in part:
-                a, b = part.split("-", 1)
-                if int(b) < int(a):
-                    raise argparse.ArgumentTypeError(f"empty layer range {part!r}")
-                out.extend(range(int(a), int(b) + 1))
-            elif part:
-                out.append(int(part))
-        check_layers(out)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"bad layer list {text!r}: {e}") from None
-    return out
+from ..share.compress.ranks import METHODS
+from ..share.configs import read_yaml
+from .args import ints, layer_list
 
 
 def _cmd_eval_ppl(args: argparse.Namespace) -> int:
     import torch
 
-    from .share.loading import load_model
-    from .share.perplexity import perplexity
-    from .share.text import (
+    from ..share.loading import load_model
+    from ..share.perplexity import perplexity
+    from ..share.text import (
         sample_windows,
         split_corpus,
         token_stream,
@@ -84,7 +65,7 @@ def _cmd_eval_ppl(args: argparse.Namespace) -> int:
 def _cmd_share_analyze(args: argparse.Namespace) -> int:
     import torch
 
-    from .share.analyze import AnalysisConfig, run_analysis
+    from ..share.analyze import AnalysisConfig, run_analysis
 
     torch.set_num_threads(args.threads)
     raw = read_yaml(args.config)
@@ -104,9 +85,9 @@ def _cmd_share_analyze(args: argparse.Namespace) -> int:
 def _cmd_share_compress(args: argparse.Namespace) -> int:
     import torch
 
-    from .share.compress import CompressionConfig
-    from .share.compress.finetune import FinetuneConfig
-    from .share.compress.run import run_compress
+    from ..share.compress import CompressionConfig
+    from ..share.compress.finetune import FinetuneConfig
+    from ..share.compress.run import run_compress
 
     torch.set_num_threads(args.threads)
     raw = read_yaml(args.config)
@@ -134,7 +115,7 @@ def _cmd_share_compress(args: argparse.Namespace) -> int:
 def _cmd_share_experiment(args: argparse.Namespace) -> int:
     import torch
 
-    from .share.compress.experiment import ExperimentConfig, run_experiment
+    from ..share.compress.experiment import ExperimentConfig, run_experiment
 
     torch.set_num_threads(args.threads)
     raw = read_yaml(args.config)
@@ -156,8 +137,26 @@ def _cmd_share_experiment(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_share_commands(sub: Any) -> None:
-    """Register ``eval`` and ``share`` on the top-level subparsers."""
+def _cmd_bench_share(args: argparse.Namespace) -> int:
+    from ..bench.share import ShareBenchConfig, run_share_bench
+
+    cfg = ShareBenchConfig(model=args.model, compressed=args.compressed or "",
+                           method=args.method, types=args.types,
+                           target_reduction=args.target_reduction, corpus=args.corpus,
+                           calib_tokens=args.calib_tokens, batches=args.batches,
+                           prompt_len=args.prompt_len, decode_tokens=args.decode_tokens,
+                           trials=args.trials, warmup=args.warmup, threads=args.threads,
+                           seed=args.seed, peak_memory=not args.no_peak_memory)
+    run_share_bench(cfg, args.out)
+    with open(args.out + ".md") as fh:
+        print(fh.read())
+    print(f"wrote {args.out}.csv, {args.out}.md, {args.out}.png")
+    return 0
+
+
+def add_share_commands(sub: Any, bench: Any) -> None:
+    """Register ``eval`` and ``share`` on the top-level subparsers and ``share`` on
+    ``bench``'s."""
     ev = sub.add_parser("eval", help="evaluate pretrained models").add_subparsers(
         dest="eval_command", required=True)
     ppl = ev.add_parser("ppl", help="perplexity under the documented protocol "
@@ -190,7 +189,7 @@ def add_share_commands(sub: Any) -> None:
     an.add_argument("--second-corpus", default=None,
                     help="different-domain corpus for perplexity (default shakespeare; '' skips)")
     an.add_argument("--config", default=None, help="YAML with AnalysisConfig fields")
-    an.add_argument("--layers", type=_layers, default=None, help="e.g. 0-5 or 0,10,20")
+    an.add_argument("--layers", type=layer_list, default=None, help="e.g. 0-5 or 0,10,20")
     an.add_argument("--types", default=None, help="all, attn, mlp or q,k,v,o,mlp_in,mlp_out")
     an.add_argument("--calib-tokens", type=int, default=None)
     an.add_argument("--eval-tokens", type=int, default=None, help="0 skips perplexity")
@@ -248,3 +247,29 @@ def add_share_commands(sub: Any) -> None:
     ex.add_argument("--threads", type=int, default=2)
     ex.add_argument("--out", default="share-experiment")
     ex.set_defaults(func=_cmd_share_experiment)
+
+    bsh = bench.add_parser("share", help="memory and CPU latency (prefill, cached decode) of "
+                           "a compressed model vs the original")
+    bsh.add_argument("model", nargs="?", default="smollm2",
+                     help="model to compress on the fly (ignored with --compressed)")
+    bsh.add_argument("--compressed", default=None,
+                     help="a folder written by 'structlm share compress' (its source model "
+                     "is the original); default: compress MODEL on the fly")
+    bsh.add_argument("--method", default="basis-sharing",
+                     choices=["shared", "hybrid", "svd", "basis-sharing", "onesided-all-layers"])
+    bsh.add_argument("--types", default="all", help="attn, mlp, all or q,k,v,o,mlp_in,mlp_out")
+    bsh.add_argument("--target-reduction", type=float, default=0.4,
+                     help="fraction of the compressed matrices' parameters to remove")
+    bsh.add_argument("--corpus", default="austen", help="calibration and prompt text")
+    bsh.add_argument("--calib-tokens", type=int, default=32768)
+    bsh.add_argument("--batches", type=ints, default=(1, 16), help="e.g. 1,16")
+    bsh.add_argument("--prompt-len", type=int, default=128)
+    bsh.add_argument("--decode-tokens", type=int, default=32)
+    bsh.add_argument("--trials", type=int, default=7, help="interleaved trials (medians)")
+    bsh.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    bsh.add_argument("--threads", type=int, default=2)
+    bsh.add_argument("--seed", type=int, default=0)
+    bsh.add_argument("--no-peak-memory", action="store_true",
+                     help="skip the peak-memory runs (a fresh process per model and batch)")
+    bsh.add_argument("--out", default="bench-out/share", help="output prefix")
+    bsh.set_defaults(func=_cmd_bench_share)

@@ -1,0 +1,7 @@
+"""``python -m structlm.cli`` (what ``torchrun -m structlm.cli train ...`` runs)."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

@@ -1,0 +1,189 @@
+"""``structlm cost | generate | train | study | demo``: the language-model commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from fractions import Fraction
+from typing import Any
+
+from .args import positive_int, prompt, temperature, top_p
+
+
+def _cmd_cost(args: argparse.Namespace) -> int:
+    from ..models import config_from_preset
+    from ..models.cost import model_cost
+
+    overrides = {"type_schedule": args.schedule} if args.schedule else {}
+    cost = model_cost(config_from_preset(args.preset, args.algebra,
+                                         structured_scores=args.structured_scores, **overrides))
+    if args.json:
+        print(json.dumps(cost))
+        return 0
+    print(f"preset {args.preset}, FFN algebra {args.algebra} (rho = {cost['rho_ffn']}), "
+          f"structured attention scores {'on' if cost['structured_scores'] else 'off'}")
+    print(f"trainable parameters      {cost['parameters']:,}")
+    dec = cost["decode_macs_per_token"]
+    print(f"decode MACs / token       dense {dec['dense']:,}  algebra {dec['algebra']:,}  "
+          f"(ratio {cost['decode_ratio']} = {float(Fraction(cost['decode_ratio'])):.4f})")
+    print(f"decode projections        algebra/dense = {cost['projection_mac_ratio']} "
+          f"= {float(Fraction(cost['projection_mac_ratio'])):.4f}")
+    print("training MACs / token     component: dense -> algebra")
+    for name, v in cost["training_macs_per_token"].items():
+        print(f"  {name:<24}{v['dense']:>16,} -> {v['algebra']:>16,}")
+    sc = cost["scores"]
+    if sc:
+        def f(key: str) -> str:
+            return f"{sc[key]} = {float(Fraction(sc[key])):.4f}"
+
+        print(f"structured scores         rho_score {f('rho_score')} (schedule {sc['schedule']}, "
+              f"causal context {sc['context']}); balanced limit {f('rho_score_balanced_limit')}")
+        print(f"  attention speed-up bound forward {f('forward_bound')}, training "
+              f"{f('training_bound')}; at the limit {f('forward_bound_limit')}, "
+              f"{f('training_bound_limit')}")
+    return 0
+
+
+def _check_gpt2_preset(preset: str) -> None:
+    """Commands that tokenise with GPT-2 need a preset with its 50,257-token vocabulary."""
+    from ..models.presets import PRESETS
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}: expected one of {sorted(PRESETS)}")
+    vocab = PRESETS[preset]["vocab_size"]
+    if vocab != 50257:
+        ok = sorted(p for p, v in PRESETS.items() if v["vocab_size"] == 50257)
+        raise ValueError(f"preset {preset!r} has a {vocab}-token vocabulary, but this command "
+                         f"tokenises with GPT-2 (50,257 tokens): use one of {ok}, or --model "
+                         "for a trained model with its own tokenizer")
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..data import gpt2_tokenizer
+    from ..models import StructLMForCausalLM, config_from_preset
+
+    torch.set_num_threads(args.threads)
+    tok = gpt2_tokenizer()
+    if args.model:
+        from transformers import AutoModelForCausalLM
+
+        if not os.path.isfile(os.path.join(args.model, "config.json")):
+            raise ValueError(f"--model {args.model!r}: no saved model there (expected a "
+                             "folder with config.json and weights, as save_pretrained writes)")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+        except Exception as e:  # a garbage config, truncated or mis-shaped weights
+            raise ValueError(f"--model {args.model!r} cannot be loaded "
+                             f"({type(e).__name__}: {str(e).splitlines()[0][:300]})") from e
+    else:
+        _check_gpt2_preset(args.preset)
+        torch.manual_seed(args.seed)
+        model = StructLMForCausalLM(config_from_preset(args.preset, args.algebra)).eval()
+        print(f"(random {args.preset} weights with {args.algebra} FFNs: pass --model DIR for a "
+              "trained model)")
+    tok.padding_side = "left"
+    enc = tok(list(args.prompt), return_tensors="pt", padding=True)
+    context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    need = enc["input_ids"].shape[1] + args.max_new_tokens
+    if context and need > context:
+        raise ValueError(f"the longest prompt ({enc['input_ids'].shape[1]} tokens) plus "
+                         f"--max-new-tokens {args.max_new_tokens} = {need} exceeds the model's "
+                         f"context of {context} positions")
+    torch.manual_seed(args.seed)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=args.max_new_tokens,
+                             do_sample=args.temperature > 0, temperature=args.temperature or None,
+                             top_p=args.top_p, top_k=args.top_k, pad_token_id=tok.eos_token_id)
+    for given, row in zip(args.prompt, out, strict=True):
+        text = tok.decode(row[enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        print(f"### {given}\n{text}\n")
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from ..train import load_config, train
+    from ..train.plot import plot_loss_curves
+
+    runs = []
+    for path in args.configs:
+        cfg = load_config(path, max_steps=args.max_steps)
+        metrics = train(cfg)
+        runs.append((f"{cfg.algebra} ({os.path.basename(path)})", str(metrics)))
+        print(f"{path}: metrics {metrics}, model {os.path.join(cfg.out_dir, 'model')}")
+    if len(runs) > 1:
+        out = args.plot or "loss_curves.png"
+        plot_loss_curves(runs, out)
+        print(f"wrote {out}")
+    return 0
+
+
+def _cmd_study(args: argparse.Namespace) -> int:
+    from ..train.study import run_study
+    from ..train.study_config import load_study_config
+
+    cfg = load_study_config(args.config, out_dir=args.out, max_steps=args.max_steps,
+                            threads=args.threads)
+    report = run_study(cfg)
+    print(report.read_text())
+    print(f"wrote {report} (and runs.csv, arms.csv, curves.png, loss_vs_macs.png)")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from ..demo import run_demo
+
+    run_demo(args.out, steps=args.steps, algebra=args.algebra, share=not args.no_share)
+    return 0
+
+
+def add_lm_commands(sub: Any) -> None:
+    """Register the language-model commands on the top-level subparsers."""
+    tr = sub.add_parser("train", help="train (or resume) from YAML configs")
+    tr.add_argument("configs", nargs="+", help="YAML files (see configs/)")
+    tr.add_argument("--max-steps", type=int, default=None, help="override max_steps")
+    tr.add_argument("--plot", default=None, help="combined loss plot when several configs")
+    tr.set_defaults(func=_cmd_train)
+
+    st = sub.add_parser("study", help="train a set of arms on the same data, tokens and seeds, "
+                        "then report (resumes arm by arm)")
+    st.add_argument("config", help="study YAML (see configs/study/)")
+    st.add_argument("--out", default=None, help="override out_dir")
+    st.add_argument("--max-steps", type=int, default=None, help="override train.max_steps")
+    st.add_argument("--threads", type=int, default=None,
+                    help="torch threads (runtime only: a run may resume with another value)")
+    st.set_defaults(func=_cmd_study)
+
+    cost = sub.add_parser("cost", help="parameters and MACs of a model preset")
+    cost.add_argument("--preset", default="paper-110m")
+    cost.add_argument("--algebra", default="Q2^2", help="FFN algebra (dense, Q4, Q2^2, ...)")
+    cost.add_argument("--structured-scores", action="store_true",
+                      help="count attention scores as structured (seed 000 appendix G)")
+    cost.add_argument("--schedule", default="", help="type schedule (default: the preset's)")
+    cost.add_argument("--json", action="store_true", help="one JSON object")
+    cost.set_defaults(func=_cmd_cost)
+
+    gen = sub.add_parser("generate", help="sample text with the KV cache")
+    gen.add_argument("--model", default=None, help="a saved model folder (save_pretrained)")
+    gen.add_argument("--preset", default="cpu-small")
+    gen.add_argument("--algebra", default="Q2^2")
+    gen.add_argument("--prompt", action="append", required=True, type=prompt,
+                     help="repeat for a batch")
+    gen.add_argument("--max-new-tokens", type=positive_int, default=64)
+    gen.add_argument("--temperature", type=temperature, default=0.8, help="0 = greedy")
+    gen.add_argument("--top-p", type=top_p, default=0.95)
+    gen.add_argument("--top-k", type=positive_int, default=50)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--threads", type=int, default=2)
+    gen.set_defaults(func=_cmd_generate)
+
+    demo = sub.add_parser("demo", help="dense vs algebra LMs end to end (about 8 min on 2 cores)")
+    demo.add_argument("--steps", type=int, default=100, help="training steps per model")
+    demo.add_argument("--algebra", default="Q2^2")
+    demo.add_argument("--out", default="demo-report")
+    demo.add_argument("--no-share", action="store_true",
+                      help="skip the shared-basis section (SmolLM2, ~2 min)")
+    demo.set_defaults(func=_cmd_demo)
+
