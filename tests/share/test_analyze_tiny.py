@@ -12,7 +12,7 @@ import torch
 from structlm.share import analyze
 from structlm.share.adapters import get_adapter
 from structlm.share.calibration import calibrate
-from structlm.share.testing import tiny_llama
+from tiny_models import tiny_llama
 
 
 class _Split:

@@ -28,7 +28,7 @@ from structlm.share.adapters import get_adapter
 from structlm.share.calibration import calibrate
 from structlm.share.compress import CompressionConfig, compress_model, save_compressed
 from structlm.share.loading import LoadedModel
-from structlm.share.testing import tiny_llama
+from tiny_models import tiny_llama
 
 
 def _ids(n: int, seed: int = 3) -> torch.Tensor:

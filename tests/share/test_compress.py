@@ -29,7 +29,7 @@ from structlm.share.compress import (
     stored_parameters,
 )
 from structlm.share.loading import LoadedModel
-from structlm.share.testing import tiny_llama
+from tiny_models import tiny_llama
 
 
 def _ids(n: int = 4 * 32, seed: int = 3) -> torch.Tensor:

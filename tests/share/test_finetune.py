@@ -16,7 +16,7 @@ from structlm.share.compress import CompressionConfig, SharedBasisLinear, compre
 from structlm.share.compress.experiment import ExperimentConfig
 from structlm.share.compress.finetune import FinetuneConfig, finetune, trainable_parameters
 from structlm.share.configs import read_yaml
-from structlm.share.testing import tiny_llama
+from tiny_models import tiny_llama
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -19,7 +19,7 @@ from structlm.share.analyze import (
 from structlm.share.calibration import Calibration, CovarianceAccumulator, calibrate
 from structlm.share.linalg import effective_rank, psd_sqrt
 from structlm.share.subspaces import functional_matrices, per_side_k
-from structlm.share.testing import tiny_llama
+from tiny_models import tiny_llama
 
 
 def _gen(seed: int) -> torch.Generator:

@@ -1,4 +1,5 @@
-"""Tiny random models for tests and examples (no download, built in milliseconds)."""
+"""Tiny random models for the tests (no download, built in milliseconds); on the path via
+``pythonpath = ["tests"]`` in pyproject.toml."""
 
 from __future__ import annotations
 
