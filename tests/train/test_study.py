@@ -148,3 +148,19 @@ def test_one_writer_and_one_study_per_folder(tmp_path) -> None:
                                                        "corpus": "austen", "arms": []}))
     with pytest.raises(ValueError, match=r"other shared settings \(\['corpus'\]\)"):
         run_study(cfg, progress=False)
+
+
+def test_verdicts_follow_the_range_rule_and_wait_for_every_seed() -> None:
+    from structlm.train.study_report import _verdict
+
+    def arm(values: list[float], planned: int) -> dict:
+        return {"n": len(values), "planned": planned, "mean": sum(values) / len(values),
+                "min": min(values), "max": max(values)}
+
+    assert _verdict(arm([5.0], 3), arm([6.0], 3), "a", "b").startswith("pending: 1/3 and 1/3")
+    assert _verdict(arm([5.0], 1), arm([6.0], 1), "a", "b") == (
+        "one seed each: no interval, no verdict (a lower)")
+    assert _verdict(arm([5.0, 5.1, 5.2], 3), arm([5.3, 5.4, 5.5], 3), "a", "b") == (
+        "**a lower** (ranges do not overlap)")
+    assert _verdict(arm([5.0, 5.4, 5.2], 3), arm([5.3, 5.6, 5.5], 3), "a", "b") == (
+        "ranges overlap: no difference shown")

@@ -80,6 +80,12 @@ def comparisons(cfg: StudyConfig) -> list[tuple[str, str, str]]:
 
 
 def _verdict(a: dict[str, Any], b: dict[str, Any], na: str, nb: str) -> str:
+    if a["n"] < a["planned"] or b["n"] < b["planned"]:
+        return (f"pending: {a['n']}/{a['planned']} and {b['n']}/{b['planned']} seeds done "
+                "(no verdict before every planned seed)")
+    if a["n"] == 1 and b["n"] == 1:
+        lower = na if a["mean"] < b["mean"] else nb
+        return f"one seed each: no interval, no verdict ({lower} lower)"
     if a["max"] < b["min"]:
         return f"**{na} lower** (ranges do not overlap)"
     if b["max"] < a["min"]:
@@ -109,6 +115,16 @@ def iso_quality(stats: dict[str, dict[str, Any]]) -> tuple[list[tuple[float, flo
                      "dense_macs_at_loss": need,
                      "ratio": None if need is None else s["projection_macs"] / need})
     return dense, rows
+
+
+def _median_step_seconds(cfg: StudyConfig, arm: ArmSpec, seed: int) -> float:
+    """Median wall time of one training step of a run, from its ``metrics.csv`` (robust to
+    a run that was paused or resumed: the mean would count the gap)."""
+    path = Path(cfg.run_config(arm, seed).out_dir) / "metrics.csv"
+    with path.open(newline="") as fh:
+        secs = [float(r["seconds"]) for r in csv.DictReader(fh)]
+    deltas = [b - a for a, b in itertools.pairwise(secs) if b >= a]
+    return statistics.median(deltas) if deltas else (secs[0] if secs else float("nan"))
 
 
 def _fmt(x: float | None, spec: str = ".4f") -> str:
@@ -220,12 +236,14 @@ def write_report(cfg: StudyConfig, data: Any) -> Path:
              "[min, max] do not overlap.", "",
              "| arm | algebra | FFN width | schedule | scores | parameters | projection MACs "
              "/ token | seeds | validation loss mean ± std | range | below unigram | "
-             "train tokens/s | train min |",
+             "train tokens/s (median step) | train min (median step × steps) |",
              "|---|---|---:|---|---|---:|---:|---:|---:|---|---:|---:|---:|"]
     for name, s in stats.items():
         r0 = s["runs"][0]
-        speed = statistics.fmean(r["train_tokens_per_s"] or 0 for r in s["runs"])
-        minutes = statistics.fmean(r["train_seconds"] for r in s["runs"]) / 60
+        step_s = [_median_step_seconds(cfg, s["arm"], r["seed"]) for r in s["runs"]]
+        tokens_per_step = r0["train_tokens"] / rc.max_steps
+        speed = statistics.fmean(tokens_per_step / t for t in step_s)
+        minutes = statistics.fmean(step_s) * rc.max_steps / 60
         lines.append(
             f"| {name} | {s['arm'].algebra} | {r0['ffn_width']} | "
             f"{r0['type_schedule'] if not s['arm'].is_dense else '—'} | "
@@ -238,7 +256,9 @@ def write_report(cfg: StudyConfig, data: Any) -> Path:
     for question, a, b in comparisons(cfg):
         if a in stats and b in stats:
             sa, sb = stats[a], stats[b]
-            note = "" if sa["n"] > 1 and sb["n"] > 1 else " (a one-seed arm)"
+            note = ("" if (sa["n"] > 1 and sb["n"] > 1) or (sa["n"] == sb["n"] == 1)
+                    or sa["n"] < sa["planned"] or sb["n"] < sb["planned"]
+                    else " (against a one-seed arm: its range is one value)")
             lines.append(f"| {question} | {a} | {b} | {sa['mean'] - sb['mean']:+.4f} | "
                          f"{_verdict(sa, sb, a, b)}{note} |")
         else:
