@@ -192,13 +192,23 @@ def _save(fig: Any, png: Path) -> None:
     os.replace(tmp, png)
 
 
-def _write_csvs(out: Path, stats: dict[str, dict[str, Any]]) -> None:
+def _write_csvs(cfg: StudyConfig, out: Path, stats: dict[str, dict[str, Any]]) -> None:
+    """``runs.csv`` (one row per run; ``train_seconds`` / ``train_tokens_per_s`` are
+    wall-clock, pauses included; the ``median_step`` columns are not) and ``arms.csv``."""
     from ..bench.timing import environment, write_csv_atomic
 
     env = {f"env_{k}": v for k, v in environment().items()}
-    runs = [{k: v for k, v in r.items() if k != "type_tokens_per_window"}
-            | {"type_tokens_per_window": "/".join(map(str, r["type_tokens_per_window"]))} | env
-            for s in stats.values() for r in s["runs"]]
+    runs = []
+    for s in stats.values():
+        for r in s["runs"]:
+            step = _median_step_seconds(cfg, s["arm"], r["seed"])
+            steps = cfg.run_config(s["arm"], r["seed"]).max_steps
+            runs.append({k: v for k, v in r.items() if k != "type_tokens_per_window"}
+                        | {"type_tokens_per_window": "/".join(map(str,
+                                                                  r["type_tokens_per_window"])),
+                           "median_step_seconds": round(step, 3),
+                           "median_step_tokens_per_s": round(r["train_tokens"] / steps / step,
+                                                             1)} | env)
     write_csv_atomic(str(out / "runs.csv"), runs)
     arms = [{"arm": n, "algebra": s["arm"].algebra, "ffn_width": s["runs"][0]["ffn_width"],
              "type_schedule": s["runs"][0]["type_schedule"],
@@ -283,7 +293,7 @@ def write_report(cfg: StudyConfig, data: Any) -> Path:
                   gen.read_text().split("\n", 2)[2]]
     _plot_curves(cfg, stats, out / "curves.png")
     _plot_macs(stats, out / "loss_vs_macs.png")
-    _write_csvs(out, stats)
+    _write_csvs(cfg, out, stats)
     lines += ["", "![validation curves](curves.png)", "",
               "![loss vs MACs](loss_vs_macs.png)", ""]
     report = out / "report.md"
