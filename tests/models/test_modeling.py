@@ -7,6 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from lm_checks import assert_left_padding_matches_alone  # noqa: E402
 from structlm.models import StructLMForCausalLM, config_from_preset  # noqa: E402
 
 
@@ -96,21 +97,7 @@ def test_chunked_prefill_equals_one_shot() -> None:
 
 
 def test_left_padding_keeps_absolute_positions() -> None:
-    model = _model()
-    long = torch.randint(1, 512, (9,))
-    short = torch.randint(1, 512, (4,))
-    batch = torch.zeros(2, 9, dtype=torch.long)
-    mask = torch.zeros(2, 9, dtype=torch.long)
-    batch[0], mask[0] = long, 1
-    batch[1, 5:], mask[1, 5:] = short, 1
-    kw = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True,
-              output_logits=True, pad_token_id=0)
-    both = model.generate(batch, attention_mask=mask, **kw)
-    for row, prompt in ((0, long), (1, short)):
-        alone = model.generate(prompt[None], attention_mask=torch.ones(1, len(prompt),
-                                                                       dtype=torch.long), **kw)
-        torch.testing.assert_close(torch.stack(both.logits, 1)[row],
-                                   torch.stack(alone.logits, 1)[0], rtol=1e-4, atol=1e-4)
+    assert_left_padding_matches_alone(_model())
 
 
 def test_save_and_load_round_trip(tmp_path) -> None:

@@ -9,6 +9,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from lm_checks import assert_left_padding_matches_alone
 from structlm.models import StructLMForCausalLM, config_from_preset
 from structlm.nn.structured_scores import structured_scores_reference
 
@@ -42,19 +43,7 @@ def test_chunked_and_cached_decode_equal_the_full_forward(algebra: str, schedule
 @pytest.mark.parametrize(("algebra", "schedule", "structured"), CASES[:3])
 def test_generate_with_left_padding_keeps_absolute_positions(algebra: str, schedule: str,
                                                              structured: bool) -> None:
-    model = _model(algebra, schedule, structured)
-    long, short = torch.randint(1, 512, (9,)), torch.randint(1, 512, (4,))
-    batch, mask = torch.zeros(2, 9, dtype=torch.long), torch.zeros(2, 9, dtype=torch.long)
-    batch[0], mask[0] = long, 1
-    batch[1, 5:], mask[1, 5:] = short, 1
-    kw = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True,
-              output_logits=True, pad_token_id=0)
-    both = model.generate(batch, attention_mask=mask, **kw)
-    for row, prompt in ((0, long), (1, short)):
-        alone = model.generate(prompt[None], attention_mask=torch.ones(1, len(prompt),
-                                                                       dtype=torch.long), **kw)
-        torch.testing.assert_close(torch.stack(both.logits, 1)[row],
-                                   torch.stack(alone.logits, 1)[0], rtol=1e-4, atol=1e-4)
+    assert_left_padding_matches_alone(_model(algebra, schedule, structured))
 
 
 def test_structured_scores_change_the_model_and_follow_the_definition() -> None:

@@ -8,6 +8,8 @@ from .catalogue import (
     complete_graph_algebra,
     get_algebra,
     graph_algebra,
+    is_dense,
+    num_types,
     tensor_power,
     tensor_product,
 )
@@ -23,6 +25,8 @@ __all__ = [
     "complete_graph_algebra",
     "get_algebra",
     "graph_algebra",
+    "is_dense",
+    "num_types",
     "split_widths",
     "support_of",
     "tensor_power",

@@ -25,6 +25,8 @@ __all__ = [
     "complete_graph_algebra",
     "get_algebra",
     "graph_algebra",
+    "is_dense",
+    "num_types",
     "tensor_power",
     "tensor_product",
 ]
@@ -136,6 +138,16 @@ radical) take time and memory growing faster than its constants (Q2^6, 46,656 of
 
 _GRAPH_RE = re.compile(r"^graph:(\d+):(.*)$")
 _Q_RE = re.compile(r"^Q(\d+)(?:\^(\d+))?$")
+
+
+def is_dense(name: str) -> bool:
+    """Whether an FFN algebra name means a plain dense layer (``dense`` or ``Q1``)."""
+    return name.strip().lower() in ("dense", "q1")
+
+
+def num_types(name: str) -> int:
+    """Position types (``q``) of an FFN algebra name: 1 for dense."""
+    return 1 if is_dense(name) else int(get_algebra(name).q or 1)
 
 
 @lru_cache(maxsize=64)

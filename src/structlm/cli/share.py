@@ -12,6 +12,13 @@ from ..share.configs import read_yaml
 from .args import ints, layer_list
 
 
+def _given(raw: dict[str, Any], args: argparse.Namespace, keys: tuple[str, ...]) -> None:
+    """Copy into ``raw`` the command-line options among ``keys`` that were given."""
+    for key in keys:
+        if getattr(args, key) is not None:
+            raw[key] = getattr(args, key)
+
+
 def _cmd_eval_ppl(args: argparse.Namespace) -> int:
     import torch
 
@@ -70,12 +77,8 @@ def _cmd_share_analyze(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     raw = read_yaml(args.config)
     raw["model"] = args.model
-    for key in ("corpus", "second_corpus", "types", "calib_tokens", "eval_tokens",
-                "permutations", "seed", "reference_layer"):
-        if getattr(args, key) is not None:
-            raw[key] = getattr(args, key)
-    if args.layers is not None:
-        raw["layers"] = args.layers
+    _given(raw, args, ("corpus", "second_corpus", "types", "calib_tokens", "eval_tokens",
+                       "permutations", "seed", "reference_layer", "layers"))
     cfg = AnalysisConfig.from_dict(raw)
     res = run_analysis(cfg, args.out)
     print((args.out.rstrip("/") + "/report.md") + f" written ({res['seconds']:.0f} s)")
@@ -92,10 +95,8 @@ def _cmd_share_compress(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     raw = read_yaml(args.config)
     ft_raw = raw.pop("finetune", {}) or {}
-    for key in ("method", "types", "target_reduction", "residual_rank", "k_fraction",
-                "group_size", "update"):
-        if getattr(args, key) is not None:
-            raw[key] = getattr(args, key)
+    _given(raw, args, ("method", "types", "target_reduction", "residual_rank", "k_fraction",
+                       "group_size", "update"))
     ccfg = CompressionConfig.from_dict(raw)
     if args.finetune_steps is not None:
         ft_raw["steps"] = args.finetune_steps
@@ -120,9 +121,7 @@ def _cmd_share_experiment(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     raw = read_yaml(args.config)
     raw["model"] = args.model
-    for key in ("second_model", "calib_tokens", "eval_tokens", "corpus", "second_corpus"):
-        if getattr(args, key) is not None:
-            raw[key] = getattr(args, key)
+    _given(raw, args, ("second_model", "calib_tokens", "eval_tokens", "corpus", "second_corpus"))
     if args.seeds is not None:
         raw["seeds"] = [int(s) for s in args.seeds.split(",")]
     if args.reductions is not None:

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..atomic import atomic_write_json
 from .bpe import parse_tokenizer_spec
 from .corpora import Document, load_corpus
 from .tokenizer import gpt2_encoding
@@ -129,7 +130,7 @@ def build_token_dataset(corpus: str, out_dir: str | os.PathLike[str], val_fracti
         if "content_sha1" not in meta and all(meta.get(k) == v for k, v in want.items()
                                               if k != "content_sha1"):
             meta["content_sha1"] = want["content_sha1"]  # an older cache: adopt it once
-            _write_meta(meta_path, meta)
+            atomic_write_json(meta_path, meta)
         if all(meta.get(k) == v for k, v in want.items()):
             return TokenDataset(out)
         changed = sorted(k for k, v in want.items() if meta.get(k) != v)
@@ -158,14 +159,8 @@ def build_token_dataset(corpus: str, out_dir: str | os.PathLike[str], val_fracti
         vocab_size=50257 if tok_dir is None else bpe_vocab,
         eot_token=_encoder(tok_dir)[1],
     )
-    _write_meta(meta_path, meta)
+    atomic_write_json(meta_path, meta)
     return TokenDataset(out)
-
-
-def _write_meta(path: Path, meta: dict[str, Any]) -> None:
-    tmp = path.with_name(f"meta.json.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, path)
 
 
 @dataclass

@@ -65,22 +65,18 @@ class StructLMConfig(PretrainedConfig):
         self.algebra = algebra
         self.type_schedule = type_schedule
         self.structured_scores = bool(structured_scores)
-        if algebra.strip().lower() not in ("dense", "q1"):
-            from ..algebra import get_algebra
+        from ..algebra import is_dense, num_types
 
-            q = int(get_algebra(algebra).q or 1)
-            bad = {k: v for k, v in (("hidden_size", hidden_size),
-                                     ("intermediate_size", intermediate_size)) if v % q}
-            if bad:
-                raise ValueError(f"algebra {algebra!r} splits the FFN's widths into q={q} "
-                                 f"equal groups: {bad} not divisible by {q}")
+        q = num_types(algebra)
+        bad = {k: v for k, v in (("hidden_size", hidden_size),
+                                 ("intermediate_size", intermediate_size)) if v % q}
+        if bad:
+            raise ValueError(f"algebra {algebra!r} splits the FFN's widths into q={q} "
+                             f"equal groups: {bad} not divisible by {q}")
         if self.structured_scores:
-            if algebra.strip().lower() in ("dense", "q1"):
+            if is_dense(algebra):
                 raise ValueError("structured_scores needs an algebra (the query and key "
                                  "types come from its position types), got algebra='dense'")
-            from ..algebra import get_algebra
-
-            q = int(get_algebra(algebra).q or 1)
             head = hidden_size // num_attention_heads
             if head % q:
                 raise ValueError(f"structured_scores splits each head into q={q} groups: "

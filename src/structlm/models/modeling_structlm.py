@@ -21,7 +21,7 @@ from torch import nn
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from ..algebra import get_algebra, support_of
+from ..algebra import get_algebra, is_dense, num_types, support_of
 from ..nn import AlgebraLinear, DecodeLinear, get_schedule
 from ..nn.structured_scores import score_groups, structured_attention
 from ..ops import cpu_kernels
@@ -39,7 +39,7 @@ LINEAR_KINDS: frozenset[type[nn.Module]] = frozenset((nn.Linear, DecodeLinear))
 
 
 def _is_dense(config: StructLMConfig) -> bool:
-    return config.algebra.strip().lower() in ("dense", "q1")
+    return is_dense(config.algebra)
 
 
 class StructLMAttention(nn.Module):
@@ -216,7 +216,7 @@ class StructLMModel(StructLMPreTrainedModel):
         self.wpe = nn.Embedding(config.n_positions, config.hidden_size)
         self.h = nn.ModuleList([StructLMBlock(config, i) for i in range(config.num_hidden_layers)])
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
-        self.q = 1 if _is_dense(config) else int(get_algebra(config.algebra).q or 1)
+        self.q = num_types(config.algebra)
         self.schedule = None if _is_dense(config) else get_schedule(config.type_schedule, self.q)
         self.score_groups = (score_groups(support_of(get_algebra(config.algebra)).mask)
                              if getattr(config, "structured_scores", False) else None)

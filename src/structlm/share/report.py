@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from ..atomic import atomic_write_text
 
 __all__ = ["atomic_write_text", "clean_json", "verdict_table", "write_report"]
 
@@ -22,15 +22,6 @@ def clean_json(x: Any) -> Any:
     if isinstance(x, list | tuple):
         return [clean_json(v) for v in x]
     return x
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and ``os.replace``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
 
 
 def _f(x: float | None, nd: int = 3) -> str:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from ..atomic import atomic_write_json
 from ..config import RunError
 from ..data.bpe import parse_tokenizer_spec
 from ..nn.schedules import auto_schedule, check_type_coverage, get_schedule, type_counts
@@ -96,23 +97,40 @@ class TrainConfig:
         if not 0 < self.val_fraction < 1:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}: "
                              "training evaluates on held-out documents")
-        parse_tokenizer_spec(self.tokenizer)
         _check_model_overrides(self.model_overrides)
-        if (self.tokenizer.strip().lower() != "gpt2"
-                and "vocab_size" in self.model_overrides):
+        if self.trained_tokenizer and "vocab_size" in self.model_overrides:
             raise ValueError(f"model_overrides.vocab_size={self.model_overrides['vocab_size']} "
                              f"conflicts with tokenizer {self.tokenizer!r}: the vocabulary "
                              "follows the trained tokenizer")
         self.type_counts()  # refuses a schedule that leaves a type untrained
 
     @property
+    def trained_tokenizer(self) -> bool:
+        """Whether the run trains its own BPE (``bpe:<vocab>``) instead of using GPT-2's
+        (parsing the spec refuses an unknown one)."""
+        return parse_tokenizer_spec(self.tokenizer) is not None
+
+    @property
     def q(self) -> int:
         """Number of position types of the FFN algebra (1 for dense)."""
-        from ..algebra import get_algebra
+        from ..algebra import num_types
 
-        if self.algebra.strip().lower() in ("dense", "q1"):
-            return 1
-        return int(get_algebra(self.algebra).q or 1)
+        return num_types(self.algebra)
+
+    def model_config(self, data: Any = None) -> Any:
+        """The run's ``StructLMConfig``: the preset, the algebra, the resolved schedule and
+        ``model_overrides``; with a trained tokenizer and its token ``data``, the vocabulary
+        and BOS/EOS ids follow the tokenizer (without ``data``: the preset's, for
+        accounting)."""
+        from ..models import config_from_preset
+
+        vocab: dict[str, int] = {}
+        if self.trained_tokenizer and data is not None:
+            vocab = dict(vocab_size=data.vocab_size, bos_token_id=data.eot_token,
+                         eos_token_id=data.eot_token)
+        return config_from_preset(self.preset, self.algebra,
+                                  type_schedule=self.model_schedule(),
+                                  **{**self.model_overrides, **vocab})
 
     def model_schedule(self) -> str:
         """The model config's ``type_schedule``: ``auto`` resolved for ``seq_len``."""
@@ -195,18 +213,12 @@ def _lr_factor(step: int, cfg: TrainConfig) -> float:
 def _build_model(cfg: TrainConfig, data: Any = None) -> Any:
     """The model of ``cfg``; with a BPE tokenizer its vocabulary and BOS/EOS come from
     the token ``data``."""
-    from ..models import StructLMForCausalLM, config_from_preset
+    from ..models import StructLMForCausalLM
 
+    if cfg.trained_tokenizer and data is None:
+        raise ValueError("a BPE-tokenised run needs its token data to size the vocabulary")
     torch.manual_seed(cfg.seed)
-    vocab: dict[str, int] = {}
-    if cfg.tokenizer.strip().lower() != "gpt2":
-        if data is None:
-            raise ValueError("a BPE-tokenised run needs its token data to size the vocabulary")
-        vocab = dict(vocab_size=data.vocab_size, bos_token_id=data.eot_token,
-                     eos_token_id=data.eot_token)
-    mcfg = config_from_preset(cfg.preset, cfg.algebra, type_schedule=cfg.model_schedule(),
-                              **{**cfg.model_overrides, **vocab})
-    return StructLMForCausalLM(mcfg)
+    return StructLMForCausalLM(cfg.model_config(data))
 
 
 def _build_optimizer(model: Any, cfg: TrainConfig) -> tuple[torch.optim.Optimizer, Any]:
@@ -416,7 +428,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, stop_after: int | None, prog
         full = D.unsharded(model, engine, rank)  # collective under FSDP
         if full is not None:  # rank 0
             full.save_pretrained(out / "model")
-            if cfg.tokenizer.strip().lower() != "gpt2":
+            if cfg.trained_tokenizer:
                 data.tokenizer().save_pretrained(out / "model")
             plot_loss_curves([(cfg.algebra, str(metrics))], str(out / "loss.png"))
     if world > 1:
@@ -434,9 +446,7 @@ def _write_type_counts(path: Path, cfg: TrainConfig) -> None:
     info = {"algebra": cfg.algebra, "q": cfg.q, "type_schedule": cfg.type_schedule,
             "model_schedule": cfg.model_schedule() if cfg.q > 1 else None,
             "seq_len": cfg.seq_len, "positions_per_type_per_window": counts}
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(info, indent=1))
-    os.replace(tmp, path)
+    atomic_write_json(path, info)
     if cfg.q > 1:
         print(f"position types ({info['model_schedule']}, q={cfg.q}, seq_len={cfg.seq_len}): "
               f"positions per type per window {counts}", flush=True)

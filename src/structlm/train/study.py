@@ -12,21 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
+from ..atomic import atomic_write_json
 from .checkpoint import run_folder_lock
 from .study_config import ArmSpec, StudyConfig
 
 __all__ = ["run_study", "run_summary"]
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
 
 
 def _check_same_study(out: Path, cfg: StudyConfig) -> None:
@@ -52,7 +46,7 @@ def _check_same_study(out: Path, cfg: StudyConfig) -> None:
                     k: v for k, v in json.loads(json.dumps(arm)).items() if k != "seeds"}:
                 raise ValueError(f"arm {arm['name']!r} changed since {out} was started; give "
                                  "the new variant another name")
-    _write_json(path, mine)
+    atomic_write_json(path, mine)
 
 
 def _train_seconds(metrics: Path) -> float:
@@ -117,7 +111,7 @@ def _finish_run(cfg: StudyConfig, arm: ArmSpec, seed: int, data: Any, progress: 
         "type_tokens_per_window": rc.type_counts(),
         "layers": n,
     }
-    _write_json(run / "final.json", summary)
+    atomic_write_json(run / "final.json", summary)
     return summary
 
 

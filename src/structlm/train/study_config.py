@@ -59,7 +59,9 @@ class ArmSpec:
     @property
     def is_dense(self) -> bool:
         """Whether the FFN is dense."""
-        return self.algebra.strip().lower() in ("dense", "q1")
+        from ..algebra import is_dense
+
+        return is_dense(self.algebra)
 
 
 @dataclass(frozen=True)
@@ -143,14 +145,9 @@ class StudyConfig:
             order += [(a, a.seeds[k]) for a in self.arms if len(a.seeds) > k]
         return order
 
-    def model_config(self, arm: ArmSpec, vocab_size: int | None = None) -> Any:
-        """The arm's model config (vocabulary from the tokenizer when given)."""
-        from ..models.presets import config_from_preset
-
-        cfg = self.run_config(arm, arm.seeds[0])
-        extra = {} if vocab_size is None else {"vocab_size": vocab_size}
-        return config_from_preset(self.preset, arm.algebra, type_schedule=cfg.model_schedule(),
-                                  **{**cfg.model_overrides, **extra})
+    def model_config(self, arm: ArmSpec) -> Any:
+        """The arm's model config (the preset's vocabulary: for the budget accounting)."""
+        return self.run_config(arm, arm.seeds[0]).model_config()
 
     # ---------------------------------------------------------------- checks
     def _check_budgets(self) -> None:

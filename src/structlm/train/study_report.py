@@ -17,6 +17,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from ..atomic import atomic_write_text
 from .study import run_summary
 from .study_config import ArmSpec, StudyConfig
 
@@ -297,7 +298,5 @@ def write_report(cfg: StudyConfig, data: Any) -> Path:
     lines += ["", "![validation curves](curves.png)", "",
               "![loss vs MACs](loss_vs_macs.png)", ""]
     report = out / "report.md"
-    tmp = report.with_name(f"report.md.tmp-{os.getpid()}")
-    tmp.write_text("\n".join(lines))
-    os.replace(tmp, report)
+    atomic_write_text(report, "\n".join(lines))
     return report
