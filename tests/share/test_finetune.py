@@ -3,6 +3,7 @@ the YAML configs under configs/share/ parse into their dataclasses."""
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 
@@ -88,3 +89,62 @@ def test_share_configs_parse(path: str) -> None:
         ft = raw.pop("finetune", {})
         CompressionConfig.from_dict(raw)
         FinetuneConfig(**ft)
+
+
+def test_killed_finetune_resumes_to_the_same_result(tmp_path, monkeypatch) -> None:
+    """A run killed between saves resumes from its last state and ends where an
+    uninterrupted run ends (same factors, same curve); a state of another config is
+    refused by name."""
+    ids = torch.randint(0, 89, (400,), generator=torch.Generator().manual_seed(3))
+    ft = FinetuneConfig(steps=6, lr=1e-2, warmup=1, seq_len=16, batch_size=2, eval_every=3,
+                        eval_tokens=64, eval_window=32)
+    whole = _compressed("hybrid")
+    curve_whole = finetune(whole, ids, ids[:64], ft, progress=False)
+
+    killed = _compressed("hybrid")
+    state = tmp_path / "state.pt"
+    real_clip = torch.nn.utils.clip_grad_norm_
+    calls = {"n": 0}
+
+    def clip_then_die(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 4:  # step 4: after the save at step 2, before the one at step 4
+            raise KeyboardInterrupt
+        return real_clip(*a, **kw)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        finetune(killed, ids, ids[:64], ft, progress=False, state_path=state, save_every=2)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", real_clip)
+    assert torch.load(state, weights_only=False)["step"] == 2
+
+    resumed = _compressed("hybrid")  # a fresh process would rebuild the model the same way
+    curve_resumed = finetune(resumed, ids, ids[:64], ft, progress=False, state_path=state,
+                             save_every=2)
+    assert [c["step"] for c in curve_resumed] == [c["step"] for c in curve_whole]
+    for a, b in zip(curve_resumed, curve_whole, strict=True):
+        if b["loss"] is None:
+            assert a["loss"] is None
+        else:
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+        if b["eval_ppl"] is not None:
+            assert a["eval_ppl"] == pytest.approx(b["eval_ppl"], rel=1e-6)
+    for (n, p), q in zip(resumed.named_parameters(), whole.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+    with pytest.raises(RuntimeError, match="was saved with config"):
+        finetune(_compressed("hybrid"), ids, ids[:64], dataclasses.replace(ft, steps=7),
+                 progress=False, state_path=state)
+
+
+def test_recorded_arm_deletes_its_finetune_state(tmp_path) -> None:
+    from structlm.share.compress.experiment import _ArmCache
+
+    cache = _ArmCache(tmp_path / "arms.json", ExperimentConfig())
+    key = '{"part": "finetuned", "seed": 0}'
+    state = cache.state_path(key)
+    state.parent.mkdir(parents=True)
+    state.write_bytes(b"partial run")
+    assert cache._get(key, lambda: {"ppl_finetuned": {"t": 1.5}}, "arm", False) == {
+        "ppl_finetuned": {"t": 1.5}}
+    assert not state.exists() and key in _ArmCache(tmp_path / "arms.json",
+                                                   ExperimentConfig()).done

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import json
 import statistics
 import time
@@ -148,15 +149,16 @@ def _analytic(prep: Prepared, ccfg: CompressionConfig) -> dict[str, Any]:
 
 
 def _tuned(prep: Prepared, ccfg: CompressionConfig, ft: FinetuneConfig, seed: int,
-           progress: bool) -> dict[str, Any]:
-    """Compress a fresh copy, fine-tune it with ``seed``, evaluate."""
+           progress: bool, state_path: Path | None = None) -> dict[str, Any]:
+    """Compress a fresh copy, fine-tune it with ``seed`` (resuming from ``state_path``
+    if a killed run left one), evaluate."""
     t0 = time.time()
     model, _ = _compress(prep, ccfg)
     torch.manual_seed(seed)
     in_domain = next(iter(prep.eval_ids.values()))
     ftc = dataclasses.replace(ft, seed=seed)
     curve = finetune(model, prep.train_ids, spread_windows(in_domain, ft.eval_tokens), ftc,
-                     progress)
+                     progress, state_path=state_path)
     return {"seed": seed, "finetune": dataclasses.asdict(ftc), "curve": curve,
             "ppl_finetuned": _ppl(model, prep), "finetune_seconds": time.time() - t0}
 
@@ -165,7 +167,9 @@ class _ArmCache:
     """Finished arms in ``arms.json`` next to the report, written atomically after each
     one, so a killed experiment resumes where it stopped. The analytic part of an arm is
     keyed by the compression config (it does not depend on the seed); a fine-tuned part by
-    the compression config, the fine-tuning config and the seed."""
+    the compression config, the fine-tuning config and the seed. A fine-tuning run in
+    progress keeps its state in ``finetune-state/<hash of its key>.pt`` beside
+    ``arms.json`` (every few steps), so a kill mid-run loses minutes, not the run."""
 
     def __init__(self, path: Path, cfg: ExperimentConfig) -> None:
         self.path = path
@@ -178,12 +182,18 @@ class _ArmCache:
         return json.dumps({**self.base, "model": prep.loaded.model_id,
                            "compression": dataclasses.asdict(ccfg), **extra}, sort_keys=True)
 
+    def state_path(self, key: str) -> Path:
+        """Where the fine-tuning run of ``key`` keeps its resumable state."""
+        return self.path.parent / "finetune-state" / (
+            hashlib.sha1(key.encode()).hexdigest()[:16] + ".pt")
+
     def _get(self, key: str, make: Any, label: str, progress: bool) -> dict[str, Any]:
         if key not in self.done:
             if progress:
                 print(f"[arm] {label}", flush=True)
             self.done[key] = clean_json(make())
             atomic_write_text(self.path, json.dumps(self.done))
+            self.state_path(key).unlink(missing_ok=True)  # recorded: the state is spent
         return self.done[key]
 
     def analytic(self, prep: Prepared, ccfg: CompressionConfig,
@@ -199,7 +209,8 @@ class _ArmCache:
                         finetune=dataclasses.asdict(ft))
         label = (f"{ccfg.method} on {ccfg.types} at "
                  f"{ccfg.target_reduction or ccfg.k_fraction}, fine-tuned, seed {seed}")
-        return self._get(key, lambda: _tuned(prep, ccfg, ft, seed, progress), label, progress)
+        return self._get(key, lambda: _tuned(prep, ccfg, ft, seed, progress,
+                                             self.state_path(key)), label, progress)
 
     def has_tuned(self, prep: Prepared, ccfg: CompressionConfig, ft: FinetuneConfig,
                   seed: int) -> bool:

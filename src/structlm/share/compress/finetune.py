@@ -7,6 +7,11 @@ AdamW, linear warm-up, cosine to ``min_lr_ratio``, gradient clipping; the LM los
 random windows of the calibration split; perplexity of the evaluation split at
 intervals (same protocol as everywhere). A non-finite loss stops with an error.
 
+Resumable at any step: with ``state_path`` the trained tensors, the optimiser, the
+schedule, the batch generator and the curve are saved atomically every ``save_every``
+steps (and when training ends); a later call with the same path and the same config
+continues from the saved step and gives the same result as an uninterrupted run.
+
 Learning rates are *relative* by default (``lr_scaling="relative"``): each trained tensor
 gets ``lr × RMS(tensor at the start)``. Adam moves every element by about ``lr`` per step
 whatever its size, and the factors here differ in scale by three orders of magnitude
@@ -18,8 +23,11 @@ small for the large ones. ``lr_scaling="absolute"`` gives plain AdamW.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,7 +36,7 @@ from tqdm import tqdm
 from ..perplexity import perplexity
 from .modules import LowRankLinear, OneSidedLinear, SharedBasisLinear
 
-__all__ = ["FinetuneConfig", "finetune", "trainable_parameters"]
+__all__ = ["FinetuneConfig", "finetune", "load_state", "trainable_parameters"]
 
 
 @dataclass
@@ -71,9 +79,45 @@ def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return params
 
 
+def _save_state(path: Path, cfg: FinetuneConfig, step: int, params: list[torch.nn.Parameter],
+                opt: torch.optim.Optimizer, sched: Any, gen: torch.Generator,
+                curve: list[dict[str, Any]]) -> None:
+    """Write the resumable state of a fine-tuning run atomically (temporary + replace)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    torch.save({"config": dataclasses.asdict(cfg), "step": step,
+                "params": [p.detach().clone() for p in params], "opt": opt.state_dict(),
+                "sched": sched.state_dict(), "gen": gen.get_state(), "curve": curve}, tmp)
+    os.replace(tmp, path)
+
+
+def load_state(path: Path, cfg: FinetuneConfig) -> dict[str, Any] | None:
+    """The saved state at ``path`` (``None`` if there is none). A state saved under a
+    different config is refused: it would mix two runs."""
+    if not path.exists():
+        return None
+    try:
+        state = torch.load(path, weights_only=False)
+    except Exception as e:
+        raise RuntimeError(f"fine-tuning state {path} cannot be read ({e}); delete it to "
+                           f"restart this run from step 0") from e
+    if state.get("config") != dataclasses.asdict(cfg):
+        raise RuntimeError(f"fine-tuning state {path} was saved with config "
+                           f"{state.get('config')}, not {dataclasses.asdict(cfg)}; delete it "
+                           f"or use another state path")
+    return state
+
+
 def finetune(model: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.Tensor,
-             cfg: FinetuneConfig, progress: bool = True) -> list[dict[str, Any]]:
-    """Train the per-layer factors; returns the curve (step, loss, lr, eval ppl)."""
+             cfg: FinetuneConfig, progress: bool = True, state_path: Path | None = None,
+             save_every: int = 10) -> list[dict[str, Any]]:
+    """Train the per-layer factors; returns the curve (step, loss, lr, eval ppl).
+
+    With ``state_path``, the run saves its state every ``save_every`` steps and resumes
+    from it (see the module docstring); the file is left in place for the caller to
+    delete once the result is recorded."""
+    if save_every < 1:
+        raise ValueError(f"save_every must be >= 1, got {save_every}")
     params = trainable_parameters(model)
     n_windows = train_ids.numel() - cfg.seq_len - 1
     if n_windows < 1:
@@ -106,8 +150,25 @@ def finetune(model: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.Te
         curve.append({"step": step, "loss": loss, "lr": cfg.lr * sched.get_last_lr()[0]
                       / opt.param_groups[0]["initial_lr"], "eval_ppl": ppl})
 
-    evaluate(0, None)
-    bar = tqdm(range(1, cfg.steps + 1), desc="fine-tune", unit="step", disable=not progress)
+    start = 1
+    state = load_state(Path(state_path), cfg) if state_path is not None else None
+    if state is not None:
+        if len(state["params"]) != len(params) or any(
+                a.shape != b.shape for a, b in zip(state["params"], params, strict=True)):
+            raise RuntimeError(f"fine-tuning state {state_path} holds tensors of other "
+                               f"shapes than this model's trainable factors")
+        with torch.no_grad():
+            for p, saved in zip(params, state["params"], strict=True):
+                p.copy_(saved)
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        gen.set_state(state["gen"])
+        curve.extend(state["curve"])
+        start = state["step"] + 1
+    else:
+        evaluate(0, None)
+    bar = tqdm(range(start, cfg.steps + 1), desc="fine-tune", unit="step",
+               disable=not progress, initial=start - 1, total=cfg.steps)
     for step in bar:
         model.train()
         starts = torch.randint(0, n_windows, (cfg.batch_size,), generator=gen)
@@ -128,5 +189,7 @@ def finetune(model: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.Te
         else:
             curve.append({"step": step, "loss": lv, "lr": cfg.lr * sched.get_last_lr()[0]
                           / opt.param_groups[0]["initial_lr"], "eval_ppl": None})
+        if state_path is not None and (step % save_every == 0 or step == cfg.steps):
+            _save_state(Path(state_path), cfg, step, params, opt, sched, gen, curve)
     model.eval()
     return curve
