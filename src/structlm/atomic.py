@@ -1,14 +1,16 @@
-"""Atomic file writes: a temporary file in the same folder, then ``os.replace``."""
+"""Atomic file writes (a temporary file in the same folder, then ``os.replace``) and
+strict JSON."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_write_json", "atomic_write_text"]
+__all__ = ["atomic_write_json", "atomic_write_text", "clean_json"]
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -23,3 +25,14 @@ def atomic_write_text(path: Path, text: str) -> None:
 def atomic_write_json(path: Path, obj: Any) -> None:
     """:func:`atomic_write_text` of ``obj`` as indented JSON."""
     atomic_write_text(path, json.dumps(obj, indent=1))
+
+
+def clean_json(x: Any) -> Any:
+    """``x`` with NaN/inf floats replaced by ``None`` (strict JSON)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): clean_json(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [clean_json(v) for v in x]
+    return x

@@ -163,8 +163,8 @@ def _share_section(out: Path) -> str:
     Markdown for the report ("" with a note when the model package is missing)."""
     import importlib.util
 
-    from .share.analyze import AnalysisConfig, run_analysis
-    from .share.report import verdict_table
+    from .share.analysis.analyze import AnalysisConfig, run_analysis
+    from .share.analysis.report import verdict_table
 
     print("## 6. Shared functional bases: SmolLM2-135M-Instruct, tests 1-3 on layers "
           f"{SHARE_LAYERS}\n", flush=True)

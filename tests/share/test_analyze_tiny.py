@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from structlm.share import analyze
 from structlm.share.adapters import get_adapter
+from structlm.share.analysis import analyze
 from structlm.share.calibration import calibrate
 from tiny_models import tiny_llama
 

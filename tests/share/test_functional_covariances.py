@@ -10,15 +10,15 @@ import torch
 
 from structlm.share import sinks
 from structlm.share.adapters import get_adapter
-from structlm.share.analyze import (
+from structlm.share.analysis.analyze import (
     FUNCTIONAL_KEYS,
     AnalysisConfig,
     _covariances,
     _functional_tests,
 )
+from structlm.share.analysis.subspaces import functional_matrices, per_side_k
 from structlm.share.calibration import Calibration, CovarianceAccumulator, calibrate
 from structlm.share.linalg import effective_rank, psd_sqrt
-from structlm.share.subspaces import functional_matrices, per_side_k
 from tiny_models import tiny_llama
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from structlm.share.alignment import align, drop_split
-from structlm.share.analyze import Thresholds, _alignment_test, _subspace_test
+from structlm.share.analysis.alignment import align, drop_split
+from structlm.share.analysis.analyze import Thresholds, _alignment_test, _subspace_test
+from structlm.share.analysis.subspaces import functional_matrices, per_side_k, subspace_scores
 from structlm.share.linalg import (
     effective_rank,
     energy_weighted_basis,
@@ -16,7 +17,6 @@ from structlm.share.linalg import (
     random_orthonormal,
     subspace_overlap,
 )
-from structlm.share.subspaces import functional_matrices, per_side_k, subspace_scores
 
 
 def _gen(seed: int = 0) -> torch.Generator:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from structlm.share.roles import (
+from structlm.share.analysis.roles import (
     FEATURE_NAMES,
     SHAPE_FEATURE_NAMES,
     role_features,
@@ -102,7 +102,7 @@ def test_shape_only_control_catches_a_shape_confound() -> None:
 
 def test_role_test_reports_the_shape_only_control() -> None:
     from structlm.share.adapters import get_adapter
-    from structlm.share.analyze import Thresholds, _role_test
+    from structlm.share.analysis.analyze import Thresholds, _role_test
     from tiny_models import tiny_llama
 
     res = _role_test(get_adapter(tiny_llama()), [0, 1, 2], 20, 0, Thresholds())

@@ -72,7 +72,7 @@ def _cmd_eval_ppl(args: argparse.Namespace) -> int:
 def _cmd_share_analyze(args: argparse.Namespace) -> int:
     import torch
 
-    from ..share.analyze import AnalysisConfig, run_analysis
+    from ..share.analysis.analyze import AnalysisConfig, run_analysis
 
     torch.set_num_threads(args.threads)
     raw = read_yaml(args.config)

@@ -93,9 +93,9 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, weights: bool = Tr
 
     import structlm.models  # noqa: F401  (registers model_type "structlm" with the Auto classes)
 
-    if (Path(spec) / "structlm_compression.json").exists():  # written by share compress
-        from .compress.io import load_compressed
+    from .compress.io import MANIFEST, load_compressed  # here: io imports this module
 
+    if (Path(spec) / MANIFEST).exists():  # written by share compress
         return load_compressed(spec)
     note = ""
     if spec.lower() in BUILTIN_MODELS:

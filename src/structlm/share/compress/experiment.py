@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
+from ...atomic import atomic_write_text, clean_json
 from ..adapters import get_adapter
 from ..configs import dataclass_from_dict
 from ..pipeline import Prepared, evaluate_all, prepare, spread_windows
-from ..report import atomic_write_text, clean_json
 from .apply import CompressionConfig, compress_model
 from .finetune import FinetuneConfig, finetune
 from .ranks import METHODS

@@ -19,7 +19,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..report import atomic_write_text
+from ...atomic import atomic_write_text
 
 __all__ = ["recovered", "verdict", "write_experiment_report"]
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
+from ...atomic import atomic_write_text, clean_json
 from ..pipeline import evaluate_all, prepare, spread_windows
-from ..report import atomic_write_text, clean_json
 from .apply import CompressionConfig, compress_model
 from .finetune import FinetuneConfig, finetune
 from .io import save_compressed

@@ -8,20 +8,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..atomic import atomic_write_text
+from ...atomic import atomic_write_text, clean_json
 
-__all__ = ["atomic_write_text", "clean_json", "verdict_table", "write_report"]
-
-
-def clean_json(x: Any) -> Any:
-    """``x`` with NaN/inf floats replaced by ``None`` (strict JSON)."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {str(k): clean_json(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [clean_json(v) for v in x]
-    return x
+__all__ = ["verdict_table", "write_report"]
 
 
 def _f(x: float | None, nd: int = 3) -> str:

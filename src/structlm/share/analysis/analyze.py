@@ -23,12 +23,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .adapters import MATRIX_TYPES, SITE_OF, MatrixType, ModelAdapter, parse_types
+from ..adapters import MATRIX_TYPES, SITE_OF, MatrixType, ModelAdapter, parse_types
+from ..calibration import Calibration
+from ..configs import dataclass_from_dict
+from ..linalg import psd_sqrt, random_like_spectrum, thin_svd
+from ..pipeline import Prepared, check_layers, evaluate_all, prepare
+from ..sinks import calibration_windows, sink_excluded_second_moments
 from .alignment import DROP_PARTS, MOVES, align, drop_split
-from .calibration import Calibration
-from .configs import dataclass_from_dict
-from .linalg import psd_sqrt, random_like_spectrum, thin_svd
-from .pipeline import Prepared, check_layers, evaluate_all, prepare
 from .roles import (
     FEATURE_NAMES,
     SHAPE_FEATURE_NAMES,
@@ -36,7 +37,6 @@ from .roles import (
     shape_features,
     transfer_test,
 )
-from .sinks import calibration_windows, sink_excluded_second_moments
 from .subspaces import functional_matrices, per_side_k, subspace_scores
 
 __all__ = ["FUNCTIONAL_PRIMARY", "FUNCTIONAL_VARIANTS", "AnalysisConfig", "Thresholds",

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .linalg import (
+from ..linalg import (
     captured_energy,
     energy_weighted_basis,
     random_orthonormal,
