@@ -141,7 +141,8 @@ def _number(value: Any) -> float | None:
 def dataclass_from_dict(cls: type[T], raw: dict[str, Any],
                         nested: dict[str, type] | None = None, where: str = "") -> T:
     """``cls(**raw)`` with every value coerced to its field's type, refusing unknown keys
-    (named in the error) and building the ``nested`` dataclass fields from dicts.
+    (named in the error) and building the ``nested`` dataclass fields from dicts (a
+    partial mapping overrides the keys it names of the field's default instance).
     ``where`` (a file name) prefixes the messages."""
     prefix = f"{where}: " if where else ""
     if not isinstance(raw, dict):
@@ -157,7 +158,10 @@ def dataclass_from_dict(cls: type[T], raw: dict[str, Any],
     for key, value in raw.items():
         sub = (nested or {}).get(key)
         if sub is not None and isinstance(value, dict):
-            out[key] = dataclass_from_dict(sub, value, where=where)
+            # a partial mapping overrides the field's own default, not the nested class's
+            default = fields[key].default_factory  # type: ignore[misc]
+            base = dataclasses.asdict(default()) if callable(default) else {}
+            out[key] = dataclass_from_dict(sub, {**base, **value}, where=where)
             continue
         try:
             out[key] = coerce(value, hints.get(key, Any), key)

@@ -52,22 +52,40 @@ class ShareBenchConfig:
 
     model: str = "smollm2"
     compressed: str = ""
+    """A folder written by structlm share compress (its source model is the original);
+    empty: compress the model on the fly."""
     method: str = "basis-sharing"
+    """Method used when compressing on the fly."""
     types: str = "all"
+    """Matrix types compressed on the fly: attn, mlp, all or q,k,v,o,mlp_in,mlp_out."""
     target_reduction: float = 0.4
+    """Fraction of the compressed matrices' parameters removed on the fly."""
     corpus: str = "austen"
+    """Calibration and prompt text."""
     calib_tokens: int = 32768
+    """Calibration tokens for compressing on the fly."""
     batches: Sequence[int] = (1, 16)
+    """Batch sizes timed."""
     prompt_len: int = 128
+    """Prompt tokens per sequence (prefill)."""
     decode_tokens: int = 32
+    """Cached decode steps timed after the prefill."""
     trials: int = 7
+    """Interleaved trials per cell (medians reported)."""
     warmup: int = 1
+    """Untimed rounds first."""
     threads: int = 2
+    """Torch threads."""
     seed: int = 0
+    """Seed of the prompts and of the calibration windows."""
     peak_memory: bool = True
     """Measure peak resident memory in a fresh process per model and batch."""
 
     def __post_init__(self) -> None:
+        from ..share.compress.ranks import METHODS
+
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {list(METHODS)}, got {self.method!r}")
         if not self.batches or any(int(b) < 1 for b in self.batches):
             raise ValueError(f"batches must be one or more sizes >= 1, got {list(self.batches)}")
         for name, low in (("prompt_len", 1), ("decode_tokens", 1), ("trials", 1),

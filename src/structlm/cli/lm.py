@@ -9,6 +9,7 @@ from fractions import Fraction
 from typing import Any
 
 from .args import positive_int, prompt, temperature, top_p
+from .dataclass_flags import add_dataclass_flags
 
 
 def _cmd_cost(args: argparse.Namespace) -> int:
@@ -109,7 +110,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     runs = []
     for path in args.configs:
-        cfg = load_config(path, max_steps=args.max_steps)
+        cfg = load_config(path, **args.flags.values(args))
         metrics = train(cfg)
         runs.append((f"{cfg.algebra} ({os.path.basename(path)})", str(metrics)))
         print(f"{path}: metrics {metrics}, model {os.path.join(cfg.out_dir, 'model')}")
@@ -143,9 +144,11 @@ def add_lm_commands(sub: Any) -> None:
     """Register the language-model commands on the top-level subparsers."""
     tr = sub.add_parser("train", help="train (or resume) from YAML configs")
     tr.add_argument("configs", nargs="+", help="YAML files (see configs/)")
-    tr.add_argument("--max-steps", type=int, default=None, help="override max_steps")
     tr.add_argument("--plot", default=None, help="combined loss plot when several configs")
-    tr.set_defaults(func=_cmd_train)
+    from ..train.loop import TrainConfig
+
+    tr.set_defaults(func=_cmd_train, flags=add_dataclass_flags(
+        tr, TrainConfig, title="TrainConfig fields (override every given YAML)"))
 
     st = sub.add_parser("study", help="train a set of arms on the same data, tokens and seeds, "
                         "then report (resumes arm by arm)")

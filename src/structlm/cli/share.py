@@ -1,5 +1,6 @@
 """``structlm eval ppl``, ``structlm share analyze | compress | experiment`` and
-``structlm bench share``: the shared-basis commands."""
+``structlm bench share``: the shared-basis commands. Their config flags are derived from
+the config dataclasses (:mod:`.dataclass_flags`); a flag overrides the YAML's key."""
 
 from __future__ import annotations
 
@@ -7,16 +8,9 @@ import argparse
 import json
 from typing import Any
 
-from ..share.compress.ranks import METHODS
-from ..share.configs import read_yaml
-from .args import ints, layer_list
-
-
-def _given(raw: dict[str, Any], args: argparse.Namespace, keys: tuple[str, ...]) -> None:
-    """Copy into ``raw`` the command-line options among ``keys`` that were given."""
-    for key in keys:
-        if getattr(args, key) is not None:
-            raw[key] = getattr(args, key)
+from ..config import dataclass_from_dict, read_yaml
+from .args import layer_list, positive_int
+from .dataclass_flags import add_dataclass_flags
 
 
 def _cmd_eval_ppl(args: argparse.Namespace) -> int:
@@ -75,10 +69,7 @@ def _cmd_share_analyze(args: argparse.Namespace) -> int:
     from ..share.analysis.analyze import AnalysisConfig, run_analysis
 
     torch.set_num_threads(args.threads)
-    raw = read_yaml(args.config)
-    raw["model"] = args.model
-    _given(raw, args, ("corpus", "second_corpus", "types", "calib_tokens", "eval_tokens",
-                       "permutations", "seed", "reference_layer", "layers"))
+    raw = {**read_yaml(args.config), "model": args.model, **args.flags.values(args)}
     cfg = AnalysisConfig.from_dict(raw)
     res = run_analysis(cfg, args.out)
     print((args.out.rstrip("/") + "/report.md") + f" written ({res['seconds']:.0f} s)")
@@ -94,13 +85,10 @@ def _cmd_share_compress(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     raw = read_yaml(args.config)
-    ft_raw = raw.pop("finetune", {}) or {}
-    _given(raw, args, ("method", "types", "target_reduction", "residual_rank", "k_fraction",
-                       "group_size", "update"))
-    ccfg = CompressionConfig.from_dict(raw)
-    if args.finetune_steps is not None:
-        ft_raw["steps"] = args.finetune_steps
-    ft = FinetuneConfig(**ft_raw) if ft_raw.get("steps") else None
+    ft_raw = {**(raw.pop("finetune", {}) or {}), **args.ft_flags.values(args)}
+    ccfg = CompressionConfig.from_dict({**raw, **args.flags.values(args)})
+    ft = dataclass_from_dict(FinetuneConfig, ft_raw, where="finetune") \
+        if ft_raw.get("steps") else None
     res = run_compress(args.model, ccfg, args.out, corpus=args.corpus,
                        second_corpus=args.second_corpus, calib_tokens=args.calib_tokens,
                        eval_tokens=args.eval_tokens, ft=ft, seed=args.seed)
@@ -116,36 +104,32 @@ def _cmd_share_compress(args: argparse.Namespace) -> int:
 def _cmd_share_experiment(args: argparse.Namespace) -> int:
     import torch
 
-    from ..share.compress.experiment import ExperimentConfig, run_experiment
+    from ..share.compress.experiment import run_experiment
 
     torch.set_num_threads(args.threads)
-    raw = read_yaml(args.config)
-    raw["model"] = args.model
-    _given(raw, args, ("second_model", "calib_tokens", "eval_tokens", "corpus", "second_corpus"))
-    if args.seeds is not None:
-        raw["seeds"] = [int(s) for s in args.seeds.split(",")]
-    if args.reductions is not None:
-        raw["reductions"] = [float(r) for r in args.reductions.split(",")]
-    if args.methods is not None:
-        raw["methods"] = args.methods.split(",")
-    if args.finetune_steps is not None:
-        raw.setdefault("finetune", {})["steps"] = args.finetune_steps
-    cfg = ExperimentConfig.from_dict(raw)
+    cfg = experiment_config(args)
     res = run_experiment(cfg, args.out, analytic_only=args.analytic_only)
     print(f"{args.out.rstrip('/')}/report.md written ({res['seconds'] / 60:.1f} min)")
     return 0
 
 
+def experiment_config(args: argparse.Namespace) -> Any:
+    """The ExperimentConfig of ``share experiment``: the YAML, then the flags given (the
+    ``--finetune-*`` / ``--seed-finetune-*`` flags override keys of the nested mappings)."""
+    from ..share.compress.experiment import ExperimentConfig
+
+    raw = {**read_yaml(args.config), "model": args.model, **args.flags.values(args)}
+    for key, flags in (("finetune", args.ft_flags), ("seed_finetune", args.seed_ft_flags)):
+        if flags.values(args):
+            raw[key] = {**(raw.get(key) or {}), **flags.values(args)}
+    return ExperimentConfig.from_dict(raw)
+
+
 def _cmd_bench_share(args: argparse.Namespace) -> int:
     from ..bench.share import ShareBenchConfig, run_share_bench
 
-    cfg = ShareBenchConfig(model=args.model, compressed=args.compressed or "",
-                           method=args.method, types=args.types,
-                           target_reduction=args.target_reduction, corpus=args.corpus,
-                           calib_tokens=args.calib_tokens, batches=args.batches,
-                           prompt_len=args.prompt_len, decode_tokens=args.decode_tokens,
-                           trials=args.trials, warmup=args.warmup, threads=args.threads,
-                           seed=args.seed, peak_memory=not args.no_peak_memory)
+    cfg = dataclass_from_dict(ShareBenchConfig, {"model": args.model,
+                                                 **args.flags.values(args)})
     run_share_bench(cfg, args.out)
     with open(args.out + ".md") as fh:
         print(fh.read())
@@ -182,93 +166,60 @@ def add_share_commands(sub: Any, bench: Any) -> None:
 
     share = sub.add_parser("share", help="shared functional bases (Part B)").add_subparsers(
         dest="share_command", required=True)
+    from ..bench.share import ShareBenchConfig
+    from ..share.analysis.analyze import AnalysisConfig
+    from ..share.compress import CompressionConfig
+    from ..share.compress.experiment import ExperimentConfig
+    from ..share.compress.finetune import FinetuneConfig
+
     an = share.add_parser("analyze", help="tests 1-3 with null controls + role classifier")
     an.add_argument("model", help="smollm2 (built in), a local folder, or a hub id")
-    an.add_argument("--corpus", default=None, help="calibration corpus (default austen)")
-    an.add_argument("--second-corpus", default=None,
-                    help="different-domain corpus for perplexity (default shakespeare; '' skips)")
     an.add_argument("--config", default=None, help="YAML with AnalysisConfig fields")
-    an.add_argument("--layers", type=layer_list, default=None, help="e.g. 0-5 or 0,10,20")
-    an.add_argument("--types", default=None, help="all, attn, mlp or q,k,v,o,mlp_in,mlp_out")
-    an.add_argument("--calib-tokens", type=int, default=None)
-    an.add_argument("--eval-tokens", type=int, default=None, help="0 skips perplexity")
-    an.add_argument("--permutations", type=int, default=None)
-    an.add_argument("--reference-layer", type=int, default=None)
-    an.add_argument("--seed", type=int, default=None)
-    an.add_argument("--threads", type=int, default=2)
+    an.add_argument("--threads", type=positive_int, default=2)
     an.add_argument("--out", default="share-report")
-    an.set_defaults(func=_cmd_share_analyze)
+    an.set_defaults(func=_cmd_share_analyze, flags=add_dataclass_flags(
+        an, AnalysisConfig, exclude=("model",), parse={"layers": layer_list}))
 
     cp = share.add_parser("compress", help="compress with shared bases or a baseline, "
                           "evaluate, (fine-tune,) save")
     cp.add_argument("model", help="smollm2 (built in), a local folder, or a hub id")
     cp.add_argument("--config", default=None,
                     help="YAML with CompressionConfig fields (+ a 'finetune' mapping)")
-    cp.add_argument("--method", default=None, choices=list(METHODS),
-                    help="shared (the seed's), hybrid, svd (SVD-LLM), basis-sharing "
-                         "(Wang et al. 2024), onesided-all-layers")
-    cp.add_argument("--types", default=None, help="attn, mlp, all or q,k,v,o,mlp_in,mlp_out")
-    cp.add_argument("--target-reduction", type=float, default=None,
-                    help="fraction of the compressed matrices' parameters to remove")
-    cp.add_argument("--k-fraction", type=float, default=None, help="k = this × hidden size")
-    cp.add_argument("--residual-rank", type=int, default=None, help="hybrid residual rank")
-    cp.add_argument("--group-size", type=int, default=None,
-                    help="basis-sharing: consecutive layers per basis (default 2)")
-    cp.add_argument("--update", action="store_true", default=None,
-                    help="basis-sharing: the paper's closed-form coefficient update")
-    cp.add_argument("--finetune-steps", type=int, default=None, help="0 = none")
-    cp.add_argument("--corpus", default="austen")
-    cp.add_argument("--second-corpus", default="shakespeare")
-    cp.add_argument("--calib-tokens", type=int, default=32768)
-    cp.add_argument("--eval-tokens", type=int, default=16384,
+    cp.add_argument("--corpus", default="austen", help="calibration and in-domain text")
+    cp.add_argument("--second-corpus", default="shakespeare", help="other-domain text")
+    cp.add_argument("--calib-tokens", type=positive_int, default=32768)
+    cp.add_argument("--eval-tokens", type=positive_int, default=16384,
                     help="scored tokens per text, windows across held-out documents")
     cp.add_argument("--seed", type=int, default=0)
-    cp.add_argument("--threads", type=int, default=2)
+    cp.add_argument("--threads", type=positive_int, default=2)
     cp.add_argument("--out", default="share-compressed")
-    cp.set_defaults(func=_cmd_share_compress)
+    cp.set_defaults(func=_cmd_share_compress,
+                    flags=add_dataclass_flags(cp, CompressionConfig),
+                    ft_flags=add_dataclass_flags(
+                        cp, FinetuneConfig, prefix="finetune",
+                        title="FinetuneConfig fields (--finetune-steps 0 = no fine-tuning)"))
 
     ex = share.add_parser("experiment", help="tests 4-9 end to end (long: hours on 2 cores "
                           "with the defaults; resumes arm by arm)")
     ex.add_argument("model", help="smollm2 (built in), a local folder, or a hub id")
     ex.add_argument("--config", default=None, help="YAML with ExperimentConfig fields")
-    ex.add_argument("--second-model", default=None, help="test 8's larger model")
-    ex.add_argument("--corpus", default=None)
-    ex.add_argument("--second-corpus", default=None)
-    ex.add_argument("--calib-tokens", type=int, default=None)
-    ex.add_argument("--eval-tokens", type=int, default=None)
-    ex.add_argument("--seeds", default=None, help="e.g. 0,1,2")
-    ex.add_argument("--reductions", default=None, help="whole-model regime, e.g. 0.2,0.4")
-    ex.add_argument("--methods", default=None,
-                    help="e.g. shared,hybrid,svd,basis-sharing,onesided-all-layers")
-    ex.add_argument("--finetune-steps", type=int, default=None)
     ex.add_argument("--analytic-only", action="store_true",
                     help="stop after compressing and evaluating every arm (no fine-tuning)")
-    ex.add_argument("--threads", type=int, default=2)
+    ex.add_argument("--threads", type=positive_int, default=2)
     ex.add_argument("--out", default="share-experiment")
-    ex.set_defaults(func=_cmd_share_experiment)
+    ex.set_defaults(func=_cmd_share_experiment,
+                    flags=add_dataclass_flags(ex, ExperimentConfig, exclude=("model",)),
+                    ft_flags=add_dataclass_flags(
+                        ex, FinetuneConfig, prefix="finetune",
+                        title="FinetuneConfig fields of the whole-model and scope arms"),
+                    seed_ft_flags=add_dataclass_flags(
+                        ex, FinetuneConfig, prefix="seed-finetune",
+                        title="FinetuneConfig fields of the seed regime's arms"))
 
     bsh = bench.add_parser("share", help="memory and CPU latency (prefill, cached decode) of "
                            "a compressed model vs the original")
     bsh.add_argument("model", nargs="?", default="smollm2",
                      help="model to compress on the fly (ignored with --compressed)")
-    bsh.add_argument("--compressed", default=None,
-                     help="a folder written by 'structlm share compress' (its source model "
-                     "is the original); default: compress MODEL on the fly")
-    bsh.add_argument("--method", default="basis-sharing",
-                     choices=["shared", "hybrid", "svd", "basis-sharing", "onesided-all-layers"])
-    bsh.add_argument("--types", default="all", help="attn, mlp, all or q,k,v,o,mlp_in,mlp_out")
-    bsh.add_argument("--target-reduction", type=float, default=0.4,
-                     help="fraction of the compressed matrices' parameters to remove")
-    bsh.add_argument("--corpus", default="austen", help="calibration and prompt text")
-    bsh.add_argument("--calib-tokens", type=int, default=32768)
-    bsh.add_argument("--batches", type=ints, default=(1, 16), help="e.g. 1,16")
-    bsh.add_argument("--prompt-len", type=int, default=128)
-    bsh.add_argument("--decode-tokens", type=int, default=32)
-    bsh.add_argument("--trials", type=int, default=7, help="interleaved trials (medians)")
-    bsh.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
-    bsh.add_argument("--threads", type=int, default=2)
-    bsh.add_argument("--seed", type=int, default=0)
-    bsh.add_argument("--no-peak-memory", action="store_true",
-                     help="skip the peak-memory runs (a fresh process per model and batch)")
     bsh.add_argument("--out", default="bench-out/share", help="output prefix")
-    bsh.set_defaults(func=_cmd_bench_share)
+    bsh.set_defaults(func=_cmd_bench_share,
+                     flags=add_dataclass_flags(bsh, ShareBenchConfig, exclude=("model",)))

@@ -64,25 +64,42 @@ class TrainConfig:
     heldout: str = ""
     """Corpus spec of held-out/benchmark texts to decontaminate the training data against."""
     val_fraction: float = 0.1
+    """Fraction of the corpus's documents held out for validation (in (0, 1))."""
     data_seed: int | None = None
     """Seed of the train/validation document split (``None``: ``seed``); runs that are
     compared across seeds keep one split."""
     seq_len: int = 256
+    """Tokens per training window."""
     batch_size: int = 8
+    """Windows per micro-batch (per process)."""
     grad_accum: int = 1
+    """Micro-batches per optimiser step."""
     max_steps: int = 200
+    """Optimiser steps (a larger value extends a finished run on resume)."""
     lr: float = 3e-4
+    """Peak learning rate (AdamW)."""
     warmup_steps: int = 500
+    """Linear warm-up steps, then cosine decay to min_lr_ratio x lr."""
     min_lr_ratio: float = 0.1
+    """Final rate as a fraction of the peak."""
     weight_decay: float = 0.1
+    """AdamW weight decay (matrices only)."""
     beta1: float = 0.9
+    """AdamW beta1."""
     beta2: float = 0.95
+    """AdamW beta2."""
     grad_clip: float = 1.0
+    """Gradient-norm clip (0 = off)."""
     eval_every: int = 50
+    """Steps between validation evaluations."""
     eval_batches: int = 8
+    """Validation batches per evaluation during training."""
     save_every: int = 100
+    """Steps between checkpoints."""
     seed: int = 0
+    """Seed of initialisation and data order."""
     threads: int = 2
+    """Torch threads per process."""
     parallel: str = "auto"
     """Engine under ``torchrun``: ``ddp``, ``fsdp`` (FSDP2, sharded) or ``auto`` (= DDP);
     one process runs plainly whatever the value."""

@@ -85,12 +85,17 @@ class AnalysisConfig:
     second_corpus: str = "shakespeare"
     """A different-domain corpus for perplexity only ("" to skip)."""
     eval_fraction: float = 0.25
+    """Fraction of the corpus's documents held out for evaluation (split by document, seeded)."""
     calib_tokens: int = 32768
+    """Calibration tokens: windows of seq_len drawn across all calibration documents."""
     seq_len: int = 512
+    """Window length of calibration and perplexity."""
     batch_size: int = 4
+    """Windows per forward pass."""
     eval_tokens: int = 16384
     """Tokens per corpus for perplexity (0 skips perplexity)."""
     types: str = "all"
+    """Matrix types analysed: all, attn, mlp or q,k,v,o,mlp_in,mlp_out."""
     layers: list[int] | None = None
     """Layers to analyse (``None``: all)."""
     reference_layer: int | None = None
@@ -114,6 +119,7 @@ class AnalysisConfig:
     permutations: int = 500
     """Label shuffles of the role classifier's permutation test."""
     seed: int = 0
+    """Seed of the document split, the windows, the nulls and the permutations."""
     thresholds: Thresholds = field(default_factory=Thresholds)
 
     @classmethod

@@ -61,21 +61,27 @@ class ExperimentConfig:
 
     model: str = "smollm2"
     corpus: str = "austen"
+    """Calibration and fine-tuning corpus; its held-out documents are the in-domain text."""
     second_corpus: str = "shakespeare"
+    """Other-domain evaluation text."""
     second_model: str = ""
     """Test 8's second model ("" = not run)."""
     calib_tokens: int = 32768
+    """Calibration tokens (windows across all calibration documents, seeded)."""
     eval_tokens: int = 16384
     """Scored tokens per evaluation text (windows drawn across all held-out documents)."""
     methods: list[str] = field(default_factory=lambda: list(METHODS))
+    """Methods of the whole-model regime (see share/compress/ranks.py)."""
     reductions: list[float] = field(default_factory=lambda: [0.2, 0.3, 0.4, 0.5])
     """Whole-model regime: fraction of every compressed type's parameters removed."""
     types: str = "all"
     """Matrix types of the whole-model regime."""
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    """Fine-tuning seeds."""
     multi_seed_reductions: list[float] = field(default_factory=lambda: [0.2, 0.4])
     """Reductions fine-tuned with every seed; the others with ``seeds[0]`` only."""
     residual_rank: int = 32
+    """Rank of the hybrid's per-layer residual."""
     group_size: int = 2
     """``basis-sharing``: consecutive layers per basis (the paper's LLaMA configs: 2)."""
     update: bool = False
@@ -85,10 +91,15 @@ class ExperimentConfig:
     seed_finetune: FinetuneConfig = field(default_factory=_long_finetune)
     """Fine-tuning of the seed regime's arms (long enough to plateau: ≥ 300 steps)."""
     seed_regime: bool = True
+    """Run the seed's regime (Q only at k = d/4 and equal-storage baselines)."""
     seed_types: str = "q"
+    """Matrix types of the seed regime."""
     seed_k_fraction: float = 0.25
+    """The seed regime's k as a fraction of the hidden size (the seed's d/4)."""
     seed_methods: list[str] = field(default_factory=lambda: ["shared", "svd", "basis-sharing"])
+    """Methods of the seed regime."""
     scope: bool = True
+    """Run tests 7/9: attention only vs MLP only at scope_reduction."""
     scope_reduction: float = 0.4
     """Reduction of every type for tests 7 and 9."""
     budget_tolerance: float = 0.005

@@ -44,20 +44,31 @@ class FinetuneConfig:
     """A fine-tuning budget."""
 
     steps: int = 60
+    """Optimiser steps (0 = no fine-tuning where that is allowed)."""
     lr: float = 2e-3
     """Peak rate; with ``lr_scaling="relative"`` a fraction of each tensor's RMS."""
     lr_scaling: str = "relative"
     """``relative`` (per tensor ``lr × RMS``) or ``absolute`` (plain AdamW)."""
     warmup: int = 6
+    """Linear warm-up steps, then cosine decay to min_lr_ratio x lr."""
     min_lr_ratio: float = 0.1
+    """Final rate as a fraction of the peak."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     grad_clip: float = 1.0
+    """Gradient-norm clip."""
     batch_size: int = 2
+    """Windows per step."""
     seq_len: int = 256
+    """Tokens per window."""
     eval_every: int = 20
+    """Steps between evaluations of the curve."""
     eval_tokens: int = 2048
+    """In-domain tokens scored at each evaluation of the curve."""
     eval_window: int = 512
+    """Window of those evaluations."""
     seed: int = 0
+    """Seed of the batch order (the experiment sets it per arm)."""
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -1,0 +1,93 @@
+"""CLI flags derived from the config dataclasses: one flag per field, help from the
+field's docstring, values parsed by the config layer, only given flags override."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from structlm.cli import build_parser
+from structlm.cli.dataclass_flags import add_dataclass_flags, field_docs
+from structlm.cli.share import experiment_config
+
+
+@dataclasses.dataclass
+class _Example:
+    steps: int = 3
+    """Optimiser steps."""
+    lr: float = 1e-3
+    """Peak rate (``lr``, see :mod:`.x`)."""
+    seeds: list[int] = dataclasses.field(default_factory=lambda: [0])
+    layer: int | None = None
+    update: bool = False
+    ranks: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+def _parse(argv: list[str]):
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="x", exit_on_error=False)
+    flags = add_dataclass_flags(parser, _Example, prefix="ft")
+    return parser, flags, flags.values(parser.parse_args(argv))
+
+
+def test_flags_cover_fields_and_parse_like_the_config_layer() -> None:
+    parser, flags, given = _parse(["--ft-lr", "3e-4", "--ft-seeds", "0,1,2", "--ft-layer",
+                                   "none", "--ft-update"])
+    assert given == {"lr": 3e-4, "seeds": [0, 1, 2], "layer": None, "update": True}
+    assert set(flags.dests) == {"steps", "lr", "seeds", "layer", "update"}  # no mapping flag
+    assert _parse(["--no-ft-update", "--ft-steps", "7"])[2] == {"update": False, "steps": 7}
+    assert _parse([])[2] == {}  # nothing given: the YAML decides
+    text = parser.format_help()
+    assert "Optimiser steps. (default: 3)" in text
+    assert "Peak rate (lr, see x). (default: 0.001)" in " ".join(text.split())
+
+
+@pytest.mark.parametrize("argv, needle", [(["--ft-steps", "2.5"], "--ft-steps: '2.5' is not "
+                                           "an integer"),
+                                          (["--ft-seeds", "0,a"], "--ft-seeds[1]: 'a' is not "
+                                           "an integer"),
+                                          (["--ft-lr", "fast"], "--ft-lr: 'fast' is not a "
+                                           "number")])
+def test_bad_flag_values_name_the_flag(argv: list[str], needle: str) -> None:
+    import argparse
+
+    with pytest.raises(argparse.ArgumentError, match=needle.replace("[", r"\[")
+                       .replace("]", r"\]")):
+        _parse(argv)
+
+
+def test_every_config_field_of_the_commands_is_documented() -> None:
+    from structlm.bench.share import ShareBenchConfig
+    from structlm.share.analysis.analyze import AnalysisConfig
+    from structlm.share.compress import CompressionConfig
+    from structlm.share.compress.experiment import ExperimentConfig
+    from structlm.share.compress.finetune import FinetuneConfig
+    from structlm.train.loop import TrainConfig
+
+    for cls in (AnalysisConfig, CompressionConfig, FinetuneConfig, ExperimentConfig,
+                ShareBenchConfig, TrainConfig):
+        docs = field_docs(cls)
+        bare = [f.name for f in dataclasses.fields(cls)
+                if f.name not in docs and f.name not in ("model", "thresholds")]
+        assert not bare, f"{cls.__name__} fields without a docstring (no --help text): {bare}"
+
+
+def test_experiment_flags_override_the_yaml_and_its_nested_finetune(tmp_path) -> None:
+    cfg_file = tmp_path / "e.yaml"
+    cfg_file.write_text("seeds: [0, 1, 2]\nfinetune: {steps: 100, lr: 0.002}\n")
+    args = build_parser().parse_args(
+        ["share", "experiment", "smollm2", "--config", str(cfg_file), "--seeds", "4,5",
+         "--reductions", "0.3", "--finetune-steps", "7", "--seed-finetune-warmup", "2",
+         "--no-scope"])
+    cfg = experiment_config(args)
+    assert cfg.seeds == [4, 5] and cfg.reductions == [0.3] and cfg.scope is False
+    assert (cfg.finetune.steps, cfg.finetune.lr) == (7, 0.002)  # the YAML's lr is kept
+    assert cfg.seed_finetune.warmup == 2 and cfg.seed_finetune.steps == 300
+
+
+def test_train_flags_reach_the_train_config() -> None:
+    args = build_parser().parse_args(["train", "configs/cpu-small-dense.yaml", "--lr", "3e-4",
+                                      "--max-steps", "5"])
+    assert args.flags.values(args) == {"lr": 3e-4, "max_steps": 5}
