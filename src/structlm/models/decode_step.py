@@ -188,6 +188,8 @@ def fused_decode_applies(model: StructLMModel, x: torch.Tensor, mask: torch.Tens
     embeddings of one new token per unpadded sequence, ``B <= FUSED_ROWS_MAX_ROWS``,
     CPU float32/float64 with nothing for autograd to record, and a filled cache whose
     layers are all :class:`GrowingKVLayer`."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False  # the stack kernel writes the caches and returns views: not an op
     if (mask is not None or x.dim() != 3 or x.shape[1] != 1
             or x.shape[0] > FUSED_ROWS_MAX_ROWS or cache is None
             or not cpu_kernels.rows_kernel_applies(x, model.wte.weight)):

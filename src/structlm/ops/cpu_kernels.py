@@ -53,6 +53,7 @@ import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import cpu_ops
 from .partition import TypePartition
 from .plan import BlockPlan
 
@@ -143,14 +144,14 @@ def fused_rows_available() -> bool:
 
 def rows_kernel_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether a few-row product of ``x`` and ``w`` can run on the kernel: CPU, float32 /
-    float64, no autograd graph to record, not traced or compiled, the kernel built.
+    float64, no autograd graph to record, the kernel built. Under ``torch.compile`` the
+    kernels are traced as the custom ops of :mod:`.cpu_ops` (no guard needed here).
 
     Cheap enough to call on every layer call (a handful of attribute reads); the row
     count is the caller's to check.
     """
     return (x.device.type == "cpu" and x.dtype in FUSED_ROWS_DTYPES and w.dtype == x.dtype
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
-            and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
             and w.is_contiguous() and fused_rows_available())
 
 
@@ -310,12 +311,11 @@ def fused_rows_linear(x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
     if x.shape[-1] != plan.in_features or tuple(w.shape) != (plan.out_features, plan.in_features):
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(w.shape)} do not fit the plan "
                          f"(in {plan.in_features}, out {plan.out_features})")
-    types = _row_types(x, part)
-    if uses_typed_copy(part):
-        return mod.typed_rows_forward(x, typed_weight(w, plan), types, *block_tables(plan),
-                                      plan.q, bias)
-    return mod.fused_rows_forward(x, packed_weight(w, plan), types, *block_tables(plan),
-                                  plan.q, bias)
+    del mod  # checked: built, dtypes agree
+    typed = uses_typed_copy(part)
+    copy = typed_weight(w, plan) if typed else packed_weight(w, plan)
+    return cpu_ops.rows_linear(x, copy, _row_types(x, part), block_tables(plan), plan.q,
+                               plan.out_features, bias, typed)
 
 
 def dense_rows_linear(x: torch.Tensor, w: torch.Tensor,
@@ -330,7 +330,8 @@ def dense_rows_linear(x: torch.Tensor, w: torch.Tensor,
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(w.shape)} do not fit: "
                          "expected x (M, K) and weight (N, K)")
-    return mod.dense_rows_forward(x, w.contiguous(), bias)
+    del mod  # checked: built, dtypes agree
+    return cpu_ops.dense_rows(x, w.contiguous(), bias)
 
 
 def ffn_kernel_args(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
@@ -368,8 +369,9 @@ def swiglu_rows(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: tor
         raise ValueError("algebra projections need the rows' TypePartition")
     q = 1 if plans is None else plans[0].q
     typed = uses_typed_copy(None if plans is None else part)
+    del mod  # checked: built, dtypes agree
     args = ffn_kernel_args(gate, up, down, plans, typed)
-    return mod.swiglu_rows_forward(x, *args[:3], _row_types(x, part), *args[3:], q, typed)
+    return cpu_ops.swiglu_rows(x, *args[:3], _row_types(x, part), args[3:], q, typed)
 
 
 def decode_block(x: torch.Tensor, dense: list[torch.Tensor], eps: float, k_buf: torch.Tensor,
