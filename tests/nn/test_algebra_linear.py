@@ -234,3 +234,16 @@ def test_backend_override_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # CPU without the interpreter
     with pytest.raises(RuntimeError, match="not available"):
         resolve_backend("triton", dev)
+
+
+def test_meta_device_infers_shapes_and_checks_types() -> None:
+    """On the meta device (no data) the layer gives the output's shape and dtype, and
+    still refuses types of the wrong shape or dtype."""
+    layer = AlgebraLinear(16, 12, "Q4", device="meta")
+    x = torch.empty(2, 7, 16, device="meta")
+    y = layer(x, torch.zeros(2, 7, dtype=torch.long, device="meta"))
+    assert y.device.type == "meta" and y.shape == (2, 7, 12) and y.dtype == x.dtype
+    with pytest.raises(ValueError, match="leading shape"):
+        layer(x, torch.zeros(3, dtype=torch.long, device="meta"))
+    with pytest.raises(TypeError, match="integer tensor"):
+        layer(x, torch.zeros(2, 7, device="meta"))

@@ -207,6 +207,10 @@ class AlgebraLinear(nn.Module):
         if x.dtype != self.weight.dtype:
             raise TypeError(f"x has dtype {x.dtype} but the layer's weight is {self.weight.dtype}")
         lead = x.shape[:-1]
+        if x.device.type == "meta":  # shape inference (e.g. models built without memory)
+            if not isinstance(types, TypePartition):
+                check_types(types, self.q, lead)
+            return x.new_empty(*lead, self.out_features)  # (*, N)
         x2 = x.reshape(-1, self.in_features)  # (M, K)
         backend = resolve_backend(self.backend, x.device, x.dtype)
         if backend is Backend.TRITON:
