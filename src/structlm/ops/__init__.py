@@ -1,4 +1,7 @@
-"""Implementations of the algebra product: reference, blocked, (GPU kernels later)."""
+"""Implementations of the algebra product: ``reference`` (the oracle), ``blocked``
+(pure-PyTorch GEMMs over the support, five layouts), the compiled few-row CPU kernels
+(``cpu_kernels``, registered as custom ops in ``cpu_ops``) and the Triton GPU kernels
+(``triton/``, imported lazily); ``dispatch`` resolves the backend of a call."""
 
 from .blocked import blocked_linear
 from .dispatch import Backend, force_backend, register_backend, resolve_backend

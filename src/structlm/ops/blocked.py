@@ -18,6 +18,9 @@ Five layouts, all doing exactly the MACs of the cost model in forward, ``dX`` an
   blocks the rows' types use, in a block-contiguous copy of the weight; the backward
   is diag-first's.
   Where the kernel cannot be built it is never chosen.
+* **block-major** (supports whose extra blocks are shared by several types, e.g.
+  ``Q2^2``, with several types present): every weight block once, on the gathered rows
+  of all the types that use it (per-type runs would read a shared block once per type).
 * **row-first gathered** (``Q_q``-shaped supports, equal widths, every type with
   the same small number of rows, e.g. ``M = 32`` cyclic): each type's full weight
   row as one batched GEMM over types, then the diagonal blocks of the *other*
