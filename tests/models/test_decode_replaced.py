@@ -278,3 +278,17 @@ def test_mlp_kernel_kind_follows_the_projections() -> None:
         assert dense._decode_forward(x, None) is None
         want = dense.down(torch.nn.functional.silu(dense.gate(x)) * dense.up(x))
         torch.testing.assert_close(dense(x, None), want)
+
+
+def test_import_installs_no_torch_wide_hooks() -> None:
+    """``import structlm`` leaves torch's global registration hooks alone; the decode
+    step installs its counter hooks when a model first asks for a plan."""
+    import subprocess
+    import sys
+
+    code = ("import torch.nn.modules.module as m, structlm, structlm.models; "
+            "print(len(m._global_module_registration_hooks), "
+            "len(m._global_parameter_registration_hooks))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert out.stdout.split() == ["0", "0"], out.stdout + out.stderr

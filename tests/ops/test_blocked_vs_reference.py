@@ -159,20 +159,31 @@ def test_every_layout_on_every_plan(layout: str, algebra: str, kind: str) -> Non
     if layout == "fused-rows" and not cpu_kernels.fused_rows_available():
         pytest.skip("no C++ compiler: the fused-rows kernel cannot be built")
     with force_layout(layout):
-        assert choose_layout(layer.plan, layer.partition(types)) == layout
+        assert choose_layout(layer.plan, layer.partition(types), _x(layer, 97),
+                             layer.weight.detach()) == layout
         _check(layer, torch.randn(97, sum(in_w), generator=gen), types, torch.float64, gen)
+
+
+def _x(layer: AlgebraLinear, rows: int) -> torch.Tensor:
+    return torch.randn(rows, layer.in_features)
 
 
 def test_layout_choice() -> None:
     cyc = torch.arange(32)
     q4, q22 = AlgebraLinear(16, 16, "Q4"), AlgebraLinear(16, 16, "Q2^2")
-    assert choose_layout(q4.plan, q4.partition(cyc % 4)) == "gathered"
-    assert choose_layout(q4.plan, q4.partition(torch.arange(4096) % 4)) == "diag-first"
-    assert choose_layout(q22.plan, q22.partition(cyc % 4)) == "block-major"
+    assert choose_layout(q4.plan, q4.partition(cyc % 4), _x(q4, 32),
+                         q4.weight.detach()) == "gathered"
+    assert choose_layout(q4.plan, q4.partition(torch.arange(4096) % 4), _x(q4, 4096),
+                         q4.weight.detach()) == "diag-first"
+    assert choose_layout(q22.plan, q22.partition(cyc % 4), _x(q22, 32),
+                         q22.weight.detach()) == "block-major"
     one = torch.zeros(1, dtype=torch.long)  # a decode step at batch 1
     decode = "fused-rows" if cpu_kernels.fused_rows_available() else "output-major"
-    assert choose_layout(q22.plan, q22.partition(one)) == decode
-    assert choose_layout(q22.plan, q22.partition(one.expand(17))) == "output-major"
-    assert choose_layout(q22.plan, q22.partition(one.expand(65))) == "diag-first"
+    assert choose_layout(q22.plan, q22.partition(one), _x(q22, 1),
+                         q22.weight.detach()) == decode
+    assert choose_layout(q22.plan, q22.partition(one.expand(17)), _x(q22, 17),
+                         q22.weight.detach()) == "output-major"
+    assert choose_layout(q22.plan, q22.partition(one.expand(65)), _x(q22, 65),
+                         q22.weight.detach()) == "diag-first"
     with pytest.raises(ValueError, match="unknown layout"), force_layout("fused"):
         pass

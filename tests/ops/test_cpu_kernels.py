@@ -88,9 +88,11 @@ def test_fused_rows_bf16_falls_back_to_rectangles() -> None:
 def test_fused_rows_is_chosen_for_cpu_decode_and_grads_flow() -> None:
     layer = AlgebraLinear(64, 32, "Q2^2")
     one = torch.tensor([3])
-    assert choose_layout(layer.plan, layer.partition(one)) == "fused-rows"
+    assert choose_layout(layer.plan, layer.partition(one), torch.randn(1, 64),
+                         layer.weight.detach()) == "fused-rows"
     many = torch.arange(FUSED_ROWS_MAX_ROWS + 1) % 4
-    assert choose_layout(layer.plan, layer.partition(many)) != "fused-rows"
+    assert choose_layout(layer.plan, layer.partition(many), torch.randn(len(many), 64),
+                         layer.weight.detach()) != "fused-rows"
     x = torch.randn(1, 64, requires_grad=True)  # training through it: diag-first backward
     layer(x, one).sum().backward()
     dense = layer.to_dense(3)  # (out, in) effective weight of type 3
@@ -178,7 +180,8 @@ def test_build_failure_warns_and_falls_back(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.warns(RuntimeWarning, match="no compiler here"):
         assert not cpu_kernels.fused_rows_available()
     layer = AlgebraLinear(8, 8, "Q2^2")
-    assert choose_layout(layer.plan, layer.partition(torch.tensor([1]))) == "output-major"
+    assert choose_layout(layer.plan, layer.partition(torch.tensor([1])), torch.randn(1, 8),
+                         layer.weight.detach()) == "output-major"
     monkeypatch.setattr(cpu_kernels, "_STATE", {})
     monkeypatch.setenv("STRUCTLM_CPU_KERNELS", "0")
     assert not cpu_kernels.fused_rows_available()  # disabled: no build, no warning

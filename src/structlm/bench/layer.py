@@ -103,7 +103,7 @@ def _time_one(cfg: LayerBenchConfig, m: int, k: int, n: int, algebra: str, sched
         "speedup": round(speedup, 4), "ideal": round(1 / float(rho), 4),
         "frac_of_ideal": round(speedup * float(rho), 4), "rho": str(rho),
         "types_present": len(part.present), "flushed": flushed,
-        "layout": choose_layout(layer.plan, part),
+        "layout": choose_layout(layer.plan, part, x, w.detach()),
         "partition_us": round(partition_us, 1), "trials": cfg.trials,
     }
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..algebra import Algebra, AlgebraError, get_algebra, split_widths, support_of
 from ..ops import cpu_kernels
-from ..ops.blocked import FUSED_ROWS_MAX_ROWS, blocked_linear, forced_layout
+from ..ops.blocked import FUSED_ROWS_MAX_ROWS, blocked_linear, fused_rows_applies
 from ..ops.dispatch import Backend, parse_backend, resolve_backend
 from ..ops.partition import TypePartition, check_types
 from ..ops.plan import make_plan
@@ -248,12 +248,12 @@ class AlgebraLinear(nn.Module):
                 and self.kernel_decode_ready(x))
 
     def kernel_decode_ready(self, x: torch.Tensor) -> bool:
-        """Whether the layer's few-row products with inputs like ``x`` may run on the
-        compiled CPU kernel: CPU, float32/float64, no autograd, the blocked backend, no
-        other layout forced (the row count is the caller's to check)."""
-        return (cpu_kernels.rows_kernel_applies(x, self.weight)
-                and forced_layout() in (None, "fused-rows")
-                and resolve_backend(self.backend, x.device, x.dtype) is Backend.BLOCKED)
+        """Whether the layer's few-row products with inputs like ``x`` run on the compiled
+        CPU kernel: the blocked backend and its one gate,
+        :func:`~structlm.ops.blocked.fused_rows_applies` (the row count is the caller's
+        to check)."""
+        return (resolve_backend(self.backend, x.device, x.dtype) is Backend.BLOCKED
+                and fused_rows_applies(x, self.weight, None))
 
     def _rows_kernel_forward(self, x: torch.Tensor, part: TypePartition) -> torch.Tensor | None:
         """Cached decode on the CPU: ``(*, K) -> (*, N)`` in one call of the compiled

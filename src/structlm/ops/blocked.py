@@ -50,6 +50,7 @@ __all__ = [
     "choose_layout",
     "force_layout",
     "forced_layout",
+    "fused_rows_applies",
     "use_gathered_layout",
 ]
 
@@ -67,9 +68,26 @@ FUSED_ROWS_MAX_ROWS = 4
 _FORCED_LAYOUT: list[str] = []
 
 
-def choose_layout(plan: BlockPlan, part: TypePartition) -> str:
+def fused_rows_applies(x: torch.Tensor, w: torch.Tensor, rows: int | None) -> bool:
+    """The one gate of the compiled few-row CPU kernel (the ``fused-rows`` layout):
+    ``rows`` at most ``FUSED_ROWS_MAX_ROWS`` (``None``: the caller checks the count), no
+    other layout forced, and :func:`.cpu_kernels.rows_kernel_applies` (CPU,
+    float32/float64, nothing for autograd to record, the kernel built).
+
+    :func:`choose_layout` and the algebra layer's decode shortcut
+    (:meth:`structlm.nn.AlgebraLinear.decodes_on_kernel`, which only adds the fused bias
+    and skips this module's bookkeeping) both ask this function, so they cannot disagree.
+    """
+    return ((rows is None or rows <= FUSED_ROWS_MAX_ROWS)
+            and (not _FORCED_LAYOUT or _FORCED_LAYOUT[-1] == "fused-rows")
+            and cpu_kernels.rows_kernel_applies(x, w))
+
+
+def choose_layout(plan: BlockPlan, part: TypePartition, x: torch.Tensor,
+                  w: torch.Tensor) -> str:
     """``"fused-rows"``, ``"gathered"``, ``"output-major"``, ``"block-major"`` or
-    ``"diag-first"``.
+    ``"diag-first"`` for ``x (M, K)`` and ``w (N, K)`` (their dtype, device and autograd
+    state decide whether the compiled kernel applies, :func:`fused_rows_applies`).
 
     Block-major reads every weight block once (rows of all the types using a block
     are gathered), which pays for small batches of supports whose blocks are shared
@@ -79,8 +97,7 @@ def choose_layout(plan: BlockPlan, part: TypePartition) -> str:
         forced = _FORCED_LAYOUT[-1]
         if forced != "gathered" or use_gathered_layout(plan, part):
             return forced
-    if (part.num_rows <= FUSED_ROWS_MAX_ROWS and part.device.type == "cpu"
-            and cpu_kernels.fused_rows_available()):
+    if fused_rows_applies(x, w, part.num_rows):
         return "fused-rows"
     if use_gathered_layout(plan, part):
         return "gathered"
@@ -426,7 +443,7 @@ class _BlockedLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
                 part: TypePartition) -> torch.Tensor:
-        layout = choose_layout(plan, part)
+        layout = choose_layout(plan, part, x, w)  # grad mode is off in here
         ctx.save_for_backward(x, w)
         ctx.plan, ctx.part, ctx.layout = plan, part, layout
         return _FORWARD[layout](x, w, plan, part)
@@ -458,5 +475,5 @@ def blocked_linear(x: torch.Tensor, weight: torch.Tensor, plan: BlockPlan,
     x, weight = x.contiguous(), weight.contiguous()
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         # inference: skip the autograd.Function machinery (it costs ~20 us a call)
-        return _FORWARD[choose_layout(plan, part)](x, weight, plan, part)
+        return _FORWARD[choose_layout(plan, part, x, weight)](x, weight, plan, part)
     return _BlockedLinearFn.apply(x, weight, plan, part)
