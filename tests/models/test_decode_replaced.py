@@ -134,18 +134,18 @@ class _CountKernel:
 
     def __init__(self) -> None:
         self.n = 0
-        self._orig = cpu_kernels.decode_stack
+        self._orig = decode_step.decode_stack
 
     def __enter__(self) -> _CountKernel:
         def counted(*args: object, **kwargs: object) -> object:
             self.n += 1
             return self._orig(*args, **kwargs)
 
-        cpu_kernels.decode_stack = counted
+        decode_step.decode_stack = counted
         return self
 
     def __exit__(self, *exc: object) -> None:
-        cpu_kernels.decode_stack = self._orig
+        decode_step.decode_stack = self._orig
 
 
 def _fused_applies(model: StructLMForCausalLM) -> bool:

@@ -46,13 +46,13 @@ def _decode(model: StructLMForCausalLM, ids: torch.Tensor, prefill: int, cache: 
             expect_fused: bool) -> tuple[torch.Tensor, object]:
     """Prefill ``ids[:, :prefill]``, then one token at a time; the logits of every step."""
     calls = {"n": 0}
-    stack = cpu_kernels.decode_stack
+    stack = decode_step.decode_stack
 
     def counted(*args: object, **kwargs: object) -> object:
         calls["n"] += 1
         return stack(*args, **kwargs)
 
-    cpu_kernels.decode_stack = counted
+    decode_step.decode_stack = counted
     try:
         with torch.no_grad():
             out = model(ids[:, :prefill], cache=cache, use_cache=True)
@@ -61,7 +61,7 @@ def _decode(model: StructLMForCausalLM, ids: torch.Tensor, prefill: int, cache: 
                 out = model(ids[:, t:t + 1], cache=out.cache, use_cache=True)
                 steps.append(out.logits[:, -1])
     finally:
-        cpu_kernels.decode_stack = stack
+        decode_step.decode_stack = stack
     assert calls["n"] == (ids.shape[1] - prefill if expect_fused else 0)
     return torch.stack(steps, 1), out.cache  # (B, steps, V)
 

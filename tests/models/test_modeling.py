@@ -8,7 +8,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from lm_checks import assert_left_padding_matches_alone  # noqa: E402
-from structlm.models import StructLMForCausalLM, config_from_preset  # noqa: E402
+from structlm.models import StructLMForCausalLM, config_from_preset, decode_step  # noqa: E402
 
 
 def _model(algebra: str = "Q2^2", schedule: str = "block:3", seed: int = 0
@@ -55,7 +55,7 @@ def test_cpu_decode_runs_on_the_rows_kernel(algebra: str, fused: bool,
     if not cpu_kernels.fused_rows_available():
         pytest.skip("no C++ compiler: the rows kernel cannot be built")
     calls = {"stack": 0, "swiglu": 0, "dense": 0}
-    originals = {"stack": cpu_kernels.decode_stack, "swiglu": cpu_kernels.swiglu_rows,
+    originals = {"stack": decode_step.decode_stack, "swiglu": cpu_kernels.swiglu_rows,
                  "dense": cpu_kernels.dense_rows_linear}
 
     def count(name: str):
@@ -64,7 +64,7 @@ def test_cpu_decode_runs_on_the_rows_kernel(algebra: str, fused: bool,
             return originals[name](*args, **kwargs)
         return wrapped
 
-    monkeypatch.setattr(cpu_kernels, "decode_stack", count("stack"))
+    monkeypatch.setattr(decode_step, "decode_stack", count("stack"))
     monkeypatch.setattr(cpu_kernels, "swiglu_rows", count("swiglu"))
     monkeypatch.setattr(cpu_kernels, "dense_rows_linear", count("dense"))
     model = _model(algebra, "cyclic")

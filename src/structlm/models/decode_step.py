@@ -4,7 +4,7 @@ For one new token per sequence, a block's PyTorch forward is ~25 small ops (laye
 norms, the fused projections, views, the cache append, SDPA, residual adds); on the
 ``paper-110m`` model at batch 1 they cost ~9 ms of a ~40 ms step on 2 cores, the same
 for the dense and the algebra model. :func:`fused_decode_blocks` runs each block as
-one call of :func:`structlm.ops.cpu_kernels.decode_block` instead: layer norms,
+one call of :func:`decode_stack` instead: layer norms,
 attention over the cache (the new key and value written into
 :class:`~structlm.models.kv_cache.GrowingKVLayer`'s spare capacity) and the same
 few-row kernel for every projection, the FFN dense or algebra. The dense and the
@@ -43,7 +43,8 @@ from .kv_cache import GrowingKVLayer
 if TYPE_CHECKING:
     from .modeling_structlm import StructLMBlock, StructLMModel
 
-__all__ = ["fused_decode_applies", "fused_decode_blocks", "registration_stamp"]
+__all__ = ["decode_stack", "fused_decode_applies", "fused_decode_blocks",
+           "registration_stamp"]
 
 #: bumped whenever any module anywhere registers a parameter or a submodule (torch's
 #: global registration hooks); a cached :class:`_DecodePlan` is then rebuilt
@@ -72,6 +73,28 @@ def registration_stamp() -> int:
         register_module_module_registration_hook(_registered)
         _HOOKS_INSTALLED.append(True)
     return _REGISTRATIONS[0]
+
+
+def decode_stack(x: torch.Tensor, dense: list[list[torch.Tensor]], eps: list[float],
+                 k_bufs: list[torch.Tensor], v_bufs: list[torch.Tensor], past: int,
+                 ffn: list[list[torch.Tensor]], types: torch.Tensor, q: int, typed: bool
+                 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """``(M, D) -> (M, D)``: every pre-norm decoder block (``x + attn(ln_1(x))``, then
+    ``+ ffn(ln_2(.))``) for one new token per sequence in one call of the compiled kernel
+    (``ops/csrc/decode_block.cpp``; CPU, no autograd). This module owns the decoder's
+    binding; ``ops`` only builds the kernel.
+
+    Per block (the lists hold one entry each): ``dense`` = ln_1 weight and bias, qkv
+    weight and bias, proj weight and bias, ln_2 weight and bias; the new key and value
+    are written at position ``past`` of the caches ``k_bufs``/``v_bufs``
+    ``(M, n_head, capacity, hs)`` and attention covers positions ``0 .. past`` (no
+    padding); ``ffn`` is :func:`~structlm.ops.cpu_kernels.ffn_kernel_args`; ``types
+    (M,)`` int64 and ``q`` the FFN's types (1: dense). Returns the output ``(M, D)`` and
+    each block's keys and values over positions ``0 .. past`` (views of the caches,
+    ``(M, n_head, past + 1, hs)``)."""
+    mod = cpu_kernels.kernel_for(x, dense[0][2] if dense else x)
+    out = mod.decode_stack_forward(x, dense, eps, k_bufs, v_bufs, past, ffn, types, q, typed)
+    return out[0], out[1::2], out[2::2]
 
 
 @dataclass
@@ -144,7 +167,7 @@ def _decode_plan(model: StructLMModel, x: torch.Tensor) -> _DecodePlan:
 
 def _block_ready(block: StructLMBlock, model: StructLMModel, x: torch.Tensor) -> bool:
     """The one gate of the fused step: whether ``block`` consists of exactly the modules
-    :func:`~structlm.ops.cpu_kernels.decode_block` re-implements, with the expected
+    :func:`decode_stack` re-implements, with the expected
     shapes, and its parameters suit the kernel for inputs like ``x``.
 
     That is a ``StructLMBlock`` with ``nn.LayerNorm`` s (affine, with bias, one eps),
@@ -239,7 +262,7 @@ def fused_decode_blocks(model: StructLMModel, x: torch.Tensor, position_ids: tor
     if any(n != past for _, _, n in bufs):
         raise ValueError(f"the cache's layers hold different lengths {[n for *_, n in bufs]}")
     ffn = plan.kernel_ffn_args(typed)
-    h, keys, values = cpu_kernels.decode_stack(
+    h, keys, values = decode_stack(
         x.reshape(b, d), plan.dense, plan.eps, [k for k, _, _ in bufs], [v for _, v, _ in bufs],
         past, ffn, types, q, typed)  # (B, D)
     for layer, k, v in zip(layers, keys, values, strict=True):

@@ -61,15 +61,14 @@ __all__ = [
     "DECODE_COPIES",
     "FUSED_ROWS_DTYPES",
     "block_tables",
-    "decode_block",
     "decode_copy",
     "decode_copy_mode",
-    "decode_stack",
     "dense_rows_linear",
     "ffn_kernel_args",
     "fused_rows_available",
     "fused_rows_linear",
     "fused_rows_macs",
+    "kernel_for",
     "pack_blocks",
     "pack_types",
     "packed_weight",
@@ -286,7 +285,7 @@ def fused_rows_macs(plan: BlockPlan, part: TypePartition) -> int:
     return int((counts[:, None, None] * uses.long() * block_macs).sum())
 
 
-def _kernel_for(x: torch.Tensor, w: torch.Tensor) -> ModuleType:
+def kernel_for(x: torch.Tensor, w: torch.Tensor) -> ModuleType:
     """The compiled module, after the checks every entry point shares."""
     mod = _module()
     if mod is None:
@@ -307,7 +306,7 @@ def fused_rows_linear(x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
     Raises:
         RuntimeError: when the kernel is not available (see :func:`fused_rows_available`).
     """
-    mod = _kernel_for(x, w)
+    mod = kernel_for(x, w)
     if x.shape[-1] != plan.in_features or tuple(w.shape) != (plan.out_features, plan.in_features):
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(w.shape)} do not fit the plan "
                          f"(in {plan.in_features}, out {plan.out_features})")
@@ -326,7 +325,7 @@ def dense_rows_linear(x: torch.Tensor, w: torch.Tensor,
     Raises:
         RuntimeError: when the kernel is not available (see :func:`fused_rows_available`).
     """
-    mod = _kernel_for(x, w)
+    mod = kernel_for(x, w)
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(w.shape)} do not fit: "
                          "expected x (M, K) and weight (N, K)")
@@ -364,7 +363,7 @@ def swiglu_rows(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: tor
     typed or block-contiguous copies are read, see :func:`uses_typed_copy`); ``None`` for
     a dense FFN (weights read in place, the same loop with one group).
     """
-    mod = _kernel_for(x, gate)
+    mod = kernel_for(x, gate)
     if plans is not None and part is None:
         raise ValueError("algebra projections need the rows' TypePartition")
     q = 1 if plans is None else plans[0].q
@@ -372,34 +371,3 @@ def swiglu_rows(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: tor
     del mod  # checked: built, dtypes agree
     args = ffn_kernel_args(gate, up, down, plans, typed)
     return cpu_ops.swiglu_rows(x, *args[:3], _row_types(x, part), args[3:], q, typed)
-
-
-def decode_block(x: torch.Tensor, dense: list[torch.Tensor], eps: float, k_buf: torch.Tensor,
-                 v_buf: torch.Tensor, past: int, ffn: list[torch.Tensor],
-                 types: torch.Tensor, q: int, typed: bool) -> torch.Tensor:
-    """``(M, D) -> (M, D)``: one pre-norm decoder block for one new token per sequence
-    (``x + attn(ln_1(x))``, then ``+ ffn(ln_2(.))``) in one compiled call (CPU, no
-    autograd).
-
-    ``dense`` = ln_1 weight and bias, qkv weight and bias, proj weight and bias, ln_2
-    weight and bias; the new key and value are written at position ``past`` of the
-    caches ``k_buf``/``v_buf`` ``(M, n_head, capacity, hs)``, and attention covers
-    positions ``0 .. past`` of every sequence (no padding). ``ffn`` is
-    :func:`ffn_kernel_args` (``typed`` as passed there); ``types (M,)`` int64 and ``q``
-    the FFN's types (1: dense).
-    """
-    mod = _kernel_for(x, dense[2])
-    return mod.decode_block_forward(x, dense, eps, k_buf, v_buf, past, ffn, types, q, typed)
-
-
-def decode_stack(x: torch.Tensor, dense: list[list[torch.Tensor]], eps: list[float],
-                 k_bufs: list[torch.Tensor], v_bufs: list[torch.Tensor], past: int,
-                 ffn: list[list[torch.Tensor]], types: torch.Tensor, q: int, typed: bool
-                 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    """:func:`decode_block` for every block of a decoder in one call (the lists hold one
-    entry per block; every cache holds ``past`` positions). Returns the output ``(M, D)``
-    and each block's keys and values over positions ``0 .. past`` (views of the caches,
-    ``(M, n_head, past + 1, hs)``)."""
-    mod = _kernel_for(x, dense[0][2] if dense else x)
-    out = mod.decode_stack_forward(x, dense, eps, k_bufs, v_bufs, past, ffn, types, q, typed)
-    return out[0], out[1::2], out[2::2]
