@@ -84,6 +84,13 @@ def _cases(f: dict[str, str]) -> list[list[str]]:
         ["share", "analyze", "smollm2", "--config", f["list"]],
         ["share", "compress", "smollm2", "--config", f["unknown"]],
         ["share", "experiment", "smollm2", "--config", f["syntax"]],
+        # config flags derived from the dataclasses: parsed like YAML values
+        ["train", f["unknown"], "--lr", "fast"], ["train", f["steps0"], "--max-steps", "2.5"],
+        ["share", "experiment", "smollm2", "--seeds", "0,a"],
+        ["share", "experiment", "smollm2", "--reductions", "0.2,1.5"],
+        ["share", "compress", "smollm2", "--finetune-steps", "many"],
+        ["share", "compress", "smollm2", "--method", "bogus"],
+        ["bench", "share", "--method", "bogus"], ["bench", "share", "--batches", "1,0"],
     ]
 
 

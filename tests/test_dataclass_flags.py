@@ -44,18 +44,16 @@ def test_flags_cover_fields_and_parse_like_the_config_layer() -> None:
     assert "Peak rate (lr, see x). (default: 0.001)" in " ".join(text.split())
 
 
-@pytest.mark.parametrize("argv, needle", [(["--ft-steps", "2.5"], "--ft-steps: '2.5' is not "
-                                           "an integer"),
-                                          (["--ft-seeds", "0,a"], "--ft-seeds[1]: 'a' is not "
-                                           "an integer"),
-                                          (["--ft-lr", "fast"], "--ft-lr: 'fast' is not a "
-                                           "number")])
+@pytest.mark.parametrize("argv, needle", [
+    (["--ft-steps", "2.5"], "argument --ft-steps: '2.5' is not an integer"),
+    (["--ft-seeds", "0,a"], "argument --ft-seeds: item 2: 'a' is not an integer"),
+    (["--ft-lr", "fast"], "argument --ft-lr: 'fast' is not a number")])
 def test_bad_flag_values_name_the_flag(argv: list[str], needle: str) -> None:
     import argparse
 
-    with pytest.raises(argparse.ArgumentError, match=needle.replace("[", r"\[")
-                       .replace("]", r"\]")):
+    with pytest.raises(argparse.ArgumentError) as err:
         _parse(argv)
+    assert str(err.value) == needle
 
 
 def test_every_config_field_of_the_commands_is_documented() -> None:

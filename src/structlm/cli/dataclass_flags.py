@@ -77,8 +77,10 @@ def _flag_parser(tp: Any, optional: bool, flag: str) -> Callable[[str], Any]:
         value: Any = [v.strip() for v in text.split(",") if v.strip()] if _is_list(tp) else text
         try:
             return coerce(value, tp, flag)
-        except ConfigError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
+        except ConfigError as e:  # argparse names the flag: keep the rest of the message
+            msg = re.sub(r"^\[(\d+)\]: ", lambda m: f"item {int(m[1]) + 1}: ",
+                         str(e).removeprefix(flag).removeprefix(": "))
+            raise argparse.ArgumentTypeError(msg) from None
     parse.__name__ = getattr(tp, "__name__", "value")  # argparse names it in errors
     return parse
 
