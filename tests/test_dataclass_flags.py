@@ -57,6 +57,8 @@ def test_bad_flag_values_name_the_flag(argv: list[str], needle: str) -> None:
 
 
 def test_every_config_field_of_the_commands_is_documented() -> None:
+    from structlm.bench.generate import GenerateBenchConfig
+    from structlm.bench.layer import LayerBenchConfig
     from structlm.bench.share import ShareBenchConfig
     from structlm.share.analysis.analyze import AnalysisConfig
     from structlm.share.compress import CompressionConfig
@@ -65,10 +67,10 @@ def test_every_config_field_of_the_commands_is_documented() -> None:
     from structlm.train.loop import TrainConfig
 
     for cls in (AnalysisConfig, CompressionConfig, FinetuneConfig, ExperimentConfig,
-                ShareBenchConfig, TrainConfig):
+                ShareBenchConfig, TrainConfig, LayerBenchConfig, GenerateBenchConfig):
         docs = field_docs(cls)
         bare = [f.name for f in dataclasses.fields(cls)
-                if f.name not in docs and f.name not in ("model", "thresholds")]
+                if f.name not in docs and f.name not in ("model", "thresholds", "extra")]
         assert not bare, f"{cls.__name__} fields without a docstring (no --help text): {bare}"
 
 
@@ -89,3 +91,16 @@ def test_train_flags_reach_the_train_config() -> None:
     args = build_parser().parse_args(["train", "configs/cpu-small-dense.yaml", "--lr", "3e-4",
                                       "--max-steps", "5"])
     assert args.flags.values(args) == {"lr": 3e-4, "max_steps": 5}
+
+
+def test_bench_flags_keep_their_spellings_and_checks() -> None:
+    args = build_parser().parse_args(["bench", "layer", "--preset", "small", "--m", "1,7",
+                                      "--shapes", "97x1025", "--algebras", "Q4,Q2^2"])
+    assert args.flags.values(args) == {"ms": [1, 7], "shapes": ((97, 1025),),
+                                       "algebras": ["Q4", "Q2^2"]}
+    args = build_parser().parse_args(["bench", "generate", "--max-new-tokens", "5", "--modes",
+                                      "fixed", "--prompt", "a, b"])
+    assert args.flags.values(args) == {"max_new_tokens": 5, "modes": ("fixed",)}
+    assert args.prompt == ["a, b"]  # prompts are not split on commas
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "generate", "--runs", "0"])

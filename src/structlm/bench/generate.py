@@ -54,15 +54,25 @@ class GenerateBenchConfig:
     to trained models are given)."""
 
     preset: str = "paper-110m"
+    """Model preset of both arms (random weights unless models are given)."""
     algebra: str = "Q2^2"
+    """FFN algebra of the algebra arm."""
     dense_model: str = ""
+    """A trained dense model folder (with --algebra-model: both arms trained)."""
     algebra_model: str = ""
+    """A trained algebra model folder."""
     prompts: Sequence[str] = DEFAULT_PROMPTS
+    """Prompts (one sequence each)."""
     modes: Sequence[str] = ("fixed", "paper")
+    """fixed (fixed-length generation) and/or paper (the paper's protocol)."""
     max_new_tokens: int = 256
+    """Tokens generated per prompt."""
     runs: int = 4
+    """Timed runs per arm (the first is dropped)."""
     threads: int = 2
+    """Torch threads."""
     seed: int = 0
+    """Seed of the random weights and of sampling."""
     tokenizer: str = "gpt2"
     """``gpt2`` or a tokenizer folder (e.g. a trained model's, with its BPE)."""
 

@@ -31,14 +31,23 @@ class LayerBenchConfig:
     """What to time. ``shapes`` are ``(K, N)``; ``modes`` are ``fwd`` / ``fwdbwd``."""
 
     ms: Sequence[int] = (1, 32, 512, 2048)
+    """Batch sizes M (rows) timed."""
     shapes: Sequence[tuple[int, int]] = ((1024, 4096), (2048, 8192), (4096, 4096))
+    """Weight shapes KxN (in x out), e.g. 1024x4096,4096x4096."""
     algebras: Sequence[str] = ("Q2", "Q4", "Q8", "Q16", "Q32", "Q2^2")
+    """Algebras timed against the dense layer."""
     schedules: Sequence[str] = ("cyclic", "block")
+    """Type schedules of the rows: cyclic (p mod q) and/or block."""
     modes: Sequence[str] = ("fwd", "fwdbwd")
+    """fwd (forward) and/or fwdbwd (forward + backward)."""
     trials: int = 7
+    """Interleaved trials per configuration (medians reported)."""
     threads: int = 2
+    """Torch threads."""
     flush_max_m: int = 32
+    """Up to this M, caches are flushed before each timed call (weights not in cache)."""
     seed: int = 0
+    """Seed of inputs and weights."""
     extra: dict[str, str] = field(default_factory=dict)
 
 

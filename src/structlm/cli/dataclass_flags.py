@@ -114,15 +114,17 @@ class FlagSet:
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, *, prefix: str = "",
                         exclude: Iterable[str] = (),
                         parse: dict[str, Callable[[str], Any]] | None = None,
+                        aliases: dict[str, list[str]] | None = None,
                         title: str | None = None) -> FlagSet:
     """Add a flag for every field of dataclass ``cls`` except ``exclude``, nested
     dataclasses and mappings; ``parse`` replaces the parser of named fields (e.g. a layer
-    list that also takes ranges). Returns the :class:`FlagSet`."""
+    list that also takes ranges), ``aliases`` adds other spellings of a field's flag.
+    Returns the :class:`FlagSet`."""
     skip = set(exclude)
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     group = parser.add_argument_group(title or f"{cls.__name__} fields "
-                                      "(override the YAML; lists are comma-separated)")
+                                      "(lists are comma-separated)")
     dests: dict[str, str] = {}
     for field in dataclasses.fields(cls):
         tp, optional = _unwrap_optional(hints.get(field.name, Any))
@@ -130,17 +132,18 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, *, prefix: s
                 or typing.get_origin(tp) is dict or tp in (dict, Any)):
             continue
         flag = "--" + (prefix + "-" if prefix else "") + field.name.replace("_", "-")
+        names = [flag, *(aliases or {}).get(field.name, [])]
         dest = (prefix.replace("-", "_") + "__" if prefix else "") + field.name
         doc = docs.get(field.name, "")
         help_text = (f"{doc} " if doc else "") + f"(default: {_default_text(field)})"
         help_text = help_text.replace("%", "%%")
         if tp is bool:
-            group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
+            group.add_argument(*names, dest=dest, action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS, help=help_text)
         else:
             kind = (parse or {}).get(field.name) or _flag_parser(tp, optional, flag)
             metavar = "A,B,..." if _is_list(tp) else field.name.upper()
-            group.add_argument(flag, dest=dest, type=kind, default=argparse.SUPPRESS,
+            group.add_argument(*names, dest=dest, type=kind, default=argparse.SUPPRESS,
                                metavar=metavar, help=help_text)
         dests[field.name] = dest
     return FlagSet(cls, dests)

@@ -137,6 +137,9 @@ def _cmd_bench_share(args: argparse.Namespace) -> int:
     return 0
 
 
+_YAML_TITLE = "{} fields (a flag given overrides the YAML's key; lists are comma-separated)"
+
+
 def add_share_commands(sub: Any, bench: Any) -> None:
     """Register ``eval`` and ``share`` on the top-level subparsers and ``share`` on
     ``bench``'s."""
@@ -178,7 +181,8 @@ def add_share_commands(sub: Any, bench: Any) -> None:
     an.add_argument("--threads", type=positive_int, default=2)
     an.add_argument("--out", default="share-report")
     an.set_defaults(func=_cmd_share_analyze, flags=add_dataclass_flags(
-        an, AnalysisConfig, exclude=("model",), parse={"layers": layer_list}))
+        an, AnalysisConfig, exclude=("model",), parse={"layers": layer_list},
+        title=_YAML_TITLE.format("AnalysisConfig")))
 
     cp = share.add_parser("compress", help="compress with shared bases or a baseline, "
                           "evaluate, (fine-tune,) save")
@@ -194,7 +198,8 @@ def add_share_commands(sub: Any, bench: Any) -> None:
     cp.add_argument("--threads", type=positive_int, default=2)
     cp.add_argument("--out", default="share-compressed")
     cp.set_defaults(func=_cmd_share_compress,
-                    flags=add_dataclass_flags(cp, CompressionConfig),
+                    flags=add_dataclass_flags(cp, CompressionConfig,
+                                              title=_YAML_TITLE.format("CompressionConfig")),
                     ft_flags=add_dataclass_flags(
                         cp, FinetuneConfig, prefix="finetune",
                         title="FinetuneConfig fields (--finetune-steps 0 = no fine-tuning)"))
@@ -208,7 +213,8 @@ def add_share_commands(sub: Any, bench: Any) -> None:
     ex.add_argument("--threads", type=positive_int, default=2)
     ex.add_argument("--out", default="share-experiment")
     ex.set_defaults(func=_cmd_share_experiment,
-                    flags=add_dataclass_flags(ex, ExperimentConfig, exclude=("model",)),
+                    flags=add_dataclass_flags(ex, ExperimentConfig, exclude=("model",),
+                                              title=_YAML_TITLE.format("ExperimentConfig")),
                     ft_flags=add_dataclass_flags(
                         ex, FinetuneConfig, prefix="finetune",
                         title="FinetuneConfig fields of the whole-model and scope arms"),
