@@ -8,6 +8,7 @@ Public API::
 import importlib.util as _importlib_util
 
 from .algebra import Algebra, AlgebraError, get_algebra, support_of
+from .convert import AlgebraConfig, conversion_info, convert_, load_converted, unconvert_
 from .nn import AlgebraLinear, BlockSchedule, CyclicSchedule, TableSchedule, get_schedule
 from .ops import Backend, TypePartition, force_backend
 
@@ -20,6 +21,7 @@ if _importlib_util.find_spec("transformers") is not None:
 
 __all__ = [
     "Algebra",
+    "AlgebraConfig",
     "AlgebraError",
     "AlgebraLinear",
     "Backend",
@@ -27,8 +29,12 @@ __all__ = [
     "CyclicSchedule",
     "TableSchedule",
     "TypePartition",
+    "conversion_info",
+    "convert_",
     "force_backend",
     "get_algebra",
     "get_schedule",
+    "load_converted",
     "support_of",
+    "unconvert_",
 ]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from structlm.models import StructLMConfig, StructLMForCausalLM
+from structlm.models import StructLMForCausalLM
 from structlm.share.adapters import (
     MATRIX_TYPES,
     GPT2Adapter,
@@ -17,12 +17,11 @@ from structlm.share.adapters import (
     linear_from,
     parse_types,
 )
+from tiny_models import tiny_gpt2, tiny_structlm
 
 
 def _gpt2() -> GPT2LMHeadModel:
-    torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=3, n_embd=48, n_head=4, n_positions=64, vocab_size=97)
-    return GPT2LMHeadModel(cfg).eval()
+    return tiny_gpt2()
 
 
 def _llama() -> LlamaForCausalLM:
@@ -34,10 +33,7 @@ def _llama() -> LlamaForCausalLM:
 
 
 def _structlm(algebra: str = "dense") -> StructLMForCausalLM:
-    torch.manual_seed(0)
-    cfg = StructLMConfig(num_hidden_layers=3, hidden_size=32, num_attention_heads=4,
-                         intermediate_size=64, vocab_size=97, n_positions=64, algebra=algebra)
-    return StructLMForCausalLM(cfg).eval()
+    return tiny_structlm(algebra=algebra)
 
 
 MODELS = {"gpt2": (_gpt2, GPT2Adapter), "llama": (_llama, LlamaAdapter),

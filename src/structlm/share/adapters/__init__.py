@@ -5,14 +5,24 @@ from __future__ import annotations
 
 from torch import nn
 
-from .base import MATRIX_TYPES, SITE_OF, LayerAdapter, MatrixType, ModelAdapter, parse_types
+from .base import (
+    MATRIX_TYPES,
+    SITE_OF,
+    LayerAdapter,
+    LinearSite,
+    MatrixType,
+    ModelAdapter,
+    PositionSource,
+    parse_types,
+)
 from .gpt2 import GPT2Adapter
 from .llama import LlamaAdapter
 from .modules import ConcatProjection, GatedMLP, linear_from
 from .structlm import StructLMAdapter
 
 __all__ = ["ADAPTERS", "MATRIX_TYPES", "SITE_OF", "ConcatProjection", "GPT2Adapter",
-           "GatedMLP", "LayerAdapter", "LlamaAdapter", "MatrixType", "ModelAdapter",
+           "GatedMLP", "LayerAdapter", "LinearSite", "LlamaAdapter", "MatrixType", "ModelAdapter",
+           "PositionSource",
            "StructLMAdapter", "get_adapter", "linear_from", "parse_types"]
 
 ADAPTERS: list[type[ModelAdapter]] = [GPT2Adapter, LlamaAdapter, StructLMAdapter]

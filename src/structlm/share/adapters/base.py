@@ -21,13 +21,14 @@ itself in :data:`structlm.share.adapters.ADAPTERS`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from enum import StrEnum
 
 import torch
 from torch import nn
 
-__all__ = ["MATRIX_TYPES", "SITE_OF", "LayerAdapter", "MatrixType", "ModelAdapter",
-           "parse_types"]
+__all__ = ["MATRIX_TYPES", "SITE_OF", "LayerAdapter", "LinearSite", "MatrixType",
+           "ModelAdapter", "PositionSource", "parse_types"]
 
 
 class MatrixType(StrEnum):
@@ -75,6 +76,33 @@ def parse_types(spec: str | list[str] | tuple[str, ...]) -> list[MatrixType]:
     return out
 
 
+@dataclass(frozen=True)
+class LinearSite:
+    """One stored projection module of a block (a leaf ``nn.Linear`` or GPT-2 ``Conv1D``)
+    and the matrix types it computes (a fused qkv computes three; LLaMA's MLP-in is two
+    sites, ``gate_proj`` and ``up_proj``)."""
+
+    layer: int
+    types: tuple[MatrixType, ...]
+    parent: nn.Module
+    attr: str
+
+    @property
+    def module(self) -> nn.Module:
+        return getattr(self.parent, self.attr)
+
+
+@dataclass(frozen=True)
+class PositionSource:
+    """The module whose forward receives the model's position ids ``(B, T)`` (as the
+    model itself computed them: offsets of a KV cache, left padding), and where: a
+    keyword name or a positional index."""
+
+    module: nn.Module
+    keyword: str | None = None
+    index: int = 0
+
+
 class LayerAdapter(ABC):
     """One Transformer block: its matrices, their input modules, and replacement."""
 
@@ -106,6 +134,11 @@ class LayerAdapter(ABC):
     @abstractmethod
     def module(self, t: MatrixType) -> nn.Module:
         """The module currently computing matrix ``t`` (after replacements too)."""
+
+    def linear_sites(self) -> list[LinearSite]:
+        """The block's stored projection modules, one site per module (for conversion:
+        each is replaced in place by a module with the same parameters)."""
+        raise NotImplementedError(f"{type(self).__name__} lists no linear sites")
 
 
 class ModelAdapter(ABC):
@@ -147,6 +180,13 @@ class ModelAdapter(ABC):
 
     gated_mlp: bool = False
     """Whether MLP-in is a stacked ``[gate; up]``."""
+
+    conv1d_layout: bool = False
+    """Whether the projections store ``(in, out)`` weights (GPT-2's ``Conv1D``)."""
+
+    def position_source(self) -> PositionSource:
+        """Where the model's position ids can be read during its forward."""
+        raise NotImplementedError(f"{type(self).__name__} names no position source")
 
     def writes_residual(self, t: MatrixType) -> bool:
         """True for residual-stream writers (O, MLP-out), False for readers."""

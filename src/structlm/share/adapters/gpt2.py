@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import LayerAdapter, MatrixType, ModelAdapter
+from .base import LayerAdapter, LinearSite, MatrixType, ModelAdapter, PositionSource
 from .modules import ConcatProjection, linear_from, weight_and_bias
 
 __all__ = ["GPT2Adapter"]
@@ -53,6 +53,17 @@ class GPT2LayerAdapter(LayerAdapter):
         return {"attn_in": self.block.attn.c_attn, "attn_out": self.block.attn.c_proj,
                 "mlp_in": self.block.mlp.c_fc, "mlp_out": self.block.mlp.c_proj}[site]
 
+    def linear_sites(self) -> list[LinearSite]:
+        attn, mlp = self.block.attn, self.block.mlp
+        if isinstance(attn.c_attn, ConcatProjection):
+            raise ValueError(f"layer {self.index}: c_attn was split by a compression; "
+                             "convert the original model instead")
+        return [LinearSite(self.index, (MatrixType.Q, MatrixType.K, MatrixType.V), attn,
+                           "c_attn"),
+                LinearSite(self.index, (MatrixType.O,), attn, "c_proj"),
+                LinearSite(self.index, (MatrixType.MLP_IN,), mlp, "c_fc"),
+                LinearSite(self.index, (MatrixType.MLP_OUT,), mlp, "c_proj")]
+
     def replace(self, t: MatrixType, module: nn.Module) -> None:
         if t in _QKV:
             self._qkv_split().parts[_QKV.index(t)] = module
@@ -68,6 +79,7 @@ class GPT2Adapter(ModelAdapter):
     """``GPT2LMHeadModel`` (gpt2, gpt2-medium, distilgpt2, ...)."""
 
     family = "gpt2"
+    conv1d_layout = True
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
@@ -82,6 +94,10 @@ class GPT2Adapter(ModelAdapter):
     @property
     def layers(self) -> list[LayerAdapter]:
         return list(self._layers)
+
+    def position_source(self) -> PositionSource:
+        # GPT2Model.forward: position_embeds = self.wpe(position_ids)
+        return PositionSource(self.model.transformer.wpe, index=0)
 
     @property
     def hidden_size(self) -> int:

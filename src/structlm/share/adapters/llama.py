@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import LayerAdapter, MatrixType, ModelAdapter
+from .base import LayerAdapter, LinearSite, MatrixType, ModelAdapter, PositionSource
 from .modules import GatedMLP, stacked, weight_and_bias
 
 __all__ = ["LlamaAdapter"]
@@ -50,6 +50,16 @@ class LlamaLayerAdapter(LayerAdapter):
             return mlp.proj_in if site == "mlp_in" else mlp.down
         return mlp.gate_proj if site == "mlp_in" else mlp.down_proj
 
+    def linear_sites(self) -> list[LinearSite]:
+        attn, mlp = self.block.self_attn, self.block.mlp
+        if isinstance(mlp, GatedMLP):
+            raise ValueError(f"layer {self.index}: the MLP was replaced by a GatedMLP (a "
+                             "compressed model); convert the original model instead")
+        return [*(LinearSite(self.index, (t,), attn, name) for t, name in _ATTN.items()),
+                LinearSite(self.index, (MatrixType.MLP_IN,), mlp, "gate_proj"),
+                LinearSite(self.index, (MatrixType.MLP_IN,), mlp, "up_proj"),
+                LinearSite(self.index, (MatrixType.MLP_OUT,), mlp, "down_proj")]
+
     def replace(self, t: MatrixType, module: nn.Module) -> None:
         if t in _ATTN:
             setattr(self.block.self_attn, _ATTN[t], module)
@@ -84,6 +94,10 @@ class LlamaAdapter(ModelAdapter):
     @property
     def layers(self) -> list[LayerAdapter]:
         return list(self._layers)
+
+    def position_source(self) -> PositionSource:
+        # LlamaModel.forward: self.rotary_emb(hidden_states, position_ids=position_ids)
+        return PositionSource(self.model.model.rotary_emb, keyword="position_ids", index=1)
 
     @property
     def hidden_size(self) -> int:

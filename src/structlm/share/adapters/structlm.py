@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ...nn import AlgebraLinear
-from .base import LayerAdapter, MatrixType, ModelAdapter
+from .base import LayerAdapter, LinearSite, MatrixType, ModelAdapter, PositionSource
 from .modules import ConcatProjection, GatedMLP, linear_from, stacked, weight_and_bias
 
 __all__ = ["StructLMAdapter"]
@@ -58,6 +58,17 @@ class StructLMLayerAdapter(LayerAdapter):
             return mlp.proj_in if site == "mlp_in" else mlp.down
         return mlp.gate if site == "mlp_in" else mlp.down
 
+    def linear_sites(self) -> list[LinearSite]:
+        attn, mlp = self.block.attn, self.block.mlp
+        if isinstance(attn.qkv, ConcatProjection) or isinstance(mlp, GatedMLP):
+            raise ValueError(f"layer {self.index}: projections were replaced by a "
+                             "compression; convert the original model instead")
+        return [LinearSite(self.index, (MatrixType.Q, MatrixType.K, MatrixType.V), attn, "qkv"),
+                LinearSite(self.index, (MatrixType.O,), attn, "proj"),
+                LinearSite(self.index, (MatrixType.MLP_IN,), mlp, "gate"),
+                LinearSite(self.index, (MatrixType.MLP_IN,), mlp, "up"),
+                LinearSite(self.index, (MatrixType.MLP_OUT,), mlp, "down")]
+
     def replace(self, t: MatrixType, module: nn.Module) -> None:
         attn, mlp = self.block.attn, self.block.mlp
         if t in (MatrixType.MLP_IN, MatrixType.MLP_OUT) and not isinstance(mlp, GatedMLP) \
@@ -103,6 +114,10 @@ class StructLMAdapter(ModelAdapter):
     @property
     def layers(self) -> list[LayerAdapter]:
         return list(self._layers)
+
+    def position_source(self) -> PositionSource:
+        # StructLMModel.forward: x = x + self.wpe(position_ids)
+        return PositionSource(self.model.transformer.wpe, index=0)
 
     @property
     def hidden_size(self) -> int:

@@ -1,0 +1,248 @@
+"""``convert_`` / ``unconvert_``: change the product rule of a pretrained causal LM in
+place, keeping every parameter bit for bit (torchao's ``quantize_(model, config,
+filter_fn)`` shape).
+
+The chosen projections (default: the FFN's) become :class:`TypedAlgebraLinear` s with
+the same weight and bias tensors' values under the same names; they read their position
+types from the model's own position ids (see :mod:`.typed_linear`). Nothing of the
+Hugging Face modelling code is edited: the model family's adapter
+(:mod:`structlm.share.adapters`) names the modules and the position source. The
+conversion is recorded in ``model.config.structlm_conversion`` so a saved model can be
+restored with :func:`load_converted`.
+
+Every target is checked before anything changes: unknown matrix types, a ``filter_fn``
+that selects nothing, widths the algebra's ``q`` does not divide, a module that is not a
+plain projection (already converted or compressed), a non-associative algebra.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from ..algebra import Algebra, AlgebraError, get_algebra, support_of
+from ..config import ConfigError
+from ..nn.schedules import TypeSchedule, get_schedule
+from ..share.adapters import LinearSite, get_adapter, parse_types
+from .typed_linear import PositionTypes, TypedAlgebraLinear, dense_from
+
+__all__ = ["AlgebraConfig", "conversion_info", "convert_", "load_converted", "unconvert_"]
+
+CONFIG_KEY = "structlm_conversion"
+
+
+@dataclass(frozen=True)
+class AlgebraConfig:
+    """How to convert a model (checked when built)."""
+
+    algebra: str | Algebra = "Q2^2"
+    """Product rule: a catalogue name (Q4, Q2^2, ...; ``structlm algebra table``) or an
+    :class:`~structlm.algebra.Algebra`; it must be associative with a unit (what a layer
+    needs). Only a named algebra can be restored by :func:`load_converted`."""
+    schedule: str = "cyclic"
+    """Position types: cyclic (p mod q), block:<size>[:<period>], table:..., or
+    cross-layer:<one of these>. Cyclic by default: every window of q tokens holds every
+    type, whatever the context of a pretrained model."""
+    targets: str = "mlp"
+    """Matrix types converted: mlp (the FFN projections, the default), attn, all, or a
+    list of q,k,v,o,mlp_in,mlp_out (a fused qkv needs q, k and v together)."""
+
+    def __post_init__(self) -> None:
+        try:
+            support = support_of(self.algebra_object())
+        except AlgebraError as e:  # keep its message, name the field
+            raise ConfigError(f"algebra {self.algebra_name!r}: {e}") from None
+        if support.q < 2:
+            raise ConfigError(f"algebra {self.algebra_name!r} has one type: converting to "
+                              "it changes nothing (use Q2, Q4, Q2^2, ...)")
+        get_schedule(self.schedule, support.q)  # raises a ValueError naming the spec
+        parse_types(self.targets)
+
+    def algebra_object(self) -> Algebra:
+        return self.algebra if isinstance(self.algebra, Algebra) else get_algebra(self.algebra)
+
+    @property
+    def algebra_name(self) -> str:
+        return self.algebra.name if isinstance(self.algebra, Algebra) else self.algebra
+
+    @property
+    def q(self) -> int:
+        return support_of(self.algebra_object()).q
+
+    def record(self) -> dict[str, str]:
+        """The JSON-able description saved in the model's config."""
+        return {"algebra": self.algebra_name, "schedule": self.schedule,
+                "targets": self.targets}
+
+    def type_schedule(self) -> TypeSchedule:
+        return get_schedule(self.schedule, self.q)
+
+
+@dataclass
+class _Conversion:
+    """What :func:`convert_` attached to a model (found again by :func:`unconvert_`)."""
+
+    config: AlgebraConfig
+    source: PositionTypes
+    hook: Any
+    names: list[str]
+    conv1d: bool
+
+
+def conversion_info(model: nn.Module) -> dict[str, Any] | None:
+    """The recorded conversion of ``model`` (algebra, schedule, targets, module names),
+    or ``None`` if it is not converted."""
+    conv = getattr(model, "_structlm_conversion", None)
+    return None if conv is None else {**conv.config.record(), "modules": list(conv.names)}
+
+
+def _selected(model: nn.Module, cfg: AlgebraConfig,
+              filter_fn: Callable[[nn.Module, str], bool] | None) -> list[tuple[LinearSite, str]]:
+    """The sites to convert with their fully qualified names; every problem listed in one
+    error before anything changes."""
+    adapter = get_adapter(model)
+    wanted = set(parse_types(cfg.targets))
+    names = {id(m): n for n, m in model.named_modules()}
+    q, problems, chosen = cfg.q, [], []
+    for layer in adapter.layers:
+        for site in layer.linear_sites():
+            hit = wanted & set(site.types)
+            if not hit:
+                continue
+            fqn = names[id(site.module)]
+            if hit != set(site.types):
+                problems.append(f"{fqn} computes {'/'.join(t.value for t in site.types)} in "
+                                f"one matrix: convert them together (targets "
+                                f"{','.join(t.value for t in site.types)} or attn)")
+                continue
+            if filter_fn is not None and not filter_fn(site.module, fqn):
+                continue
+            module = site.module
+            kind = type(module).__name__
+            if isinstance(module, TypedAlgebraLinear):
+                problems.append(f"{fqn} is already converted")
+            elif not (isinstance(module, nn.Linear) or kind == "Conv1D"):
+                problems.append(f"{fqn} is a {kind}, not a plain projection (nn.Linear or "
+                                "Conv1D)")
+            else:
+                n_in, n_out = _shape(module, adapter.conv1d_layout)
+                bad = [f"{w}={v}" for w, v in (("in", n_in), ("out", n_out)) if v % q]
+                if bad:
+                    problems.append(f"{fqn} ({n_out}x{n_in}): {', '.join(bad)} not divisible "
+                                    f"by q={q} of {cfg.algebra_name}")
+                else:
+                    chosen.append((site, fqn))
+    if problems:
+        raise ValueError("cannot convert: " + "; ".join(problems))
+    if not chosen:
+        raise ValueError(f"no module matches targets={cfg.targets!r}"
+                         + (" and filter_fn" if filter_fn is not None else ""))
+    return chosen
+
+
+def _shape(module: nn.Module, conv1d: bool) -> tuple[int, int]:
+    """``(in, out)`` of a projection."""
+    if conv1d and type(module).__name__ == "Conv1D":
+        n_in, n_out = module.weight.shape
+        return int(n_in), int(n_out)
+    return int(module.in_features), int(module.out_features)
+
+
+def convert_(model: nn.Module, config: AlgebraConfig | None = None,
+             filter_fn: Callable[[nn.Module, str], bool] | None = None) -> nn.Module:
+    """Replace, in place, the chosen projections of ``model`` (a Hugging Face causal LM of
+    a family with an adapter: LLaMA incl. SmolLM2, GPT-2, StructLM) by
+    :class:`TypedAlgebraLinear` s with the same parameters; returns ``model``.
+
+    ``filter_fn(module, fully_qualified_name)`` narrows the targets further (as in
+    torchao's ``quantize_``). Position types follow the model's own position ids in every
+    forward (cached decode, chunked prefill, left-padded ``generate()`` batches).
+
+    Raises:
+        ValueError: for any target that cannot be converted (all named, nothing changed).
+    """
+    cfg = config or AlgebraConfig()
+    if getattr(model, "_structlm_conversion", None) is not None:
+        raise ValueError(f"the model is already converted ({conversion_info(model)}); "
+                         "unconvert_ it first")
+    adapter = get_adapter(model)
+    chosen = _selected(model, cfg, filter_fn)
+    src = adapter.position_source()
+    source = PositionTypes(cfg.type_schedule())
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        pos = kwargs.get(src.keyword) if src.keyword else None
+        if pos is None and len(args) > src.index:
+            pos = args[src.index]
+        if pos is None:
+            raise RuntimeError(f"{type(module).__name__} was called without position ids: "
+                               "the converted layers cannot know their types")
+        source.set_positions(pos)
+
+    algebra = cfg.algebra_object()
+    for site, _ in chosen:
+        module = site.module
+        conv1d = adapter.conv1d_layout and type(module).__name__ == "Conv1D"
+        n_in, n_out = _shape(module, conv1d)
+        new = TypedAlgebraLinear(n_in, n_out, algebra, bias=module.bias is not None,
+                                 device=module.weight.device, dtype=module.weight.dtype,
+                                 source=source, layer_index=site.layer, conv1d_layout=conv1d)
+        new.weight.data.copy_(module.weight.t() if conv1d else module.weight)
+        if module.bias is not None:
+            new.bias.data.copy_(module.bias)
+        new.train(module.training)
+        setattr(site.parent, site.attr, new)
+    handle = src.module.register_forward_pre_hook(hook, with_kwargs=True)
+    names = [fqn for _, fqn in chosen]
+    model._structlm_conversion = _Conversion(cfg, source, handle, names, adapter.conv1d_layout)
+    model.config.__dict__[CONFIG_KEY] = {**cfg.record(), "modules": names}
+    return model
+
+
+def unconvert_(model: nn.Module) -> nn.Module:
+    """Undo :func:`convert_`: every converted projection back to the dense module with the
+    same parameters, the hook removed, the record deleted; returns ``model``."""
+    conv = getattr(model, "_structlm_conversion", None)
+    if conv is None:
+        raise ValueError("the model is not converted (no convert_ record)")
+    conv1d_cls = None
+    if conv.conv1d:
+        from transformers.pytorch_utils import Conv1D
+
+        conv1d_cls = Conv1D
+    for fqn in conv.names:
+        parent_name, _, attr = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        layer = getattr(parent, attr)
+        setattr(parent, attr, dense_from(layer, conv1d_cls if layer.conv1d_layout else None))
+    conv.hook.remove()
+    del model._structlm_conversion
+    model.config.__dict__.pop(CONFIG_KEY, None)
+    return model
+
+
+def load_converted(path: str, **from_pretrained_kwargs: Any) -> nn.Module:
+    """A model saved after :func:`convert_` (``save_pretrained``), converted again as it
+    was recorded: the same modules, algebra and schedule (the weights are the saved
+    ones: conversion keeps parameter names and shapes)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import structlm.models  # noqa: F401  (registers model_type "structlm")
+
+    config = AutoConfig.from_pretrained(path)
+    record = getattr(config, CONFIG_KEY, None)
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}: config.json has no {CONFIG_KEY!r} record: not a model "
+                         "saved after structlm.convert_")
+    modules = set(record.get("modules") or [])
+    cfg = AlgebraConfig(**{k: record[k] for k in ("algebra", "schedule", "targets")})
+    model = AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs)
+    model.config.__dict__.pop(CONFIG_KEY, None)
+    convert_(model, cfg, filter_fn=lambda _m, name: name in modules)
+    if set(model._structlm_conversion.names) != modules:
+        raise ValueError(f"{path}: the recorded modules {sorted(modules)} are not what the "
+                         f"model offers now ({sorted(model._structlm_conversion.names)})")
+    return model
