@@ -36,7 +36,7 @@ from tqdm import tqdm
 from ..perplexity import perplexity
 from .modules import LowRankLinear, OneSidedLinear, SharedBasisLinear
 
-__all__ = ["FinetuneConfig", "finetune", "load_state", "trainable_parameters"]
+__all__ = ["FinetuneConfig", "finetune", "load_state", "train_only", "trainable_parameters"]
 
 
 @dataclass
@@ -119,17 +119,34 @@ def load_state(path: Path, cfg: FinetuneConfig) -> dict[str, Any] | None:
     return state
 
 
+def train_only(model: torch.nn.Module, params: list[torch.nn.Parameter]
+               ) -> list[torch.nn.Parameter]:
+    """Freeze every parameter of ``model`` except ``params`` (which must be its own)."""
+    if not params:
+        raise ValueError("no parameters to train")
+    own = {id(p) for p in model.parameters()}
+    if any(id(p) not in own for p in params):
+        raise ValueError("params must be parameters of the model")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+    return params
+
+
 def finetune(model: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.Tensor,
              cfg: FinetuneConfig, progress: bool = True, state_path: Path | None = None,
-             save_every: int = 10) -> list[dict[str, Any]]:
-    """Train the per-layer factors; returns the curve (step, loss, lr, eval ppl).
+             save_every: int = 10, params: list[torch.nn.Parameter] | None = None
+             ) -> list[dict[str, Any]]:
+    """Train the per-layer factors (or ``params``, everything else frozen); returns the
+    curve (step, loss, lr, eval ppl).
 
     With ``state_path``, the run saves its state every ``save_every`` steps and resumes
     from it (see the module docstring); the file is left in place for the caller to
     delete once the result is recorded."""
     if save_every < 1:
         raise ValueError(f"save_every must be >= 1, got {save_every}")
-    params = trainable_parameters(model)
+    params = trainable_parameters(model) if params is None else train_only(model, params)
     n_windows = train_ids.numel() - cfg.seq_len - 1
     if n_windows < 1:
         raise ValueError(f"{train_ids.numel()} training tokens are fewer than one window of "
