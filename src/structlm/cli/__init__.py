@@ -11,6 +11,7 @@
     structlm bench share [MODEL] [--compressed DIR] [--method shared] [--batches 1,16] [...]
     structlm eval ppl MODEL [--corpus austen] [...]
     structlm share analyze | compress | experiment MODEL [...]
+    structlm convert MODEL [--config YAML] [--algebras Q2^2,Q4] [--targets mlp,attn] [...]
     structlm demo
 """
 
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``structlm`` command."""
     from .algebra import add_algebra_commands
     from .bench import add_bench_commands
+    from .convert import add_convert_commands
     from .lm import add_lm_commands
     from .share import add_share_commands
 
@@ -39,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = add_bench_commands(sub)
     add_lm_commands(sub)
     add_share_commands(sub, bench)
+    add_convert_commands(sub)
     return p
 
 

