@@ -6,6 +6,8 @@ target refused before anything changes."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -16,13 +18,25 @@ from structlm.config import ConfigError  # noqa: E402
 from structlm.convert import TypedAlgebraLinear  # noqa: E402
 from structlm.nn.schedules import get_schedule  # noqa: E402
 from structlm.ops.reference import reference_linear  # noqa: E402
-from tiny_models import tiny_gpt2, tiny_llama, tiny_structlm  # noqa: E402
+from tiny_models import (  # noqa: E402
+    FAMILY_OVERRIDES,
+    tiny_family,
+    tiny_gpt2,
+    tiny_llama,
+    tiny_structlm,
+)
 
-FAMILIES = {"llama": tiny_llama, "gpt2": tiny_gpt2, "structlm": tiny_structlm}
+FAMILIES = {"llama": tiny_llama, "gpt2": tiny_gpt2, "structlm": tiny_structlm,
+            **{mt: functools.partial(tiny_family, mt) for mt in FAMILY_OVERRIDES}}
 
 
 def _ids(vocab: int, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
     return torch.randint(1, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _vocab(model: torch.nn.Module) -> int:
+    cfg = model.config
+    return (getattr(cfg, "text_config", None) or cfg).vocab_size
 
 
 def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -35,7 +49,7 @@ def test_parameters_kept_and_layers_compute_the_algebra_product(family: str,
                                                                  targets: str) -> None:
     model = FAMILIES[family]()
     before = _state(model)
-    ids = _ids(model.config.vocab_size, (2, 11))
+    ids = _ids(_vocab(model), (2, 11))
     dense_logits = model(ids).logits
     cfg = AlgebraConfig("Q2^2", schedule="cyclic", targets=targets)
     convert_(model, cfg)
@@ -77,7 +91,7 @@ def test_cached_decode_chunked_prefill_and_left_padding(family: str) -> None:
     prompt alone."""
     model = convert_(FAMILIES[family](seed=1), AlgebraConfig("Q4", schedule="block:3",
                                                              targets="all"))
-    ids = _ids(model.config.vocab_size, (1, 13), seed=2)
+    ids = _ids(_vocab(model), (1, 13), seed=2)
     with torch.no_grad():
         full = model(ids).logits
         out = model(ids[:, :5], use_cache=True)
@@ -98,14 +112,14 @@ def _cache(out: object) -> object:
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_left_padded_generate_matches_alone(family: str) -> None:
     model = convert_(FAMILIES[family](seed=3), AlgebraConfig("Q2^2", schedule="cyclic"))
-    vocab = model.config.vocab_size
+    vocab = _vocab(model)
     long, short = _ids(vocab, (9,), 4), _ids(vocab, (4,), 5)
     batch = torch.zeros(2, 9, dtype=torch.long)
     mask = torch.zeros(2, 9, dtype=torch.long)
     batch[0], mask[0] = long, 1
     batch[1, 5:], mask[1, 5:] = short, 1
-    kw = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True,
-              output_logits=True, pad_token_id=0)
+    kw = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False,  # no early EOS stop
+              return_dict_in_generate=True, output_logits=True, pad_token_id=0)
     both = model.generate(batch, attention_mask=mask, **kw)
     for row, prompt in ((0, long), (1, short)):
         alone = model.generate(prompt[None], attention_mask=torch.ones_like(prompt)[None], **kw)
@@ -116,7 +130,7 @@ def test_left_padded_generate_matches_alone(family: str) -> None:
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_save_and_load_converted(family: str, tmp_path) -> None:
     model = convert_(FAMILIES[family](seed=4), AlgebraConfig("Q2^2", targets="all"))
-    ids = _ids(model.config.vocab_size, (1, 10), seed=6)
+    ids = _ids(_vocab(model), (1, 10), seed=6)
     logits = model(ids).logits
     model.save_pretrained(tmp_path)
     loaded = load_converted(str(tmp_path))
@@ -183,7 +197,7 @@ def test_smollm2_converts_decodes_and_unconverts() -> None:
 
     model = load_model("smollm2").model
     before = _state(model)
-    ids = _ids(model.config.vocab_size, (1, 24), seed=7)
+    ids = _ids(_vocab(model), (1, 24), seed=7)
     with torch.no_grad():
         dense = model(ids).logits
         convert_(model, AlgebraConfig("Q2^2", schedule="block:4"))

@@ -12,12 +12,13 @@ from structlm.share.adapters import (
     GPT2Adapter,
     LlamaAdapter,
     MatrixType,
+    Phi3Adapter,
     StructLMAdapter,
     get_adapter,
     linear_from,
     parse_types,
 )
-from tiny_models import tiny_gpt2, tiny_structlm
+from tiny_models import FAMILY_OVERRIDES, tiny_family, tiny_gpt2, tiny_structlm
 
 
 def _gpt2() -> GPT2LMHeadModel:
@@ -37,7 +38,10 @@ def _structlm(algebra: str = "dense") -> StructLMForCausalLM:
 
 
 MODELS = {"gpt2": (_gpt2, GPT2Adapter), "llama": (_llama, LlamaAdapter),
-          "structlm": (_structlm, StructLMAdapter)}
+          "structlm": (_structlm, StructLMAdapter),
+          **{mt: (lambda mt=mt: tiny_family(mt), Phi3Adapter if mt == "phi3" else LlamaAdapter)
+             for mt in FAMILY_OVERRIDES}}
+SEPARATE_QKV = {"llama", "gemma2", "gemma3_text", "gemma3", "qwen3", "olmo2"}
 
 
 def _ids() -> torch.Tensor:
@@ -62,7 +66,7 @@ def test_adapter_matrices_reproduce_the_hf_forward(name: str) -> None:
         hooks.append(layer.site_module(s).register_forward_hook(
             lambda _m, _a, o, s=s: outs.__setitem__(s, o)))
     per_type: dict[MatrixType, torch.Tensor] = {}
-    if name == "llama":  # separate q/k/v/o modules: check each against its own output
+    if name in SEPARATE_QKV:  # separate q/k/v/o modules: check each against its own output
         for t in (MatrixType.Q, MatrixType.K, MatrixType.V, MatrixType.O):
             hooks.append(layer.module(t).register_forward_hook(
                 lambda _m, _a, o, t=t: per_type.__setitem__(t, o)))
@@ -75,12 +79,14 @@ def test_adapter_matrices_reproduce_the_hf_forward(name: str) -> None:
         site = {"q": "attn_in", "k": "attn_in", "v": "attn_in", "o": "attn_out",
                 "mlp_in": "mlp_in", "mlp_out": "mlp_out"}[t.value]
         y = seen[site] @ W.T + (0 if b is None else b)
-        if t is MatrixType.MLP_IN and name != "gpt2":  # stacked [gate; up]: check the gate half
+        if t is MatrixType.MLP_IN and outs["mlp_in"].shape[-1] != y.shape[-1]:
+            # stacked [gate; up] from two modules: check the gate half
             assert torch.allclose(y[..., : W.shape[0] // 2], outs["mlp_in"], atol=1e-5)
-        elif t in (MatrixType.Q, MatrixType.K, MatrixType.V) and name != "llama":  # fused qkv
-            d = ad.hidden_size
-            i = "qkv".index(t.value)
-            assert torch.allclose(y, outs["attn_in"][..., i * d:(i + 1) * d], atol=1e-5)
+        elif t in (MatrixType.Q, MatrixType.K, MatrixType.V) and name not in SEPARATE_QKV:
+            qkv = (MatrixType.Q, MatrixType.K, MatrixType.V)  # fused: rows in that order
+            start = sum(layer.weight(u).shape[0] for u in qkv[:qkv.index(t)])
+            assert torch.allclose(y, outs["attn_in"][..., start:start + W.shape[0]],
+                                  atol=1e-5), t
         elif t in per_type:
             assert torch.allclose(y, per_type[t], atol=1e-5), t
         else:
@@ -135,5 +141,6 @@ def test_parse_types_and_errors() -> None:
     assert parse_types("mlp,q") == [MatrixType.MLP_IN, MatrixType.MLP_OUT, MatrixType.Q]
     with pytest.raises(ValueError, match="unknown matrix type 'x'"):
         parse_types("q,x")
-    with pytest.raises(ValueError, match="no adapter for model_type"):
+    with pytest.raises(ValueError, match=r"no adapter for model_type 'Linear': supported "
+                                         r"model_types are gpt2, llama, .*gemma3.*phi3"):
         get_adapter(torch.nn.Linear(2, 2))

@@ -14,8 +14,12 @@ tokens in document order) remains for prompts and the old protocol.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -74,17 +78,82 @@ def token_stream(tokenizer: Any, docs: list[Document], max_tokens: int) -> torch
                      f"{len(ids)}; lower the token count or use a larger corpus")
 
 
+def _tokenizer_fingerprint(tokenizer: Any) -> str | None:
+    """A hash of a fast tokenizer's full definition (vocabulary, merges, normalisation);
+    ``None`` for tokenizers without one (their outputs are not cached)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    key = id(backend)
+    cached = _FINGERPRINTS.get(key)
+    if cached is None or cached[0] is not backend:
+        cached = (backend, hashlib.sha1(backend.to_str().encode()).hexdigest())
+        _FINGERPRINTS[key] = cached
+    return cached[1]
+
+
+_FINGERPRINTS: dict[int, tuple[Any, str]] = {}
+_TOKENS: dict[str, torch.Tensor] = {}  # this process's documents, by content key
+
+
+def _token_cache_dir() -> Path:
+    root = os.environ.get("STRUCTLM_CACHE", os.path.join(Path.home(), ".cache", "structlm"))
+    return Path(root) / "tokens"
+
+
 def tokenize_documents(tokenizer: Any, docs: list[Document]) -> list[torch.Tensor]:
     """Every document's tokens in full, each followed by the tokenizer's EOS token (when it
-    has one); one ``(n_i,)`` int64 tensor per document."""
+    has one); one ``(n_i,)`` int64 tensor per document.
+
+    Cached in memory and under ``$STRUCTLM_CACHE/tokens`` (default ``~/.cache/structlm``),
+    keyed by a hash of the tokenizer's definition, its EOS id and the document's text, so
+    an edited document or another tokenizer is tokenised afresh."""
     eos = getattr(tokenizer, "eos_token_id", None)
+    fingerprint = _tokenizer_fingerprint(tokenizer)
     out = []
     for d in docs:
-        ids = list(tokenizer(d.text, add_special_tokens=False)["input_ids"])
-        if eos is not None:
-            ids.append(int(eos))
-        out.append(torch.tensor(ids, dtype=torch.long))
+        key = None if fingerprint is None else hashlib.sha1(
+            f"{fingerprint}|{eos}|".encode() + d.text.encode()).hexdigest()
+        ids = _cached_tokens(key)
+        if ids is None:
+            toks = list(tokenizer(d.text, add_special_tokens=False)["input_ids"])
+            if eos is not None:
+                toks.append(int(eos))
+            ids = torch.tensor(toks, dtype=torch.long)
+            _store_tokens(key, ids)
+        out.append(ids)
     return out
+
+
+def _cached_tokens(key: str | None) -> torch.Tensor | None:
+    if key is None:
+        return None
+    if key in _TOKENS:
+        return _TOKENS[key]
+    path = _token_cache_dir() / f"{key}.pt"
+    if path.exists():
+        try:
+            ids = torch.load(path, weights_only=True).long()
+        except Exception:
+            return None
+        _TOKENS[key] = ids
+        return ids
+    return None
+
+
+def _store_tokens(key: str | None, ids: torch.Tensor) -> None:
+    if key is None:
+        return
+    _TOKENS[key] = ids
+    folder = _token_cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix="tmp-", suffix=".part")
+        os.close(fd)
+        torch.save(ids.to(torch.int32), tmp)
+        os.replace(tmp, folder / f"{key}.pt")
+    except OSError:  # a read-only cache folder only costs the next run the tokenising
+        pass
 
 
 @dataclass

@@ -18,14 +18,31 @@ from .base import (
 from .gpt2 import GPT2Adapter
 from .llama import LlamaAdapter
 from .modules import ConcatProjection, GatedMLP, linear_from
+from .phi3 import Phi3Adapter
 from .structlm import StructLMAdapter
 
-__all__ = ["ADAPTERS", "MATRIX_TYPES", "SITE_OF", "ConcatProjection", "GPT2Adapter",
-           "GatedMLP", "LayerAdapter", "LinearSite", "LlamaAdapter", "MatrixType", "ModelAdapter",
-           "PositionSource",
-           "StructLMAdapter", "get_adapter", "linear_from", "parse_types"]
+__all__ = [
+    "ADAPTERS",
+    "MATRIX_TYPES",
+    "SITE_OF",
+    "ConcatProjection",
+    "GPT2Adapter",
+    "GatedMLP",
+    "LayerAdapter",
+    "LinearSite",
+    "LlamaAdapter",
+    "MatrixType",
+    "ModelAdapter",
+    "Phi3Adapter",
+    "PositionSource",
+    "StructLMAdapter",
+    "get_adapter",
+    "linear_from",
+    "parse_types",
+    "supported_model_types",
+]
 
-ADAPTERS: list[type[ModelAdapter]] = [GPT2Adapter, LlamaAdapter, StructLMAdapter]
+ADAPTERS: list[type[ModelAdapter]] = [GPT2Adapter, LlamaAdapter, Phi3Adapter, StructLMAdapter]
 """Registered adapters, tried in order."""
 
 
@@ -35,6 +52,11 @@ def get_adapter(model: nn.Module) -> ModelAdapter:
         if cls.handles(model):
             return cls(model)
     mt = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-    raise ValueError(f"no adapter for model_type {mt!r}: supported families are gpt2, "
-                     f"llama/mistral/qwen2/qwen3 and structlm (add one in "
+    raise ValueError(f"no adapter for model_type {mt!r}: supported model_types are "
+                     f"{', '.join(supported_model_types())} (add one in "
                      f"structlm/share/adapters/)")
+
+
+def supported_model_types() -> list[str]:
+    """Every ``config.model_type`` an adapter handles."""
+    return ["gpt2", *LlamaAdapter.model_types, "phi3", "structlm"]

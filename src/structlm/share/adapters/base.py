@@ -145,6 +145,9 @@ class ModelAdapter(ABC):
     """A causal LM seen through its blocks and matrix types."""
 
     family: str = ""
+    notes: str = ""
+    """The family's architectural differences where they matter to the share and convert
+    reports (post-norms, multi-query K/V, ...); empty for the plain pre-norm families."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model

@@ -80,6 +80,7 @@ class GPT2Adapter(ModelAdapter):
 
     family = "gpt2"
     conv1d_layout = True
+    notes = "Conv1D weights stored (in, out) (read transposed); fused c_attn (Q/K/V sliced)"
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)

@@ -1,6 +1,25 @@
-"""LLaMA family (``LlamaForCausalLM`` and look-alikes: SmolLM2, Mistral, Qwen2):
-separate ``q/k/v/o_proj`` (K and V narrower under grouped-query attention), a gated MLP
-``down(silu(gate(x)) * up(x))`` whose MLP-in is the stacked ``[gate; up]``."""
+"""LLaMA family: separate ``q/k/v/o_proj`` (K and V narrower under grouped-query or
+multi-query attention), a gated MLP ``down(act(gate(x)) * up(x))`` whose MLP-in is the
+stacked ``[gate; up]``, rotary positions. The decoders that keep these module names:
+
+* ``llama`` (SmolLM2, TinyLlama), ``mistral``, ``qwen2``;
+* ``qwen3`` — RMSNorms on each head's query and key *after* the projections: a matrix's
+  input is still the pre-norm output;
+* ``olmo2`` — no pre-norms: norms *after* attention and after the MLP (before the
+  residual add) and q/k norms after the projections, so Q/K/V and gate/up read the raw
+  residual stream, O and down read the usual inputs, and their outputs are normalised
+  before the residual (compression error on O and down passes through that norm);
+* ``gemma2``, ``gemma3_text`` and the text part of ``gemma3`` — pre- *and* post-norms
+  around attention and MLP (RMSNorm with a ``1 + w`` weight), q/k norms (Gemma 3),
+  ``head_dim`` unrelated to ``hidden / heads``, usually one KV head (multi-query: K and V
+  are tiny), sliding-window and global layers interleaved (the same matrices), a
+  GELU-tanh gate, scaled embeddings, tied head, logit soft-capping (Gemma 2). The inputs
+  of Q/K/V and gate/up are the pre-norm outputs; O's and down's outputs are normalised by
+  the post-norm before the residual add.
+
+None of these differences changes what a matrix's *input* is for calibration (the hook
+reads each projection's actual input); they change how an output error reaches the
+residual stream (:data:`FAMILY_NOTES`, quoted in the reports)."""
 
 from __future__ import annotations
 
@@ -10,7 +29,20 @@ from torch import nn
 from .base import LayerAdapter, LinearSite, MatrixType, ModelAdapter, PositionSource
 from .modules import GatedMLP, stacked, weight_and_bias
 
-__all__ = ["LlamaAdapter"]
+__all__ = ["FAMILY_NOTES", "LlamaAdapter"]
+
+FAMILY_NOTES = {
+    "qwen3": "q/k RMSNorm after the Q and K projections",
+    "olmo2": "no pre-norms: Q/K/V and gate/up read the raw residual stream; O and down "
+             "outputs pass a post-norm before the residual add; q/k norms",
+    "gemma2": "pre- and post-norms (O and down outputs normalised before the residual "
+              "add); multi-query K/V are tiny; head_dim unrelated to hidden/heads; "
+              "GELU-tanh gate; logit soft-capping",
+    "gemma3_text": "pre- and post-norms (O and down outputs normalised before the residual "
+                   "add); q/k norms; multi-query K/V are tiny; head_dim unrelated to "
+                   "hidden/heads; sliding-window and global layers",
+}
+FAMILY_NOTES["gemma3"] = FAMILY_NOTES["gemma3_text"] + " (the text decoder of Gemma 3)"
 
 _ATTN = {MatrixType.Q: "q_proj", MatrixType.K: "k_proj", MatrixType.V: "v_proj",
          MatrixType.O: "o_proj"}
@@ -81,11 +113,16 @@ class LlamaAdapter(ModelAdapter):
 
     family = "llama"
     gated_mlp = True
-    model_types = ("llama", "mistral", "qwen2", "qwen3")
+    model_types = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma2", "gemma3_text",
+                   "gemma3")
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
-        self._layers = [LlamaLayerAdapter(i, b) for i, b in enumerate(model.model.layers)]
+        inner = model.model
+        self.decoder = getattr(inner, "language_model", inner)  # Gemma 3: its text part
+        self.text_config = getattr(model.config, "text_config", None) or model.config
+        self._layers = [LlamaLayerAdapter(i, b) for i, b in enumerate(self.decoder.layers)]
+        self.notes = FAMILY_NOTES.get(model.config.model_type, "")
 
     @classmethod
     def handles(cls, model: nn.Module) -> bool:
@@ -96,9 +133,10 @@ class LlamaAdapter(ModelAdapter):
         return list(self._layers)
 
     def position_source(self) -> PositionSource:
-        # LlamaModel.forward: self.rotary_emb(hidden_states, position_ids=position_ids)
-        return PositionSource(self.model.model.rotary_emb, keyword="position_ids", index=1)
+        # LlamaModel.forward: self.rotary_emb(hidden_states, position_ids=position_ids);
+        # Gemma 2/3, Qwen3: self.rotary_emb(hidden_states, position_ids[, layer_type])
+        return PositionSource(self.decoder.rotary_emb, keyword="position_ids", index=1)
 
     @property
     def hidden_size(self) -> int:
-        return int(self.model.config.hidden_size)
+        return int(self.text_config.hidden_size)

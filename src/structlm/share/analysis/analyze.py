@@ -322,7 +322,10 @@ def run_analysis(cfg: AnalysisConfig, out_dir: str | Path, progress: bool = True
     if ref not in layers:
         raise ValueError(f"reference_layer {ref} is not among the analysed layers {layers}")
     results: dict[str, Any] = {"model": loaded.model_id, "model_note": loaded.note,
-                               "family": adapter.family, "num_layers": adapter.num_layers,
+                               "family": adapter.family, "model_type": getattr(
+                                   loaded.model.config, "model_type", ""),
+                               "architecture_notes": adapter.notes,
+                               "num_layers": adapter.num_layers,
                                "hidden_size": adapter.hidden_size, "layers": layers,
                                "types": [t.value for t in types],
                                "split": prep.split.describe()}

@@ -88,6 +88,9 @@ def _markdown(results: dict[str, Any], cfg: Any) -> str:
     lines = [f"# Shared functional bases — analysis of {results['model']}", ""]
     if results.get("model_note"):
         lines += [f"**Note:** {results['model_note']}.", ""]
+    if results.get("architecture_notes"):
+        lines += [f"**Architecture** (`{results.get('model_type', '')}`): "
+                  f"{results['architecture_notes']}.", ""]
     lines += [f"Family `{results['family']}`, {results['num_layers']} layers, hidden size "
               f"{results['hidden_size']}; analysed layers {results['layers']}; calibration "
               f"{results['calibration'].get('tokens_used')} tokens of `{cfg.corpus}` "

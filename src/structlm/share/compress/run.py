@@ -35,6 +35,9 @@ def run_compress(model: str, ccfg: CompressionConfig, out_dir: str | Path,
                    eval_tokens=eval_tokens, seed=seed, progress=progress)
     assert prep.calibration is not None
     res: dict[str, Any] = {"model": prep.loaded.model_id, "model_note": prep.loaded.note,
+                           "family": prep.adapter.family,
+                           "model_type": getattr(prep.loaded.model.config, "model_type", ""),
+                           "architecture_notes": prep.adapter.notes,
                            "split": prep.split.describe(),
                            "calibration": dict(prep.calibration.meta), "text": prep.text}
     res["ppl_original"] = evaluate_all(prep.loaded.model, prep.eval_ids, progress=progress)
@@ -66,6 +69,9 @@ def _markdown(res: dict[str, Any]) -> str:
     lines = [f"# Compression of {res['model']} ({cfg['method']}, types {cfg['types']})", ""]
     if res.get("model_note"):
         lines += [f"**Note:** {res['model_note']}.", ""]
+    if res.get("architecture_notes"):
+        lines += [f"**Architecture** (`{res.get('model_type', '')}`): "
+                  f"{res['architecture_notes']}.", ""]
     lines += [f"Stored parameters of the compressed matrices: {c['stored_parameters']:,} of "
               f"{c['original_parameters']:,} ({c['ratio']:.2f}× smaller, reduction "
               f"{c['reduction']:.1%}); whole model {c['model_parameters_after']:,} of "
