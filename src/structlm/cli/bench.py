@@ -28,7 +28,7 @@ def _cmd_bench_generate(args: argparse.Namespace) -> int:
     from ..bench.generate import GenerateBenchConfig, run_generate_bench
 
     given = args.flags.values(args)
-    if not (given.get("dense_model") and given.get("algebra_model")):
+    if not given.get("model") and not (given.get("dense_model") and given.get("algebra_model")):
         _check_gpt2_preset(given.get("preset", GenerateBenchConfig.preset))
 
     if args.prompt:
