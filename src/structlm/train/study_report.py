@@ -245,6 +245,11 @@ def write_report(cfg: StudyConfig, data: Any) -> Path:
              "nats/token.", "",
              "Verdict rule (set before the runs): two arms differ only when their seed ranges "
              "[min, max] do not overlap.", "",
+             "Training speed columns: the median step of each run as it ran (mean over the "
+             "arm's seeds). Runs may have had different thread counts and other jobs beside "
+             "them (a resumable study runs across sessions), so these columns state what a "
+             "run cost, not which layer is faster: the generation benchmark below times both "
+             "models interleaved in one process.", "",
              "| arm | algebra | FFN width | schedule | scores | parameters | projection MACs "
              "/ token | seeds | validation loss mean ± std | range | below unigram | "
              "train tokens/s (median step) | train min (median step × steps) |",
