@@ -3,6 +3,7 @@ models (random small models, real calibration through the share pipeline's hooks
 
 from __future__ import annotations
 
+import functools
 from fractions import Fraction
 
 import pytest
@@ -20,7 +21,7 @@ from structlm.convert.baselines import (  # noqa: E402
 from structlm.share.adapters import get_adapter  # noqa: E402
 from structlm.share.calibration import calibrate  # noqa: E402
 from structlm.share.compress import CompressionConfig, compress_model  # noqa: E402
-from tiny_models import tiny_gpt2, tiny_llama  # noqa: E402
+from tiny_models import tiny_family, tiny_gpt2, tiny_llama  # noqa: E402
 
 
 def _calibrated(model):
@@ -48,30 +49,46 @@ def test_macs_of_dense_converted_and_factorised_llama() -> None:
     assert target - 3 * rank_step <= macs <= target
 
 
-@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2])
-def test_width_pruning_keeps_the_important_units(make) -> None:
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2, functools.partial(tiny_family, "phi3")])
+def test_width_pruning_drops_the_dead_units_and_keeps_the_function(make) -> None:
+    """Unit 5 of every layer writes nothing: it scores 0, pruning one unit per layer
+    removes exactly it (gate and up rows alike, Phi-3's fused [gate; up] and GPT-2's
+    Conv1D included) and leaves the logits unchanged."""
     model = make()
     cal = _calibrated(model)
-    ids = torch.randint(1, model.config.vocab_size, (1, 12),
-                        generator=torch.Generator().manual_seed(2))
-    full = model(ids).logits
+    vocab = (getattr(model.config, "text_config", None) or model.config).vocab_size
+    ids = torch.randint(1, vocab, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(ids).logits
     f = ffn_importance(model, cal)[0].numel()
     kept = prune_ffn_width_(model, cal, keep=f)  # keeping every unit changes nothing
     assert kept[0] == list(range(f))
-    torch.testing.assert_close(model(ids).logits, full, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, full, rtol=1e-5, atol=1e-5)
     model = make()
     adapter = get_adapter(model)
-    site = next(s for s in adapter.layers[1].linear_sites() if "mlp_out" in
-                [t.value for t in s.types])
-    with torch.no_grad():  # unit 5 of layer 1 writes nothing: the least important
-        w = site.module.weight
-        (w[5] if type(site.module).__name__ == "Conv1D" else w[:, 5]).zero_()
+    with torch.no_grad():
+        for layer in adapter.layers:
+            site = next(s for s in layer.linear_sites() if "mlp_out" in
+                        [t.value for t in s.types])
+            w = site.module.weight
+            (w[5] if type(site.module).__name__ == "Conv1D" else w[:, 5]).zero_()
+        dead = model(ids).logits
+    cal = _calibrated(model)
+    assert all(float(s[5]) == 0.0 and int(s.argmin()) == 5 for s in ffn_importance(model, cal))
     before = projection_macs(model)
-    kept = prune_ffn_width_(model, _calibrated(model), keep=f - 1)
-    assert 5 not in kept[1] and len(kept[1]) == f - 1
-    d = adapter.hidden_size
-    per_unit = (3 if make is tiny_llama else 2) * d
+    kept = prune_ffn_width_(model, cal, keep=f - 1)
+    assert all(5 not in k and len(k) == f - 1 for k in kept)
+    per_unit = (2 if make is tiny_gpt2 else 3) * adapter.hidden_size  # gated: gate+up+down
     assert before - projection_macs(model) == per_unit * len(adapter.layers)
-    assert torch.isfinite(model(ids).logits).all()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, dead, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="keep=0"):
         prune_ffn_width_(model, _calibrated(model), keep=0)
+
+
+def test_pruning_refuses_modules_that_are_not_plain_projections() -> None:
+    model = convert_(tiny_llama(), AlgebraConfig("Q4"))
+    with pytest.raises(ValueError, match=r"plain nn\.Linear / Conv1D projections, got a "
+                                         r"TypedAlgebraLinear"):
+        prune_ffn_width_(model, _calibrated(tiny_llama()), keep=10)

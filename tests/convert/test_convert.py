@@ -214,3 +214,52 @@ def test_smollm2_converts_decodes_and_unconverts() -> None:
     unconvert_(model)
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, dense, rtol=0, atol=0)
+
+
+def test_a_deep_copy_feeds_its_own_layers_and_unconvert_removes_the_hook() -> None:
+    """``copy.deepcopy`` after a forward: the copy's hook feeds the copy's layers (a
+    closure would keep feeding the original's), so its cached decode is right."""
+    import copy
+
+    model = convert_(tiny_llama(seed=5), AlgebraConfig("Q4", schedule="cyclic"))
+    ids = _ids(89, (1, 9), seed=8)
+    with torch.no_grad():
+        model(ids[:, :3])  # positions 0..2 seen by the original
+        twin = copy.deepcopy(model)
+        full = twin(ids).logits
+        out = twin(ids[:, :6], use_cache=True)
+        steps = [out.logits]
+        for t in range(6, 9):
+            out = twin(ids[:, t:t + 1], cache=_cache(out), use_cache=True)
+            steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(model(ids).logits, full, rtol=0, atol=0)
+    unconvert_(model)
+    assert not model.model.rotary_emb._forward_pre_hooks
+    assert len(twin.model.rotary_emb._forward_pre_hooks) == 1
+
+
+def test_filter_applies_before_the_fused_check_and_custom_algebras_do_not_reload(
+        tmp_path) -> None:
+    with pytest.raises(ValueError, match="no module matches targets='q' and filter_fn"):
+        convert_(tiny_gpt2(), AlgebraConfig(targets="q"), filter_fn=lambda m, n: False)
+    from structlm.algebra import complete_graph_algebra
+
+    model = convert_(tiny_llama(), AlgebraConfig(complete_graph_algebra(4)))
+    assert conversion_info(model)["custom_algebra"] is True
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="custom algebra"):
+        load_converted(str(tmp_path))
+
+
+def test_decode_macs_count_sliding_windows() -> None:
+    from structlm.convert.decode import decode_macs_per_token
+
+    model = tiny_family("gemma3_text", layer_types=[  # sliding window 8 on the local layers
+        "sliding_attention", "full_attention", "sliding_attention"])
+    cfg = model.config
+    full_layers = sum(t == "full_attention" for t in cfg.layer_types)
+    assert 0 < full_layers < cfg.num_hidden_layers
+    per_token = 2 * cfg.num_attention_heads * cfg.head_dim
+    grow = decode_macs_per_token(model, 100) - decode_macs_per_token(model, 50)
+    assert grow == 50 * per_token * full_layers  # local layers stop growing at the window

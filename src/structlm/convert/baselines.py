@@ -62,16 +62,27 @@ def prune_ffn_width_(model: nn.Module, calibration: Calibration, keep: int) -> l
         kept = torch.topk(score, keep).indices.sort().values
         for site in layer.linear_sites():
             if MatrixType.MLP_IN in site.types:
-                setattr(site.parent, site.attr, _slice(site.module, kept, outputs=True))
+                rows = kept
+                if _out_width(site.module) == 2 * f:  # a fused [gate; up] (Phi-3)
+                    rows = torch.cat([kept, kept + f])
+                setattr(site.parent, site.attr, _slice(site.module, rows, outputs=True))
             elif MatrixType.MLP_OUT in site.types:
                 setattr(site.parent, site.attr, _slice(site.module, kept, outputs=False))
         kept_all.append(kept.tolist())
     return kept_all
 
 
+def _out_width(module: nn.Module) -> int:
+    return int(module.weight.shape[1] if _is_conv1d(module) else module.weight.shape[0])
+
+
 def _slice(module: nn.Module, kept: torch.Tensor, outputs: bool) -> nn.Module:
     """``module`` restricted to the ``kept`` hidden units: its outputs (MLP-in) or its
-    inputs (MLP-out); a GPT-2 ``Conv1D`` stores ``(in, out)``."""
+    inputs (MLP-out); a GPT-2 ``Conv1D`` stores ``(in, out)``. Only plain projections
+    (an algebra or factorised module would silently become dense)."""
+    if not (type(module) is nn.Linear or _is_conv1d(module)):
+        raise ValueError(f"width pruning needs plain nn.Linear / Conv1D projections, got a "
+                         f"{type(module).__name__} (prune the original model)")
     w, b = module.weight.detach(), None if module.bias is None else module.bias.detach()
     if _is_conv1d(module):
         w = w.t()  # (out, in)

@@ -48,7 +48,8 @@ class AlgebraConfig:
     type, whatever the context of a pretrained model."""
     targets: str = "mlp"
     """Matrix types converted: mlp (the FFN projections, the default), attn, all, or a
-    list of q,k,v,o,mlp_in,mlp_out (a fused qkv needs q, k and v together)."""
+    list of q,k,v,o,mlp_in,mlp_out (a fused qkv needs q, k and v together, and becomes
+    one algebra layer: see :func:`convert_`)."""
 
     def __post_init__(self) -> None:
         try:
@@ -72,10 +73,11 @@ class AlgebraConfig:
     def q(self) -> int:
         return support_of(self.algebra_object()).q
 
-    def record(self) -> dict[str, str]:
-        """The JSON-able description saved in the model's config."""
+    def record(self) -> dict[str, Any]:
+        """The JSON-able description saved in the model's config (a custom
+        :class:`Algebra` is marked: only a catalogue name can be rebuilt)."""
         return {"algebra": self.algebra_name, "schedule": self.schedule,
-                "targets": self.targets}
+                "targets": self.targets, "custom_algebra": isinstance(self.algebra, Algebra)}
 
     def type_schedule(self) -> TypeSchedule:
         return get_schedule(self.schedule, self.q)
@@ -87,9 +89,27 @@ class _Conversion:
 
     config: AlgebraConfig
     source: PositionTypes
-    hook: Any
     names: list[str]
     conv1d: bool
+
+
+class _PositionHook:
+    """The forward pre-hook on the position source: hands the model's position ids to
+    the converted layers. An object, not a closure, so that ``copy.deepcopy`` of the model
+    copies it along with the source it feeds (a copied model then feeds its own layers)
+    and the model pickles."""
+
+    def __init__(self, source: PositionTypes, keyword: str | None, index: int) -> None:
+        self.source, self.keyword, self.index = source, keyword, index
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        pos = kwargs.get(self.keyword) if self.keyword else None
+        if pos is None and len(args) > self.index:
+            pos = args[self.index]
+        if pos is None:
+            raise RuntimeError(f"{type(module).__name__} was called without position ids: "
+                               "the converted layers cannot know their types")
+        self.source.set_positions(pos)
 
 
 def conversion_info(model: nn.Module) -> dict[str, Any] | None:
@@ -113,12 +133,12 @@ def _selected(model: nn.Module, cfg: AlgebraConfig,
             if not hit:
                 continue
             fqn = names[id(site.module)]
+            if filter_fn is not None and not filter_fn(site.module, fqn):
+                continue
             if hit != set(site.types):
                 problems.append(f"{fqn} computes {'/'.join(t.value for t in site.types)} in "
                                 f"one matrix: convert them together (targets "
                                 f"{','.join(t.value for t in site.types)} or attn)")
-                continue
-            if filter_fn is not None and not filter_fn(site.module, fqn):
                 continue
             module = site.module
             kind = type(module).__name__
@@ -154,8 +174,15 @@ def _shape(module: nn.Module, conv1d: bool) -> tuple[int, int]:
 def convert_(model: nn.Module, config: AlgebraConfig | None = None,
              filter_fn: Callable[[nn.Module, str], bool] | None = None) -> nn.Module:
     """Replace, in place, the chosen projections of ``model`` (a Hugging Face causal LM of
-    a family with an adapter: LLaMA incl. SmolLM2, GPT-2, StructLM) by
+    a family with an adapter: LLaMA incl. SmolLM2, Mistral, Qwen2/3, Gemma 2/3 (also the
+    text decoder of the multimodal Gemma 3), OLMo 2, Phi-3, GPT-2, StructLM) by
     :class:`TypedAlgebraLinear` s with the same parameters; returns ``model``.
+
+    A fused projection (GPT-2's ``c_attn``, StructLM's ``qkv``, Phi-3's ``qkv_proj`` and
+    ``gate_up_proj``) becomes *one* algebra layer, whose type groups cut across the
+    Q/K/V (or gate/up) boundaries, while families with separate modules get one algebra
+    layer per matrix: the stored tensors stay exactly as they were either way, but "attn"
+    or "mlp" is not the same construction in every family.
 
     ``filter_fn(module, fully_qualified_name)`` narrows the targets further (as in
     torchao's ``quantize_``). Position types follow the model's own position ids in every
@@ -173,15 +200,6 @@ def convert_(model: nn.Module, config: AlgebraConfig | None = None,
     src = adapter.position_source()
     source = PositionTypes(cfg.type_schedule())
 
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        pos = kwargs.get(src.keyword) if src.keyword else None
-        if pos is None and len(args) > src.index:
-            pos = args[src.index]
-        if pos is None:
-            raise RuntimeError(f"{type(module).__name__} was called without position ids: "
-                               "the converted layers cannot know their types")
-        source.set_positions(pos)
-
     algebra = cfg.algebra_object()
     for site, _ in chosen:
         module = site.module
@@ -195,9 +213,10 @@ def convert_(model: nn.Module, config: AlgebraConfig | None = None,
             new.bias.data.copy_(module.bias)
         new.train(module.training)
         setattr(site.parent, site.attr, new)
-    handle = src.module.register_forward_pre_hook(hook, with_kwargs=True)
+    src.module.register_forward_pre_hook(_PositionHook(source, src.keyword, src.index),
+                                         with_kwargs=True)
     names = [fqn for _, fqn in chosen]
-    model._structlm_conversion = _Conversion(cfg, source, handle, names, adapter.conv1d_layout)
+    model._structlm_conversion = _Conversion(cfg, source, names, adapter.conv1d_layout)
     model.config.__dict__[CONFIG_KEY] = {**cfg.record(), "modules": names}
     return model
 
@@ -218,7 +237,10 @@ def unconvert_(model: nn.Module) -> nn.Module:
         parent = model.get_submodule(parent_name)
         layer = getattr(parent, attr)
         setattr(parent, attr, dense_from(layer, conv1d_cls if layer.conv1d_layout else None))
-    conv.hook.remove()
+    src = get_adapter(model).position_source().module
+    for key in [k for k, h in src._forward_pre_hooks.items() if isinstance(h, _PositionHook)]:
+        del src._forward_pre_hooks[key]
+        src._forward_pre_hooks_with_kwargs.pop(key, None)
     del model._structlm_conversion
     model.config.__dict__.pop(CONFIG_KEY, None)
     return model
@@ -237,6 +259,10 @@ def load_converted(path: str, **from_pretrained_kwargs: Any) -> nn.Module:
     if not isinstance(record, dict):
         raise ValueError(f"{path}: config.json has no {CONFIG_KEY!r} record: not a model "
                          "saved after structlm.convert_")
+    if record.get("custom_algebra"):
+        raise ValueError(f"{path}: converted with a custom algebra {record['algebra']!r}, "
+                         "which cannot be rebuilt from its name: load the folder as a dense "
+                         "model and convert_ it with the same Algebra object")
     modules = set(record.get("modules") or [])
     cfg = AlgebraConfig(**{k: record[k] for k in ("algebra", "schedule", "targets")})
     model = AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs)

@@ -38,10 +38,19 @@ def use_decode_kernels_(model: nn.Module) -> int:
 def decode_macs_per_token(model: nn.Module, context: float) -> Fraction:
     """Multiply-adds of one decode step at an average ``context``: the decoder's
     projections (:func:`~structlm.convert.baselines.projection_macs`), attention scores
-    and weighted values (``2 · context · heads · head_dim`` per layer) and the LM head."""
+    and weighted values (``2 · seen · heads · head_dim`` per layer, ``seen`` the context,
+    or the sliding window of a sliding-window layer: Gemma 2/3's local layers, Mistral)
+    and the LM head."""
     cfg = getattr(model.config, "text_config", None) or model.config
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    attention = cfg.num_hidden_layers * 2 * context * heads * head_dim
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None)
+    attention = Fraction(0)
+    for i in range(cfg.num_hidden_layers):
+        sliding = window and (layer_types[i] == "sliding_attention" if layer_types
+                              else True)  # Mistral-style: every layer slides
+        seen = min(context, window) if sliding else context
+        attention += Fraction(2 * seen * heads * head_dim)
     head = model.get_output_embeddings()
-    return projection_macs(model) + Fraction(attention) + head.weight.numel()
+    return projection_macs(model) + attention + head.weight.numel()

@@ -156,7 +156,7 @@ def _change(model: nn.Module, arm: _Arm, prep: Prepared, cfg: ConvertExperimentC
     assert prep.calibration is not None
     if arm.kind == "prune":
         f = get_adapter(model).layers[0].weight(MatrixType.MLP_OUT).shape[1]
-        keep = round(ratio * f)
+        keep = int(ratio * f)  # floor: never above the algebra's MACs
         prune_ffn_width_(model, prep.calibration, keep)
         return _site_parameters(model, "mlp")
     compress_model(get_adapter(model), prep.calibration,
@@ -182,6 +182,8 @@ def _run_arm(arm: _Arm, seed: int, prep: Prepared, cfg: ConvertExperimentConfig,
     t0 = time.time()
     model = copy.deepcopy(prep.loaded.model)
     params = _change(model, arm, prep, cfg)
+    if arm.kind in BASELINES:  # before hours of healing, and before anything is recorded
+        _check_budget(arm, float(projection_macs(model)), prep, cfg)
     out: dict[str, Any] = {
         "arm": arm.name, "kind": arm.kind, "target": arm.target, "budget": arm.budget,
         "seed": seed, "projection_macs": float(projection_macs(model)),
@@ -197,6 +199,23 @@ def _run_arm(arm: _Arm, seed: int, prep: Prepared, cfg: ConvertExperimentConfig,
     out["ppl_healed"] = _ppl(model, prep)
     out["seconds"] = time.time() - t0
     return out
+
+
+def _check_budget(arm: _Arm, macs: float, prep: Prepared,
+                  cfg: ConvertExperimentConfig) -> None:
+    """A baseline's projection MACs within ``mac_tolerance`` below the algebra's,
+    computed from the original model: ``original − (1 − rho) · target MACs``."""
+    original = prep.loaded.model
+    types = _target_types(arm.target)
+    target = sum(site.module.weight.numel() for layer in get_adapter(original).layers
+                 for site in layer.linear_sites() if types & set(site.types))
+    rho = _mac_ratio(AlgebraConfig(arm.budget, cfg.schedule, arm.target))
+    budget = float(projection_macs(original) - (1 - rho) * target)
+    dev = macs / budget - 1
+    if not -cfg.mac_tolerance <= dev <= 1e-9:
+        raise AssertionError(f"{arm.name} on {arm.target}: projection MACs {macs:,.0f} vs the "
+                             f"{arm.budget} budget {budget:,.0f} ({dev:+.2%}; allowed "
+                             f"−{cfg.mac_tolerance:.0%}..0)")
 
 
 def _check_macs(arms: list[dict[str, Any]], tol: float) -> None:

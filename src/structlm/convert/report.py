@@ -60,8 +60,11 @@ def write_convert_report(res: dict[str, Any], cfg: Any, out: Path) -> None:
     lines += [f"Schedule `{cfg.schedule}`; healing: {cfg.heal.steps} steps × "
               f"{cfg.heal.batch_size} × {cfg.heal.seq_len} tokens of `{cfg.corpus}` "
               f"calibration text, lr {cfg.heal.lr} ({cfg.heal.lr_scaling}), the changed "
-              f"modules' parameters trained (the same modules for the dense control); "
-              f"seeds {cfg.seeds}.", ""]
+              f"modules' parameters trained (the same modules for the dense control; the "
+              f"svd arms train their factors, with any biases frozen as in the share "
+              f"fine-tuning); seeds {cfg.seeds}. Baselines are checked against the "
+              f"algebra's projection MACs (within {cfg.mac_tolerance:.0%} below) before "
+              f"healing.", ""]
     for name in texts:
         d = res["text"].get(name, {})
         lines.append(f"- `{name}`: {d.get('tokens', '?')} scored tokens in "
