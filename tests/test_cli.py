@@ -59,3 +59,13 @@ def test_layer_bench_writes_csv_md_png(tmp_path: os.PathLike[str]) -> None:
     assert block_m8["types_present"] == "1" and block_m8["rho"] in {"3/4", "9/16"}
     assert "| fwd | 8 | 32×16 |" in open(prefix + ".md").read()
     assert os.path.getsize(prefix + ".png") > 1000
+    # the dense arm is the fastest dense path of the run: at M = 1 forward the project's
+    # dense few-row kernel competes with F.linear (when built), never slower than F.linear
+    from structlm.ops import cpu_kernels
+
+    for r in read:
+        assert float(r["dense_ms"]) <= float(r["dense_flinear_ms"])
+        few_rows_fwd = r["M"] == "1" and r["mode"] == "fwd"
+        expected = ({"F.linear", "dense-rows kernel"}
+                    if few_rows_fwd and cpu_kernels.fused_rows_available() else {"F.linear"})
+        assert r["dense_path"] in expected, r
