@@ -104,6 +104,17 @@ def test_cached_decode_chunked_prefill_and_left_padding(family: str) -> None:
     torch.testing.assert_close(torch.cat(chunks, 1), full, rtol=1e-4, atol=1e-4)
 
 
+def _prefill_then_decode(model: torch.nn.Module, ids: torch.Tensor, prefill: int
+                         ) -> list[torch.Tensor]:
+    """Logits of a prefill of ``prefill`` tokens, then of one cached step per token."""
+    out = model(ids[:, :prefill], use_cache=True)
+    steps = [out.logits]
+    for t in range(prefill, ids.shape[1]):
+        out = model(ids[:, t:t + 1], cache=_cache(out), use_cache=True)
+        steps.append(out.logits)
+    return steps
+
+
 def _cache(out: object) -> object:
     cache = getattr(out, "cache", None)
     return cache if cache is not None else out.past_key_values
@@ -202,11 +213,7 @@ def test_smollm2_converts_decodes_and_unconverts() -> None:
         dense = model(ids).logits
         convert_(model, AlgebraConfig("Q2^2", schedule="block:4"))
         full = model(ids).logits
-        out = model(ids[:, :20], use_cache=True)
-        steps = [out.logits]
-        for t in range(20, 24):
-            out = model(ids[:, t:t + 1], cache=_cache(out), use_cache=True)
-            steps.append(out.logits)
+        steps = _prefill_then_decode(model, ids, 20)
     assert len(conversion_info(model)["modules"]) == 3 * model.config.num_hidden_layers
     assert all(torch.equal(v, before[k]) for k, v in _state(model).items())
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
@@ -227,11 +234,7 @@ def test_a_deep_copy_feeds_its_own_layers_and_unconvert_removes_the_hook() -> No
         model(ids[:, :3])  # positions 0..2 seen by the original
         twin = copy.deepcopy(model)
         full = twin(ids).logits
-        out = twin(ids[:, :6], use_cache=True)
-        steps = [out.logits]
-        for t in range(6, 9):
-            out = twin(ids[:, t:t + 1], cache=_cache(out), use_cache=True)
-            steps.append(out.logits)
+        steps = _prefill_then_decode(twin, ids, 6)
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(model(ids).logits, full, rtol=0, atol=0)
     unconvert_(model)

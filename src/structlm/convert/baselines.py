@@ -125,8 +125,9 @@ def projection_macs(model: nn.Module) -> Fraction:
             elif isinstance(m, LowRankLinear):
                 total += m.B.numel() + m.C.numel()  # r·out + r·in
             elif isinstance(m, SharedBasisLinear | OneSidedLinear):
-                raise NotImplementedError(f"projection_macs does not count a "
-                                          f"{type(m).__name__} (shared-basis modules)")
+                raise ValueError(f"projection_macs refuses a {type(m).__name__}: a shared "
+                                 "basis's MACs depend on its association order, which this "
+                                 "count does not model")
     return total
 
 

@@ -135,10 +135,10 @@ class LayerAdapter(ABC):
     def module(self, t: MatrixType) -> nn.Module:
         """The module currently computing matrix ``t`` (after replacements too)."""
 
+    @abstractmethod
     def linear_sites(self) -> list[LinearSite]:
         """The block's stored projection modules, one site per module (for conversion:
         each is replaced in place by a module with the same parameters)."""
-        raise NotImplementedError(f"{type(self).__name__} lists no linear sites")
 
 
 class ModelAdapter(ABC):
@@ -187,9 +187,9 @@ class ModelAdapter(ABC):
     conv1d_layout: bool = False
     """Whether the projections store ``(in, out)`` weights (GPT-2's ``Conv1D``)."""
 
+    @abstractmethod
     def position_source(self) -> PositionSource:
         """Where the model's position ids can be read during its forward."""
-        raise NotImplementedError(f"{type(self).__name__} names no position source")
 
     def writes_residual(self, t: MatrixType) -> bool:
         """True for residual-stream writers (O, MLP-out), False for readers."""
