@@ -164,3 +164,23 @@ def test_verdicts_follow_the_range_rule_and_wait_for_every_seed() -> None:
         "**a lower** (ranges do not overlap)")
     assert _verdict(arm([5.0, 5.4, 5.2], 3), arm([5.3, 5.6, 5.5], 3), "a", "b") == (
         "ranges overlap: no difference shown")
+
+
+def test_iso_quality_interpolates_in_log_macs_and_bounds_outside_the_dense_range() -> None:
+    from structlm.train.study_report import iso_quality
+
+    def s(algebra: str, macs: int, mean: float) -> dict:
+        return {"arm": ArmSpec(name=f"{algebra}-{macs}", algebra=algebra),
+                "projection_macs": macs, "mean": mean}
+
+    stats = {"d1": s("dense", 100, 6.0), "d2": s("dense", 400, 5.0),
+             "inside": s("Q2^2", 150, 5.5), "worse": s("Q4", 120, 6.2),
+             "better": s("Q4", 120, 4.9)}
+    dense, rows = iso_quality(stats)
+    assert dense == [(100, 6.0), (400, 5.0)]
+    by = {r["arm"]: r for r in rows}
+    assert by["inside"]["dense_macs_at_loss"] == pytest.approx(200.0)  # halfway in log MACs
+    assert by["inside"]["ratio"] == pytest.approx(0.75) and by["inside"]["bound"] is None
+    assert by["worse"]["dense_macs_at_loss"] is None
+    assert (by["worse"]["bound"], by["worse"]["bound_macs"]) == ("below", 100)
+    assert (by["better"]["bound"], by["better"]["bound_macs"]) == ("above", 400)

@@ -98,7 +98,10 @@ def iso_quality(stats: dict[str, dict[str, Any]]) -> tuple[list[tuple[float, flo
                                                            list[dict[str, Any]]]:
     """Dense arms' (projection MACs, mean loss) curve and, for every algebra arm, the
     dense projection MACs per token that reach its loss (piecewise linear in
-    ``log MACs``; ``None`` outside the dense arms' loss range)."""
+    ``log MACs``; ``None`` outside the dense arms' loss range, where ``bound`` says which
+    side: ``"below"`` — the arm's loss is above every dense arm's, so even the narrowest
+    dense arm (``bound_macs``) reaches it, and fewer MACs than that would do; ``"above"`` —
+    it is lower than every dense arm's, so more than the widest one's MACs are needed)."""
     dense = sorted((s["projection_macs"], s["mean"]) for s in stats.values()
                    if s["arm"].is_dense)
     rows = []
@@ -106,6 +109,11 @@ def iso_quality(stats: dict[str, dict[str, Any]]) -> tuple[list[tuple[float, flo
         if s["arm"].is_dense:
             continue
         need = None
+        bound, bound_macs = None, None
+        if dense and s["mean"] > max(v for _, v in dense):
+            bound, bound_macs = "below", min(m for m, _ in dense)
+        elif dense and s["mean"] < min(v for _, v in dense):
+            bound, bound_macs = "above", max(m for m, _ in dense)
         for (m0, l0), (m1, l1) in itertools.pairwise(dense):
             lo, hi = min(l0, l1), max(l0, l1)
             if lo <= s["mean"] <= hi and l0 != l1:
@@ -114,7 +122,8 @@ def iso_quality(stats: dict[str, dict[str, Any]]) -> tuple[list[tuple[float, flo
                 break
         rows.append({"arm": name, "loss": s["mean"], "macs": s["projection_macs"],
                      "dense_macs_at_loss": need,
-                     "ratio": None if need is None else s["projection_macs"] / need})
+                     "ratio": None if need is None else s["projection_macs"] / need,
+                     "bound": bound, "bound_macs": bound_macs})
     return dense, rows
 
 
@@ -285,13 +294,19 @@ def write_report(cfg: StudyConfig, data: Any) -> Path:
               "(attention projections + FFN, forward; the LM head is the same for all); each "
               "algebra arm's mean loss is placed on it by interpolation in log MACs. A ratio "
               "below 1 means the arm reaches that loss with fewer MACs than a dense FFN would "
-              "need; '—' means its loss lies outside the dense arms' range (no "
-              "extrapolation).", "",
+              "need. Outside the dense arms' loss range there is no extrapolation, only a "
+              "bound: '< X' means even the narrowest dense arm (X MACs) reaches a lower "
+              "loss, so a dense FFN needs fewer MACs than X (ratio '> r'); '> X' means the "
+              "arm is lower than the widest dense arm.", "",
               "| arm | loss | its MACs / token | dense MACs / token at that loss | ratio |",
               "|---|---:|---:|---:|---:|"]
     for r in iso:
-        lines.append(f"| {r['arm']} | {r['loss']:.4f} | {r['macs']:,} | "
-                     f"{_fmt(r['dense_macs_at_loss'], ',.0f')} | {_fmt(r['ratio'], '.3f')} |")
+        need, ratio = _fmt(r["dense_macs_at_loss"], ",.0f"), _fmt(r["ratio"], ".3f")
+        if r["bound"] is not None:
+            sign = "<" if r["bound"] == "below" else ">"
+            need = f"{sign} {r['bound_macs']:,.0f}"
+            ratio = f"{'>' if sign == '<' else '<'} {r['macs'] / r['bound_macs']:.3f}"
+        lines.append(f"| {r['arm']} | {r['loss']:.4f} | {r['macs']:,} | {need} | {ratio} |")
     lines += ["", f"Dense points: {', '.join(f'{m:,} MACs → {v:.4f}' for m, v in dense)}."]
     gen = out / "generate.md"
     if gen.exists():
