@@ -69,3 +69,31 @@ def test_layer_bench_writes_csv_md_png(tmp_path: os.PathLike[str]) -> None:
         expected = ({"F.linear", "dense-rows kernel"}
                     if few_rows_fwd and cpu_kernels.fused_rows_available() else {"F.linear"})
         assert r["dense_path"] in expected, r
+
+
+def test_layer_bench_swiglu_rows_and_shape_checks(tmp_path: os.PathLike[str]) -> None:
+    """SwiGLU block rows: the model's algebra FFN against the fastest of the dense block
+    paths, with the block's MAC ideal; shapes a q does not divide are refused up front."""
+    from fractions import Fraction
+
+    from structlm.bench.swiglu_block import time_swiglu_block
+
+    for mode in ("fwd", "fwdbwd"):
+        for m in (1, 7):
+            r = time_swiglu_block(m, 48, 100, "Q4", "cyclic", mode, 1, 0, None, 0)
+            assert r["kind"] == "swiglu" and r["K"] == 48 and r["N"] == 100
+            paths = {"F.linear x3", "F.linear gate|up fused", "swiglu kernel"}
+            assert r["dense_path"] in paths and r["dense_ms"] <= r["dense_flinear_ms"]
+            present = min(m, 4)  # cyclic types 0..m-1 (Q4: one row per type up to 4)
+            assert r["types_present"] == present
+            rho = Fraction(r["rho"])
+            assert 0 < rho < 1 and r["ideal"] == pytest.approx(float(1 / rho), 1e-3)
+    cfg = LayerBenchConfig(ms=(4,), shapes=(), blocks=((8, 12),), algebras=("Q2",),
+                           schedules=("cyclic",), modes=("fwd",), trials=1, threads=1)
+    rows = run_layer_bench(cfg, os.path.join(tmp_path, "sw"), progress=False)
+    assert [r["kind"] for r in rows] == ["swiglu"]
+    assert "8×12 SwiGLU" in open(os.path.join(tmp_path, "sw.md")).read()
+    with pytest.raises(ValueError, match=r"blocks \['8x10'\].*q=4"):
+        LayerBenchConfig(blocks=((8, 10),), algebras=("Q4",))
+    with pytest.raises(ValueError, match=r"shapes \['97x64'\]"):
+        LayerBenchConfig(shapes=((97, 64),), algebras=("Q2^2",))

@@ -116,3 +116,29 @@ def test_dtypes(dtype: torch.dtype) -> None:
     tol = 0.05 if dtype is torch.bfloat16 else 1e-4
     torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol * float(ref.abs().max()))
 
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_decode_calls_take_the_few_row_kernel_and_match_dense(rows: int) -> None:
+    """At cached decode (few rows, no graph) the factor products run on the compiled
+    few-row kernel (the path the original model's layers take in the benchmarks) and
+    still equal the dense matrix; a NaN stays in its row."""
+    from structlm.nn import dense_rows_applies
+    from structlm.ops import cpu_kernels
+
+    if not cpu_kernels.fused_rows_available():
+        pytest.skip("no C++ compiler: the rows kernel cannot be built")
+    mods = [_shared(48, 40, 44, 9, True, residual=2), _shared(13, 29, 3, 11, False),
+            LowRankLinear(_r(97, 7), _r(7, 40), _r(97)),
+            OneSidedLinear(SharedBasis(_r(6, 40), None), _r(1025, 6), None)]
+    for mod in mods:
+        inn = mod.dense_weight().shape[1]
+        x = _r(rows, 1, inn)  # leading dims
+        with torch.no_grad():
+            first = mod.basis.P if hasattr(mod, "basis") else mod.C
+            assert dense_rows_applies(x, first)
+            y = mod(x)
+            torch.testing.assert_close(y.double(), _dense(mod, x), rtol=1e-4, atol=1e-3)
+            x[0, 0, 1] = float("nan")
+            y = mod(x)
+        assert bool(y[0].isnan().all()) and bool(y[1:].isfinite().all())

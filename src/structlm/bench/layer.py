@@ -23,9 +23,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..nn import AlgebraLinear, get_schedule
+from ..nn import AlgebraLinear, dense_rows_applies, get_schedule
 from ..ops import cpu_kernels
 from ..ops.blocked import FUSED_ROWS_MAX_ROWS, choose_layout
+from .swiglu_block import time_swiglu_block
 from .timing import CacheFlusher, environment, interleaved_medians, write_csv_atomic
 
 __all__ = ["PRESETS", "LayerBenchConfig", "markdown_from_csv", "plot_from_csv", "run_layer_bench"]
@@ -39,6 +40,8 @@ class LayerBenchConfig:
     """Batch sizes M (rows) timed."""
     shapes: Sequence[tuple[int, int]] = ((1024, 4096), (2048, 8192), (4096, 4096))
     """Weight shapes KxN (in x out), e.g. 1024x4096,4096x4096."""
+    blocks: Sequence[tuple[int, int]] = ()
+    """Whole SwiGLU FFN blocks DxF (gate, up: D -> F; down: F -> D) timed as one row each."""
     algebras: Sequence[str] = ("Q2", "Q4", "Q8", "Q16", "Q32", "Q2^2")
     """Algebras timed against the dense layer."""
     schedules: Sequence[str] = ("cyclic", "block")
@@ -55,6 +58,20 @@ class LayerBenchConfig:
     """Seed of inputs and weights."""
     extra: dict[str, str] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        from ..algebra import num_types
+
+        for a in self.algebras:
+            q = num_types(a)  # raises naming an unknown algebra
+            for what, dims in (("shapes", self.shapes), ("blocks", self.blocks)):
+                bad = [f"{k}x{n}" for k, n in dims if k % q or n % q]
+                if bad:
+                    raise ValueError(f"{what} {bad}: both sides must be divisible by q={q} of "
+                                     f"{a} (equal group widths)")
+        if self.trials < 1 or any(m < 1 for m in self.ms):
+            raise ValueError(f"trials ({self.trials}) and every M ({list(self.ms)}) must be "
+                             ">= 1")
+
 
 PRESETS: dict[str, LayerBenchConfig] = {
     # the issue's full grid (hours on 2 cores)
@@ -67,6 +84,12 @@ PRESETS: dict[str, LayerBenchConfig] = {
     "small": LayerBenchConfig(ms=(1, 32), shapes=((4096, 4096),),
                               algebras=("Q2", "Q4", "Q8", "Q16", "Q32", "Q2^2"),
                               schedules=("cyclic",), trials=9),
+    # the FFN shapes users run: paper-110m (D 768, F 1536) and SmolLM2-135M (576, 1536),
+    # each projection and the whole SwiGLU block
+    "shapes": LayerBenchConfig(ms=(1, 32, 512, 2048),
+                               shapes=((768, 1536), (1536, 768), (576, 1536), (1536, 576)),
+                               blocks=((768, 1536), (576, 1536)), algebras=("Q2^2", "Q4"),
+                               schedules=("cyclic",), trials=7),
     # a one-minute look for the demo
     "quick": LayerBenchConfig(ms=(1, 32, 512), shapes=((2048, 4096),),
                               algebras=("Q2", "Q4", "Q2^2", "Q8", "Q16"),
@@ -108,7 +131,7 @@ def _time_one(cfg: LayerBenchConfig, m: int, k: int, n: int, algebra: str, sched
     flushed = flusher is not None and m <= cfg.flush_max_m
     fns = {"F.linear": dense, "algebra": algebra_fn}
     wd = w.detach()
-    if mode == "fwd" and m <= FUSED_ROWS_MAX_ROWS and cpu_kernels.rows_kernel_applies(x, wd):
+    if mode == "fwd" and dense_rows_applies(x, wd):
         def dense_rows() -> object:  # the project's dense few-row kernel (decode's GEMV)
             return cpu_kernels.dense_rows_linear(x, wd)
 
@@ -122,14 +145,15 @@ def _time_one(cfg: LayerBenchConfig, m: int, k: int, n: int, algebra: str, sched
     rho = layer.mac_ratio(types)
     speedup = t_dense / t_alg
     return {
-        "algebra": algebra, "q": layer.q, "schedule": schedule, "mode": mode,
+        "kind": "linear", "algebra": algebra, "q": layer.q, "schedule": schedule, "mode": mode,
         "M": m, "K": k, "N": n, "dtype": "float32", "dense_path": dense_path,
         "dense_flinear_ms": round(times["F.linear"] * 1e3, 4),
         "dense_ms": round(t_dense * 1e3, 4), "algebra_ms": round(t_alg * 1e3, 4),
         "speedup": round(speedup, 4), "ideal": round(1 / float(rho), 4),
         "frac_of_ideal": round(speedup * float(rho), 4), "rho": str(rho),
         "types_present": len(part.present), "flushed": flushed,
-        "layout": choose_layout(layer.plan, part, x, w.detach()),
+        "layout": (choose_layout(layer.plan, part, x, w.detach()) if mode == "fwd"
+                   else choose_layout(layer.plan, part, x.requires_grad_(True), w)),
         "partition_us": round(partition_us, 1), "trials": cfg.trials,
     }
 
@@ -141,14 +165,20 @@ def run_layer_bench(cfg: LayerBenchConfig, out_prefix: str, progress: bool = Tru
     env = environment()
     env.update(cfg.extra)
     flusher = CacheFlusher() if any(m <= cfg.flush_max_m for m in cfg.ms) else None
-    grid = [(m, k, n, a, s, mode) for (k, n) in cfg.shapes for m in cfg.ms
+    grid = [("linear", m, k, n, a, s, mode) for (k, n) in cfg.shapes for m in cfg.ms
             for a in cfg.algebras for s in cfg.schedules for mode in cfg.modes]
+    grid += [("swiglu", m, d, f, a, s, mode) for (d, f) in cfg.blocks for m in cfg.ms
+             for a in cfg.algebras for s in cfg.schedules for mode in cfg.modes]
     rows: list[dict[str, object]] = []
     os.makedirs(os.path.dirname(os.path.abspath(out_prefix)), exist_ok=True)
     bar = tqdm(grid, desc="layer bench", disable=not progress, unit="cfg")
-    for m, k, n, a, s, mode in bar:
-        bar.set_postfix_str(f"M={m} {k}x{n} {a} {s} {mode}")
-        row = _time_one(cfg, m, k, n, a, s, mode, flusher)
+    for kind, m, k, n, a, s, mode in bar:
+        bar.set_postfix_str(f"{kind} M={m} {k}x{n} {a} {s} {mode}")
+        if kind == "swiglu":
+            row = time_swiglu_block(m, k, n, a, s, mode, cfg.trials, cfg.seed, flusher,
+                                    cfg.flush_max_m)
+        else:
+            row = _time_one(cfg, m, k, n, a, s, mode, flusher)
         rows.append({**row, **{f"env_{key}": v for key, v in env.items()}})
         write_csv_atomic(out_prefix + ".csv", rows)  # partial results survive a stop
     md = markdown_from_csv(out_prefix + ".csv")
@@ -175,6 +205,9 @@ def markdown_from_csv(csv_path: str) -> str:
              "trials (`F.linear`, or the project's dense few-row kernel at M ≤ "
              f"{FUSED_ROWS_MAX_ROWS}, forward); a row above 100% of the ideal is marked: "
              "against the fastest dense path it should not happen, and needs explaining.", "",
+             "SwiGLU rows time the whole FFN block (gate, up, activation, down; K×N = D×F), "
+             "the dense arm the fastest of three `F.linear`s, gate|up fused into one, and "
+             "(a few rows, forward) the compiled SwiGLU kernel.", "",
              "| mode | M | K×N | algebra | schedule | dense path | dense ms | algebra ms | "
              "speed-up | ideal 1/ρ | % of ideal | layout |",
              "|---|---:|---|---|---|---|---:|---:|---:|---:|---:|---|"]
@@ -182,8 +215,9 @@ def markdown_from_csv(csv_path: str) -> str:
         flush = " (flushed)" if r["flushed"] == "True" else ""
         frac = float(r["frac_of_ideal"])
         mark = " ⚠ above ideal" if frac > 1.0 else ""
+        block = " SwiGLU" if r.get("kind") == "swiglu" else ""
         lines.append(
-            f"| {r['mode']}{flush} | {r['M']} | {r['K']}×{r['N']} | {r['algebra']} | "
+            f"| {r['mode']}{flush} | {r['M']} | {r['K']}×{r['N']}{block} | {r['algebra']} | "
             f"{r['schedule']} | {r.get('dense_path', 'F.linear')} | "
             f"{float(r['dense_ms']):.3f} | {float(r['algebra_ms']):.3f} | "
             f"{float(r['speedup']):.2f}× | {float(r['ideal']):.2f}× | "
@@ -202,7 +236,7 @@ def plot_from_csv(csv_path: str, png_path: str) -> None:
     modes = sorted({r["mode"] for r in rows})
     fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 5), squeeze=False)
     ms = sorted({int(r["M"]) for r in rows})
-    shapes = sorted({(int(r["K"]), int(r["N"])) for r in rows})
+    shapes = sorted({(int(r["K"]), int(r["N"]), r.get("kind", "linear")) for r in rows})
     markers = "osD^v<>"
     cmap = plt.get_cmap("viridis", max(2, len(ms)))
     for ax, mode in zip(axes[0], modes, strict=True):
@@ -212,12 +246,14 @@ def plot_from_csv(csv_path: str, png_path: str) -> None:
         ax.axhline(1.0, color="grey", lw=0.8)
         for i, m in enumerate(ms):
             for j, shape in enumerate(shapes):
-                pts = [r for r in sub if int(r["M"]) == m and (int(r["K"]), int(r["N"])) == shape]
+                pts = [r for r in sub if int(r["M"]) == m
+                       and (int(r["K"]), int(r["N"]), r.get("kind", "linear")) == shape]
                 if not pts:
                     continue
                 ax.scatter([float(r["ideal"]) for r in pts], [float(r["speedup"]) for r in pts],
                            color=cmap(i), marker=markers[j % len(markers)],
-                           label=f"M={m}, {shape[0]}×{shape[1]}")
+                           label=f"M={m}, {shape[0]}×{shape[1]}"
+                           + (" SwiGLU" if shape[2] == "swiglu" else ""))
                 for r in pts:
                     ax.annotate(r["algebra"], (float(r["ideal"]), float(r["speedup"])),
                                 fontsize=7, xytext=(3, 3), textcoords="offset points")

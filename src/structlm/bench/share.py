@@ -16,6 +16,11 @@ resident set after loading, the peak over loading and running, and the resident 
 the end split into anonymous and file-backed pages (:mod:`.peak_memory`; one process per
 model, since an in-process high-water mark mostly sees the allocator reusing memory the
 other model's run freed).
+Fairness: both models' plain ``nn.Linear`` s are put on the project's fastest dense
+path (:func:`~structlm.convert.decode.use_decode_kernels_`: the compiled few-row kernel
+at cached decode, ``F.linear`` otherwise), and the compressed model's factor products
+take the same path (:func:`~structlm.nn.fast_linear`), so neither model is credited with
+a kernel the other lacks.
 CSV with the environment; Markdown and plot drawn from the CSV.
 """
 
@@ -183,8 +188,12 @@ def measure(original: Any, compressed: Any, ids: torch.Tensor, cfg: ShareBenchCo
     if limit is not None and cfg.prompt_len + cfg.decode_tokens + 1 > limit:
         raise ValueError(f"prompt_len + decode_tokens + 1 exceeds the model's {limit} positions")
     torch.set_num_threads(cfg.threads)
+    from ..convert.decode import use_decode_kernels_
+
     original.eval()
     compressed.eval()
+    for m in (original, compressed):  # the fastest dense path for both (fairness rule)
+        use_decode_kernels_(m)
     rc = report.get("config", {})
     base = {"model": model_id, "method": rc.get("method", cfg.method),
             "types": rc.get("types", cfg.types), "target_reduction": rc.get("target_reduction"),
@@ -283,7 +292,9 @@ def markdown_from_csv(csv_path: str) -> str:
     lines += ["", f"Speed-up = original time / compressed time (medians of {r0['trials']} "
               "interleaved trials; decode in seconds per new token with its prefill untimed); "
               "ideal = weights read per token, original / compressed (a speed-up above it "
-              "would mean an unfair baseline). " + verdict]
+              "would mean an unfair baseline). Both models run on the project's fastest "
+              "dense path (the compiled few-row kernel at cached decode, `F.linear` "
+              "otherwise), the compressed model's factor products included. " + verdict]
     return "\n".join(lines) + "\n"
 
 

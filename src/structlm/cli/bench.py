@@ -1,4 +1,4 @@
-"""``structlm bench layer | generate`` (``bench share`` is registered by
+"""``structlm bench layer | generate | train`` (``bench share`` is registered by
 :mod:`.share`, beside the other shared-basis commands)."""
 
 from __future__ import annotations
@@ -40,6 +40,21 @@ def _cmd_bench_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_train(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from ..bench.train_step import PRESETS, run_train_bench
+
+    given = args.flags.values(args)
+    cfgs = [dataclasses.replace(c, **given) for c in PRESETS[args.preset]]
+    out = args.out or f"bench-out/train_{args.preset}"
+    run_train_bench(cfgs, out)
+    with open(out + ".md") as fh:
+        print(fh.read())
+    print(f"wrote {out}.csv, {out}.md")
+    return 0
+
+
 def add_bench_commands(sub: Any) -> Any:
     """Register ``bench`` on the top-level subparsers; returns its subparsers."""
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(
@@ -52,7 +67,8 @@ def add_bench_commands(sub: Any) -> Any:
                        help="the grid to start from; the flags below override its fields")
     layer.add_argument("--out", help="output prefix (default bench-out/layer_<preset>)")
     layer.set_defaults(func=_cmd_bench_layer, flags=add_dataclass_flags(
-        layer, LayerBenchConfig, parse={"shapes": shapes}, aliases={"ms": ["--m"]},
+        layer, LayerBenchConfig, parse={"shapes": shapes, "blocks": shapes},
+        aliases={"ms": ["--m"]},
         title="LayerBenchConfig fields (override the preset's; lists are comma-separated)"))
 
     bgen = bench.add_parser("generate", help="dense vs algebra generation throughput")
@@ -64,4 +80,15 @@ def add_bench_commands(sub: Any) -> Any:
         parse={"modes": generate_modes, "max_new_tokens": positive_int,
                "runs": positive_int, "threads": positive_int}))
 
+    from ..bench.train_step import PRESETS as TRAIN_PRESETS
+    from ..bench.train_step import TrainBenchConfig
+
+    btrain = bench.add_parser("train", help="training-step tokens/s, dense vs algebra model")
+    btrain.add_argument("--preset", default="study-cpu", choices=sorted(TRAIN_PRESETS),
+                        help="the configurations to time (paper-110m: T = 1536 at batch 1 "
+                        "and 2; study-cpu: the CPU study's step); flags override their fields")
+    btrain.add_argument("--out", help="output prefix (default bench-out/train_<preset>)")
+    btrain.set_defaults(func=_cmd_bench_train, flags=add_dataclass_flags(
+        btrain, TrainBenchConfig, exclude=("preset",),
+        title="TrainBenchConfig fields (override the preset's)"))
     return bench

@@ -1,7 +1,7 @@
 """Modules: AlgebraLinear, DecodeLinear and position-type schedules."""
 
 from .algebra_linear import AlgebraLinear
-from .decode_linear import DecodeLinear
+from .decode_linear import DecodeLinear, dense_rows_applies, fast_linear
 from .schedules import BlockSchedule, CyclicSchedule, TableSchedule, TypeSchedule, get_schedule
 
 __all__ = [
@@ -11,5 +11,7 @@ __all__ = [
     "DecodeLinear",
     "TableSchedule",
     "TypeSchedule",
+    "dense_rows_applies",
+    "fast_linear",
     "get_schedule",
 ]

@@ -9,7 +9,32 @@ from torch import nn
 from ..ops import cpu_kernels
 from ..ops.blocked import FUSED_ROWS_MAX_ROWS
 
-__all__ = ["DecodeLinear"]
+__all__ = ["DecodeLinear", "dense_rows_applies", "fast_linear"]
+
+
+def dense_rows_applies(x: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> bool:
+    """The one gate of the dense few-row CPU kernel: ``x`` ``(*, in)`` with at most
+    ``FUSED_ROWS_MAX_ROWS`` rows and :func:`~structlm.ops.cpu_kernels.rows_kernel_applies`
+    (CPU, float32/float64, nothing for autograd to record, the kernel built), and a bias,
+    if any, of ``x``'s dtype."""
+    k = weight.shape[-1]
+    return (x.shape[-1] == k and x.numel() <= FUSED_ROWS_MAX_ROWS * k
+            and cpu_kernels.rows_kernel_applies(x, weight)
+            and (bias is None or bias.dtype == x.dtype))
+
+
+def fast_linear(x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` on the project's fastest dense path for the call: the compiled
+    few-row kernel where :func:`dense_rows_applies`, else ``F.linear`` (MKL).
+
+    Shapes: ``(*, in) -> (*, out)``."""
+    if dense_rows_applies(x, weight, bias):
+        y2 = cpu_kernels.dense_rows_linear(x.reshape(-1, weight.shape[-1]), weight,
+                                           bias)  # (M, N)
+        return y2.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
 
 
 class DecodeLinear(nn.Linear):
@@ -27,11 +52,4 @@ class DecodeLinear(nn.Linear):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        k = self.in_features
-        if (x.shape[-1] == k and x.numel() <= FUSED_ROWS_MAX_ROWS * k
-                and cpu_kernels.rows_kernel_applies(x, self.weight)
-                and (self.bias is None or self.bias.dtype == x.dtype)):
-            y2 = cpu_kernels.dense_rows_linear(x.reshape(-1, k), self.weight,
-                                               self.bias)  # (M, N)
-            return y2.view(*x.shape[:-1], self.out_features)
-        return F.linear(x, self.weight, self.bias)
+        return fast_linear(x, self.weight, self.bias)  # (*, in) -> (*, out)

@@ -11,7 +11,10 @@ rebuilt at run time).
 * :class:`OneSidedLinear` — ``y = D_l (P x) + b``: one input basis shared by a group of
   layers with full per-layer coefficients ``D_l`` ``(out, k)`` (Basis Sharing).
 
-Every product is an ``F.linear`` (the bias fused into the last one). The two-sided
+Every product is a :func:`~structlm.nn.fast_linear` (``F.linear``, or at cached decode on
+the CPU the project's few-row kernel, the same path the original model's layers take
+under :func:`~structlm.convert.decode.use_decode_kernels_`; the bias fused into the
+last one). The two-sided
 module picks, per call, the cheaper of two association orders (see
 :func:`shared_basis_macs`): at a budget where ``k_out`` is close to ``out`` the chain
 ``U (A (P x))`` costs several times a dense matrix per token, while merging ``U A``
@@ -21,8 +24,9 @@ first costs ``out·k_out·k_in`` once per call and then ``in·k_in + k_in·out``
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from ...nn.decode_linear import fast_linear
 
 __all__ = ["LowRankLinear", "OneSidedLinear", "SharedBasis", "SharedBasisLinear",
            "shared_basis_macs"]
@@ -73,16 +77,16 @@ class SharedBasisLinear(nn.Module):
         return self.basis.U.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        z = F.linear(x, self.basis.P)  # (..., k_in)
+        z = fast_linear(x, self.basis.P)  # (..., k_in)
         k_out, k_in = self.core.shape
         macs = shared_basis_macs(x.numel() // max(x.shape[-1], 1), self.out_features,
                                  self.in_features, k_out, k_in)
         if macs["merged"] < macs["chain"]:
-            y = F.linear(z, self.basis.U @ self.core, self.bias)  # (..., out)
+            y = fast_linear(z, self.basis.U @ self.core, self.bias)  # (..., out)
         else:
-            y = F.linear(F.linear(z, self.core), self.basis.U, self.bias)  # (..., out)
+            y = fast_linear(fast_linear(z, self.core), self.basis.U, self.bias)  # (..., out)
         if self.res_b is not None:
-            y = y + F.linear(F.linear(x, self.res_c), self.res_b)  # (..., out)
+            y = y + fast_linear(fast_linear(x, self.res_c), self.res_b)  # (..., out)
         return y
 
     def dense_weight(self) -> torch.Tensor:
@@ -102,7 +106,7 @@ class LowRankLinear(nn.Module):
                                                            requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.linear(x, self.C), self.B, self.bias)  # (..., r) then (..., out)
+        return fast_linear(fast_linear(x, self.C), self.B, self.bias)  # (..., r) then (..., out)
 
     def dense_weight(self) -> torch.Tensor:
         return self.B @ self.C
@@ -122,7 +126,7 @@ class OneSidedLinear(nn.Module):
                                                            requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.linear(x, self.basis.P), self.D, self.bias)  # (..., k), (..., out)
+        return fast_linear(fast_linear(x, self.basis.P), self.D, self.bias)  # (..., k), (..., out)
 
     def dense_weight(self) -> torch.Tensor:
         return self.D @ self.basis.P

@@ -1,0 +1,53 @@
+"""``structlm bench train``: the training-step benchmark runs both real models through
+the real step, and its MAC ideal has the known value."""
+
+from __future__ import annotations
+
+import csv
+from fractions import Fraction
+
+import pytest
+
+from structlm.bench.train_step import (
+    PRESETS,
+    TrainBenchConfig,
+    run_train_bench,
+    training_step_macs,
+)
+from structlm.cli import main
+from structlm.models import StructLMForCausalLM, config_from_preset
+
+
+def test_training_step_macs_known_answer() -> None:
+    # study-tiny: D = 32, F = 128, V = 512, 2 layers; T = 64 under block:8 gives 16
+    # positions of each Q2^2 type, rho = 9/16 (balanced)
+    d, f, v, n, t = 32, 128, 512, 2, 64
+    mean = Fraction(t + 1, 2)
+    dense = StructLMForCausalLM(config_from_preset("study-tiny"))
+    alg = StructLMForCausalLM(config_from_preset("study-tiny", "Q2^2", type_schedule="block:8"))
+    attn = 4 * d * d + 2 * d * mean
+    assert training_step_macs(dense, t) == 3 * (n * (attn + 3 * d * f) + d * v)
+    assert training_step_macs(alg, t) == 3 * (n * (attn + 3 * d * f * Fraction(9, 16)) + d * v)
+
+
+def test_tiny_bench_train_writes_rows(tmp_path) -> None:
+    cfg = TrainBenchConfig(preset="study-tiny", seq_len=32, batch_size=1, trials=1, warmup=0)
+    rows = run_train_bench([cfg], str(tmp_path / "t"), progress=False)
+    assert len(rows) == 1 and rows[0]["type_schedule"] == "block:4"  # auto: T / (2q)
+    assert rows[0]["dense_ms"] > 0 and rows[0]["algebra_ms"] > 0
+    assert rows[0]["ideal"] == pytest.approx(rows[0]["dense_train_macs_per_token"]
+                                             / rows[0]["algebra_train_macs_per_token"], 1e-3)
+    with open(tmp_path / "t.csv") as fh:
+        assert next(csv.DictReader(fh))["env_threads"]
+    assert "% of ideal" in (tmp_path / "t.md").read_text()
+
+
+def test_bench_train_cli_and_bad_input(tmp_path, capsys) -> None:
+    assert main(["bench", "train", "--preset", "tiny", "--trials", "1", "--warmup", "0",
+                 "--out", str(tmp_path / "c")]) == 0
+    assert "study-tiny" in capsys.readouterr().out
+    assert main(["bench", "train", "--preset", "tiny", "--seq-len", "0"]) != 0
+    assert "seq_len must be a positive integer, got 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="seq_len"):
+        TrainBenchConfig(seq_len=0)
+    assert {"paper-110m", "study-cpu"} <= set(PRESETS)
