@@ -68,12 +68,15 @@ def test_cpu_decode_runs_on_the_rows_kernel(algebra: str, fused: bool,
     monkeypatch.setattr(cpu_kernels, "swiglu_rows", count("swiglu"))
     monkeypatch.setattr(cpu_kernels, "dense_rows_linear", count("dense"))
     model = _model(algebra, "cyclic")
-    ids = torch.randint(0, 512, (1, 6))
+    from structlm.nn import DENSE_ROWS_MAX_ROWS
+
+    n = DENSE_ROWS_MAX_ROWS + 1  # a prefill longer than the few-row kernels take
+    ids = torch.randint(0, 512, (1, n + 1))
     with torch.no_grad():
         cache = GrowingKVCache() if fused else DynamicCache()
-        out = model(ids[:, :5], cache=cache, use_cache=True)
+        out = model(ids[:, :n], cache=cache, use_cache=True)
         assert calls == {"stack": 0, "swiglu": 0, "dense": 0}  # prefill: the PyTorch path
-        step = model(ids[:, 5:], cache=out.cache, use_cache=True).logits[:, -1]
+        step = model(ids[:, n:], cache=out.cache, use_cache=True).logits[:, -1]
         full = model(ids).logits[:, -1]
     layers = model.config.num_hidden_layers
     if fused:

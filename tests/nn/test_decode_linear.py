@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from structlm import AlgebraLinear
-from structlm.nn import DecodeLinear
+from structlm.nn import DENSE_ROWS_MAX_ROWS, DecodeLinear
 from structlm.ops import Backend, cpu_kernels
 from structlm.ops.blocked import FUSED_ROWS_MAX_ROWS, force_layout
 
@@ -54,7 +54,7 @@ def test_decode_linear_other_calls_are_f_linear() -> None:
     """More rows, bf16, or a graph to record: exactly ``F.linear`` (and gradients flow)."""
     gen = torch.Generator().manual_seed(3)
     layer = DecodeLinear(33, 17, bias=True)
-    many = torch.randn(FUSED_ROWS_MAX_ROWS + 1, 33, generator=gen)
+    many = torch.randn(DENSE_ROWS_MAX_ROWS + 1, 33, generator=gen)
     with torch.no_grad():
         assert torch.equal(layer(many), F.linear(many, layer.weight, layer.bias))
         half = layer.to(torch.bfloat16)

@@ -170,20 +170,26 @@ def _x(layer: AlgebraLinear, rows: int) -> torch.Tensor:
 
 def test_layout_choice() -> None:
     cyc = torch.arange(32)
-    q4, q22 = AlgebraLinear(16, 16, "Q4"), AlgebraLinear(16, 16, "Q2^2")
-    assert choose_layout(q4.plan, q4.partition(cyc % 4), _x(q4, 32),
-                         q4.weight.detach()) == "gathered"
-    assert choose_layout(q4.plan, q4.partition(torch.arange(4096) % 4), _x(q4, 4096),
-                         q4.weight.detach()) == "diag-first"
-    assert choose_layout(q22.plan, q22.partition(cyc % 4), _x(q22, 32),
-                         q22.weight.detach()) == "block-major"
+    q4, q22, q2 = (AlgebraLinear(16, 16, a) for a in ("Q4", "Q2^2", "Q2"))
+    kernel = cpu_kernels.fused_rows_available()
+
+    def choose(layer: AlgebraLinear, types: torch.Tensor, graph: bool = False) -> str:
+        w = layer.weight if graph else layer.weight.detach()  # graph: no kernel
+        return choose_layout(layer.plan, layer.partition(types), _x(layer, len(types)), w)
+
+    # up to 32 rows from q = 4 (16 below) the compiled kernel, where it applies
+    assert choose(q4, cyc % 4) == ("fused-rows" if kernel else "gathered")
+    assert choose(q4, cyc % 4, graph=True) == "gathered"
+    assert choose(q4, torch.arange(33) % 4) == "diag-first"
+    assert choose(q4, torch.arange(4096) % 4) == "diag-first"
+    assert choose(q22, cyc % 4) == ("fused-rows" if kernel else "block-major")
+    assert choose(q22, cyc % 4, graph=True) == "block-major"
+    assert choose(q2, torch.arange(16) % 2) == ("fused-rows" if kernel else "diag-first")
+    assert choose(q2, torch.arange(17) % 2) == "diag-first"
     one = torch.zeros(1, dtype=torch.long)  # a decode step at batch 1
-    decode = "fused-rows" if cpu_kernels.fused_rows_available() else "output-major"
-    assert choose_layout(q22.plan, q22.partition(one), _x(q22, 1),
-                         q22.weight.detach()) == decode
-    assert choose_layout(q22.plan, q22.partition(one.expand(17)), _x(q22, 17),
-                         q22.weight.detach()) == "output-major"
-    assert choose_layout(q22.plan, q22.partition(one.expand(65)), _x(q22, 65),
-                         q22.weight.detach()) == "diag-first"
+    assert choose(q22, one) == ("fused-rows" if kernel else "output-major")
+    assert choose(q22, one.expand(17), graph=True) == "output-major"
+    assert choose(q22, one.expand(33)) == "output-major"
+    assert choose(q22, one.expand(65)) == "diag-first"
     with pytest.raises(ValueError, match="unknown layout"), force_layout("fused"):
         pass

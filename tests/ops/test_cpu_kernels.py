@@ -11,7 +11,12 @@ import torch.nn.functional as F
 
 from structlm import AlgebraLinear, get_algebra, support_of
 from structlm.ops import Backend, cpu_kernels
-from structlm.ops.blocked import FUSED_ROWS_MAX_ROWS, choose_layout, force_layout
+from structlm.ops.blocked import (
+    FUSED_ROWS_LAYOUT_MAX_ROWS_LARGE_Q,
+    FUSED_ROWS_MAX_ROWS,
+    choose_layout,
+    force_layout,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.fused_rows_available(),
                                 reason="no C++ compiler: the fused-rows kernel cannot be built")
@@ -90,7 +95,7 @@ def test_fused_rows_is_chosen_for_cpu_decode_and_grads_flow() -> None:
     one = torch.tensor([3])
     assert choose_layout(layer.plan, layer.partition(one), torch.randn(1, 64),
                          layer.weight.detach()) == "fused-rows"
-    many = torch.arange(FUSED_ROWS_MAX_ROWS + 1) % 4
+    many = torch.arange(FUSED_ROWS_LAYOUT_MAX_ROWS_LARGE_Q + 1) % 4
     assert choose_layout(layer.plan, layer.partition(many), torch.randn(len(many), 64),
                          layer.weight.detach()) != "fused-rows"
     x = torch.randn(1, 64, requires_grad=True)  # training through it: diag-first backward
@@ -239,3 +244,24 @@ def test_swiglu_rows_matches_three_reference_layers(algebra: str, dtype: torch.d
         err_fast = (fast.double() - exact).abs().max().item()
         err_plain = (plain.double() - exact).abs().max().item()
         assert err_fast <= 2 * err_plain + 4 * torch.finfo(dtype).eps * f, (err_fast, err_plain)
+
+
+@pytest.mark.parametrize("algebra", ["Q8", "Q2^2"])
+def test_batch_of_32_forward_on_the_kernel_backward_on_pytorch(algebra: str) -> None:
+    """M = 32 with a graph: the forward runs the compiled kernel, the backward the best
+    PyTorch layout's; outputs and gradients equal the reference backend's (float64)."""
+    gen = torch.Generator().manual_seed(5)
+    layer = AlgebraLinear(8 * 7, 8 * 5, algebra, dtype=torch.float64)
+    ref = AlgebraLinear(8 * 7, 8 * 5, algebra, dtype=torch.float64, backend="reference")
+    ref.load_state_dict(layer.state_dict())
+    types = torch.arange(32) % layer.q
+    x = torch.randn(32, 56, generator=gen, dtype=torch.float64)
+    g = torch.randn(32, 40, generator=gen, dtype=torch.float64)
+    outs = []
+    for lin in (layer, ref):
+        xi = x.clone().requires_grad_(True)
+        y = lin(xi, lin.partition(types) if lin is layer else types)
+        y.backward(g)
+        outs.append((y.detach(), xi.grad, lin.weight.grad))
+    for a, b in zip(*outs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)

@@ -13,7 +13,8 @@ Five layouts, all doing exactly the MACs of the cost model in forward, ``dX`` an
   type's blocks, common ones included, as a handful of rectangles ``W[out d0:d1, in
   b0:b1]`` (one GEMM each, no batched diagonal GEMM, no gathers); the backward is
   diag-first's.
-* **fused-rows** (CPU, float32/float64, at most ``FUSED_ROWS_MAX_ROWS`` rows, any types):
+* **fused-rows** (CPU, float32/float64, at most ``FUSED_ROWS_LAYOUT_MAX_ROWS`` rows, or
+  ``FUSED_ROWS_LAYOUT_MAX_ROWS_LARGE_Q`` from ``q = 4``, any types):
   one call of a compiled kernel (:mod:`.cpu_kernels`) that streams through exactly the
   blocks the rows' types use, in a block-contiguous copy of the weight; the backward
   is diag-first's.
@@ -43,6 +44,8 @@ from .partition import RowSet, TypePartition
 from .plan import BlockPlan, Run
 
 __all__ = [
+    "FUSED_ROWS_LAYOUT_MAX_ROWS",
+    "FUSED_ROWS_LAYOUT_MAX_ROWS_LARGE_Q",
     "FUSED_ROWS_MAX_ROWS",
     "GATHER_MAX_ROWS_PER_TYPE",
     "OUTPUT_MAJOR_MAX_ROWS",
@@ -62,15 +65,24 @@ GATHER_MAX_ROWS_PER_TYPE = 16
 GATHER_MIN_Q = 4
 #: Largest batch (all rows of one type, e.g. cached decode) for the output-major layout.
 OUTPUT_MAJOR_MAX_ROWS = 64
-#: Largest batch for the compiled fused-rows layout (CPU decode; see :mod:`.cpu_kernels`).
+#: Largest batch of the layer's direct decode call on the compiled kernel (bias fused, no
+#: bookkeeping: :meth:`structlm.nn.AlgebraLinear.decodes_on_kernel`; see :mod:`.cpu_kernels`).
 FUSED_ROWS_MAX_ROWS = 4
+#: Largest batch for which :func:`choose_layout` picks the compiled fused-rows layout: 16
+#: rows for any q, 32 from ``q = 4`` (measured at K = N = 4096, 2 threads, weights from
+#: DRAM: the kernel reads each block once for all its rows and beat every PyTorch layout
+#: up to M = 16 for Q2 .. Q32 and Q2^2, and at M = 32 for q >= 4, mixed or single types;
+#: at M = 64 only Q32 still gains; see ``benchmarks/results/layer_cpu_small.md``).
+FUSED_ROWS_LAYOUT_MAX_ROWS = 16
+FUSED_ROWS_LAYOUT_MAX_ROWS_LARGE_Q = 32
 #: Layout forced by :func:`force_layout` (tests run every layout on every plan).
 _FORCED_LAYOUT: list[str] = []
 
 
 def fused_rows_applies(x: torch.Tensor, w: torch.Tensor, rows: int | None) -> bool:
     """The one gate of the compiled few-row CPU kernel (the ``fused-rows`` layout):
-    ``rows`` at most ``FUSED_ROWS_MAX_ROWS`` (``None``: the caller checks the count), no
+    ``rows`` at most ``FUSED_ROWS_MAX_ROWS`` (``None``: the caller checks the count —
+    :func:`choose_layout` against ``FUSED_ROWS_LAYOUT_MAX_ROWS[_LARGE_Q]``), no
     other layout forced, and :func:`.cpu_kernels.rows_kernel_applies` (CPU,
     float32/float64, nothing for autograd to record, the kernel built).
 
@@ -84,10 +96,12 @@ def fused_rows_applies(x: torch.Tensor, w: torch.Tensor, rows: int | None) -> bo
 
 
 def choose_layout(plan: BlockPlan, part: TypePartition, x: torch.Tensor,
-                  w: torch.Tensor) -> str:
+                  w: torch.Tensor, kernel: bool = True) -> str:
     """``"fused-rows"``, ``"gathered"``, ``"output-major"``, ``"block-major"`` or
     ``"diag-first"`` for ``x (M, K)`` and ``w (N, K)`` (their dtype, device and autograd
-    state decide whether the compiled kernel applies, :func:`fused_rows_applies`).
+    state decide whether the compiled kernel applies, :func:`fused_rows_applies`;
+    ``kernel=False``: the best layout without it, e.g. for a backward pass, which the
+    kernel does not have).
 
     Block-major reads every weight block once (rows of all the types using a block
     are gathered), which pays for small batches of supports whose blocks are shared
@@ -97,7 +111,8 @@ def choose_layout(plan: BlockPlan, part: TypePartition, x: torch.Tensor,
         forced = _FORCED_LAYOUT[-1]
         if forced != "gathered" or use_gathered_layout(plan, part):
             return forced
-    if fused_rows_applies(x, w, part.num_rows):
+    limit = FUSED_ROWS_LAYOUT_MAX_ROWS_LARGE_Q if plan.q >= 4 else FUSED_ROWS_LAYOUT_MAX_ROWS
+    if kernel and part.num_rows <= limit and fused_rows_applies(x, w, None):
         return "fused-rows"
     if use_gathered_layout(plan, part):
         return "gathered"
@@ -435,7 +450,8 @@ def _backward_gathered(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, plan:
 _FORWARD = {"fused-rows": _forward_fused_rows, "gathered": _forward_gathered,
             "block-major": _forward_block_major, "diag-first": _forward_diag_first,
             "output-major": _forward_output_major}
-_BACKWARD = {"fused-rows": _backward_diag_first, "gathered": _backward_gathered,
+_BACKWARD = {"fused-rows": _backward_diag_first,  # only under a forced layout
+             "gathered": _backward_gathered,
              "block-major": _backward_block_major, "diag-first": _backward_diag_first,
              "output-major": _backward_diag_first}
 
@@ -445,7 +461,11 @@ class _BlockedLinearFn(torch.autograd.Function):
                 part: TypePartition) -> torch.Tensor:
         layout = choose_layout(plan, part, x, w)  # grad mode is off in here
         ctx.save_for_backward(x, w)
-        ctx.plan, ctx.part, ctx.layout = plan, part, layout
+        # the compiled kernel has no backward: the best PyTorch layout's (a training
+        # batch of M = 32 keeps gathered / block-major's few batched GEMMs)
+        back = choose_layout(plan, part, x, w, kernel=False) if layout == "fused-rows" \
+            else layout
+        ctx.plan, ctx.part, ctx.layout = plan, part, back
         return _FORWARD[layout](x, w, plan, part)
 
     @staticmethod
