@@ -211,7 +211,7 @@ def markdown_from_csv(csv_path: str) -> str:
              f"{DENSE_ARM_KERNEL_MAX_ROWS}, forward); a row above 100% of the ideal is marked: "
              "against the fastest dense path it should not happen, and needs explaining.", "",
              "SwiGLU rows time the whole FFN block (gate, up, activation, down; K×N = D×F), "
-             "the dense arm the fastest of three `F.linear`s, gate|up fused into one, and "
+             "the dense arm the fastest of three `F.linear`s, gate+up fused into one, and "
              "(a few rows, forward) the compiled SwiGLU kernel.", "",
              "| mode | M | K×N | algebra | schedule | dense path | dense ms | algebra ms | "
              "speed-up | ideal 1/ρ | % of ideal | layout |",

@@ -46,7 +46,7 @@ def _dense_paths(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.
     if mode == "fwd":
         paths: dict[str, Callable[[], object]] = {
             "F.linear x3": lambda: three(x, wg, wu, wd),
-            "F.linear gate|up fused": lambda: fused(x, wgu, wd)}
+            "F.linear gate+up fused": lambda: fused(x, wgu, wd)}
         if x.shape[0] <= FUSED_ROWS_MAX_ROWS and cpu_kernels.rows_kernel_applies(x, wg):
             paths["swiglu kernel"] = lambda: cpu_kernels.swiglu_rows(x, wg, wu, wd)
         return paths
@@ -56,7 +56,7 @@ def _dense_paths(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.
     leaves2 = [wgu.clone().requires_grad_(True), wd.clone().requires_grad_(True)]
     return {
         "F.linear x3": lambda: torch.autograd.grad(three(xg, *leaves3), [xg, *leaves3], g_out),
-        "F.linear gate|up fused": lambda: torch.autograd.grad(fused(xg, *leaves2),
+        "F.linear gate+up fused": lambda: torch.autograd.grad(fused(xg, *leaves2),
                                                               [xg, *leaves2], g_out)}
 
 
