@@ -60,6 +60,7 @@ def test_every_config_field_of_the_commands_is_documented() -> None:
     from structlm.bench.generate import GenerateBenchConfig
     from structlm.bench.layer import LayerBenchConfig
     from structlm.bench.share import ShareBenchConfig
+    from structlm.bench.train_step import TrainBenchConfig
     from structlm.share.analysis.analyze import AnalysisConfig
     from structlm.share.compress import CompressionConfig
     from structlm.share.compress.experiment import ExperimentConfig
@@ -67,7 +68,8 @@ def test_every_config_field_of_the_commands_is_documented() -> None:
     from structlm.train.loop import TrainConfig
 
     for cls in (AnalysisConfig, CompressionConfig, FinetuneConfig, ExperimentConfig,
-                ShareBenchConfig, TrainConfig, LayerBenchConfig, GenerateBenchConfig):
+                ShareBenchConfig, TrainConfig, LayerBenchConfig, GenerateBenchConfig,
+                TrainBenchConfig):
         docs = field_docs(cls)
         bare = [f.name for f in dataclasses.fields(cls)
                 if f.name not in docs and f.name not in ("model", "thresholds", "extra")]
