@@ -82,7 +82,8 @@ def test_layer_bench_swiglu_rows_and_shape_checks(tmp_path: os.PathLike[str]) ->
         for m in (1, 7):
             r = time_swiglu_block(m, 48, 100, "Q4", "cyclic", mode, 1, 0, None, 0)
             assert r["kind"] == "swiglu" and r["K"] == 48 and r["N"] == 100
-            paths = {"F.linear x3", "F.linear gate+up fused", "swiglu kernel"}
+            paths = {"F.linear x3", "F.linear gate+up fused", "swiglu kernel",
+                     "dense-rows kernel x3"}
             assert r["dense_path"] in paths and r["dense_ms"] <= r["dense_flinear_ms"]
             present = min(m, 4)  # cyclic types 0..m-1 (Q4: one row per type up to 4)
             assert r["types_present"] == present

@@ -95,8 +95,10 @@ def test_blocked_flops_match_cost_model(algebra: str, m: int, kind: str) -> None
     rec = _OpRecorder()
     with FlopCounterMode(display=False, custom_mapping=_inplace_formulas()) as fwd, rec:
         y = layer(x, types)
-    if choose_layout(layer.plan, layer.partition(types), x.detach(),
-                     layer.weight.detach()) == "fused-rows":
+    # a weight being trained never takes the compiled kernel (its copy would be rebuilt
+    # after every step): training counts as PyTorch GEMMs
+    if choose_layout(layer.plan, layer.partition(types), x.detach(), layer.weight.detach(),
+                     kernel=not layer.weight.requires_grad) == "fused-rows":
         # one compiled call, invisible to the counter: its loop bounds are the segment
         # tables, whose MACs must be the cost model's (and no aten GEMM ran beside it)
         assert fwd.get_total_flops() == 0
@@ -248,3 +250,21 @@ def test_meta_device_infers_shapes_and_checks_types() -> None:
         layer(x, torch.zeros(3, dtype=torch.long, device="meta"))
     with pytest.raises(TypeError, match="integer tensor"):
         layer(x, torch.zeros(2, 7, device="meta"))
+
+
+@pytest.mark.parametrize(("algebra", "m"), [("Q4", 1), ("Q16", 32), ("Q2^2", 7), ("Q2", 16)])
+def test_kernel_loop_macs_match_cost_model(algebra: str, m: int) -> None:
+    """Inference on the compiled kernel (invisible to FlopCounterMode): its loop bounds
+    do exactly the cost model's MACs, and no aten GEMM runs beside it."""
+    if not cpu_kernels.fused_rows_available():
+        pytest.skip("no C++ compiler: the rows kernel cannot be built")
+    q = get_algebra(algebra).q
+    layer = AlgebraLinear(12 * q, 6 * q, algebra, backend="blocked").requires_grad_(False)
+    types = torch.arange(m) % q
+    part = layer.partition(types)
+    x = torch.randn(m, 12 * q)
+    assert choose_layout(layer.plan, part, x, layer.weight) == "fused-rows"
+    with FlopCounterMode(display=False) as fwd:
+        layer(x, part)
+    assert fwd.get_total_flops() == 0
+    assert cpu_kernels.fused_rows_macs(layer.plan, part) == layer.macs(types)

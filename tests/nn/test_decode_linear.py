@@ -126,3 +126,22 @@ def test_algebra_fast_path_respects_forced_layout_and_backend() -> None:
         ref = layer(x, part)
     torch.testing.assert_close(fast, rect, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_dense_rows_gate_leaves_a_trained_or_strided_bias_to_f_linear() -> None:
+    """A bias being trained keeps its gradient; a non-contiguous bias works as in
+    ``F.linear``."""
+    from structlm.nn import dense_rows_applies, fast_linear
+
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(6, 5, generator=gen)
+    x = torch.randn(2, 5, generator=gen)
+    b = torch.randn(6, generator=gen, requires_grad=True)
+    assert not dense_rows_applies(x, w, b)
+    fast_linear(x, w, b).sum().backward()
+    torch.testing.assert_close(b.grad, torch.full((6,), 2.0))
+    strided = torch.randn(12, generator=gen)[::2]
+    with torch.no_grad():
+        assert not dense_rows_applies(x, w, strided)
+        torch.testing.assert_close(fast_linear(x, w, strided), F.linear(x, w, strided))
+        assert dense_rows_applies(x, w, strided.contiguous())

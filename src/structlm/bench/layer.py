@@ -27,14 +27,15 @@ from ..nn import AlgebraLinear, get_schedule
 from ..ops import cpu_kernels
 from ..ops.blocked import choose_layout
 from .swiglu_block import time_swiglu_block
-from .timing import CacheFlusher, environment, interleaved_medians, write_csv_atomic
+from .timing import (
+    DENSE_ARM_KERNEL_MAX_ROWS,
+    CacheFlusher,
+    environment,
+    interleaved_medians,
+    write_csv_atomic,
+)
 
 __all__ = ["PRESETS", "LayerBenchConfig", "markdown_from_csv", "plot_from_csv", "run_layer_bench"]
-
-
-#: Up to this M the project's dense few-row kernel is timed beside ``F.linear`` (forward):
-#: it beats MKL up to M = 16-32 on this machine, and the dense arm is the faster of the two.
-DENSE_ARM_KERNEL_MAX_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -157,8 +158,7 @@ def _time_one(cfg: LayerBenchConfig, m: int, k: int, n: int, algebra: str, sched
         "speedup": round(speedup, 4), "ideal": round(1 / float(rho), 4),
         "frac_of_ideal": round(speedup * float(rho), 4), "rho": str(rho),
         "types_present": len(part.present), "flushed": flushed,
-        "layout": (choose_layout(layer.plan, part, x, w.detach()) if mode == "fwd"
-                   else choose_layout(layer.plan, part, x.requires_grad_(True), w)),
+        "layout": choose_layout(layer.plan, part, x, w.detach(), kernel=mode == "fwd"),
         "partition_us": round(partition_us, 1), "trials": cfg.trials,
     }
 

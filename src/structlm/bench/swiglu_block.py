@@ -6,7 +6,8 @@ with ``AlgebraLinear`` projections: its one-call compiled kernel at a few rows w
 graph, the blocked backend otherwise). The dense arm is the fastest of the dense paths
 the project has for the call, timed in the same interleaved trials and named in the
 row: three ``F.linear`` s, ``gate`` and ``up`` fused into one ``F.linear`` of ``2F``
-outputs, and (a few rows, forward) the same compiled SwiGLU kernel on the dense weights.
+outputs, and (up to ``DENSE_ARM_KERNEL_MAX_ROWS`` rows, forward) the compiled SwiGLU
+kernel on the dense weights and three calls of the dense few-row kernel.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from ..models import config_from_preset
 from ..models.modeling_structlm import StructLMMLP
 from ..nn import get_schedule
 from ..ops import cpu_kernels
-from ..ops.blocked import FUSED_ROWS_MAX_ROWS, choose_layout
-from .timing import CacheFlusher, interleaved_medians
+from ..ops.blocked import choose_layout
+from .timing import DENSE_ARM_KERNEL_MAX_ROWS, CacheFlusher, interleaved_medians
 
 __all__ = ["time_swiglu_block"]
 
@@ -47,8 +48,11 @@ def _dense_paths(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.
         paths: dict[str, Callable[[], object]] = {
             "F.linear x3": lambda: three(x, wg, wu, wd),
             "F.linear gate+up fused": lambda: fused(x, wgu, wd)}
-        if x.shape[0] <= FUSED_ROWS_MAX_ROWS and cpu_kernels.rows_kernel_applies(x, wg):
+        if x.shape[0] <= DENSE_ARM_KERNEL_MAX_ROWS and cpu_kernels.rows_kernel_applies(x, wg):
             paths["swiglu kernel"] = lambda: cpu_kernels.swiglu_rows(x, wg, wu, wd)
+            paths["dense-rows kernel x3"] = lambda: cpu_kernels.dense_rows_linear(
+                F.silu(cpu_kernels.dense_rows_linear(x, wg))
+                * cpu_kernels.dense_rows_linear(x, wu), wd)
         return paths
     xg = x.clone().requires_grad_(True)
     g_out = torch.randn(x.shape[0], wd.shape[0], generator=gen)
@@ -106,8 +110,8 @@ def time_swiglu_block(m: int, d: int, f: int, algebra: str, schedule: str, mode:
         layout = "swiglu kernel"
     elif mode == "fwd":
         layout = choose_layout(mlp.gate.plan, part, x, weights[0])
-    else:  # what the recorded (autograd) call chooses
-        layout = choose_layout(mlp.gate.plan, part, x.requires_grad_(True), mlp.gate.weight)
+    else:  # the recorded call: a trained weight never takes the kernel
+        layout = choose_layout(mlp.gate.plan, part, x, weights[0], kernel=False)
     return {
         "kind": "swiglu", "algebra": algebra, "q": q, "schedule": schedule, "mode": mode,
         "M": m, "K": d, "N": f, "dtype": "float32", "dense_path": dense_path,

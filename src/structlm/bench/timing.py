@@ -14,6 +14,11 @@ import torch
 __all__ = ["CacheFlusher", "environment", "interleaved_medians", "write_csv_atomic"]
 
 
+#: Up to this many rows (forward) the benchmarks time the project's dense few-row kernels
+#: beside ``F.linear`` in their dense arm: they beat MKL up to M = 16-32 on this machine.
+DENSE_ARM_KERNEL_MAX_ROWS = 32
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as fh:

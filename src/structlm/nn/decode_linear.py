@@ -11,10 +11,11 @@ from ..ops import cpu_kernels
 __all__ = ["DENSE_ROWS_MAX_ROWS", "DecodeLinear", "dense_rows_applies", "fast_linear"]
 
 
-#: Largest batch the dense few-row kernel takes in :func:`fast_linear` (measured against
-#: MKL, 2 threads, weights from DRAM: 1.2-3.4x faster at M = 1..16 for 4096x4096,
-#: 576x1536 and 1536x576; from M = 32 on par or slower).
-DENSE_ROWS_MAX_ROWS = 16
+#: Largest batch the dense few-row kernel takes in :func:`fast_linear`, the same as the
+#: algebra layers' kernel limit from q = 4 (measured against MKL, 2 threads, weights from
+#: DRAM: 1.2-3.4x faster at M = 1..16 for 4096x4096, 576x1536 and 1536x576; at M = 32
+#: 2-30% faster on the paper-110m and SmolLM2 FFN shapes, 7% slower at 4096x4096).
+DENSE_ROWS_MAX_ROWS = 32
 
 
 def dense_rows_applies(x: torch.Tensor, weight: torch.Tensor,
@@ -22,11 +23,13 @@ def dense_rows_applies(x: torch.Tensor, weight: torch.Tensor,
     """The one gate of the dense few-row CPU kernel: ``x`` ``(*, in)`` with at most
     ``DENSE_ROWS_MAX_ROWS`` rows and :func:`~structlm.ops.cpu_kernels.rows_kernel_applies`
     (CPU, float32/float64, nothing for autograd to record, the kernel built), and a bias,
-    if any, of ``x``'s dtype."""
+    if any, contiguous, of ``x``'s dtype and device and not being trained."""
     k = weight.shape[-1]
     return (x.shape[-1] == k and x.numel() <= DENSE_ROWS_MAX_ROWS * k
             and cpu_kernels.rows_kernel_applies(x, weight)
-            and (bias is None or bias.dtype == x.dtype))
+            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()
+                                  and bias.device == x.device
+                                  and not (torch.is_grad_enabled() and bias.requires_grad))))
 
 
 def fast_linear(x: torch.Tensor, weight: torch.Tensor,

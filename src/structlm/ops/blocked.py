@@ -459,10 +459,12 @@ class _BlockedLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
                 part: TypePartition) -> torch.Tensor:
-        layout = choose_layout(plan, part, x, w)  # grad mode is off in here
+        # grad mode is off in here. A weight being trained never takes the kernel: its
+        # packed copy would be rebuilt after every optimiser step (the version changes)
+        layout = choose_layout(plan, part, x, w, kernel=not ctx.needs_input_grad[1])
         ctx.save_for_backward(x, w)
-        # the compiled kernel has no backward: the best PyTorch layout's (a training
-        # batch of M = 32 keeps gathered / block-major's few batched GEMMs)
+        # the compiled kernel has no backward (frozen weight, input gradient only): the
+        # best PyTorch layout's
         back = choose_layout(plan, part, x, w, kernel=False) if layout == "fused-rows" \
             else layout
         ctx.plan, ctx.part, ctx.layout = plan, part, back
