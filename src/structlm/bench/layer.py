@@ -31,6 +31,7 @@ from .timing import (
     DENSE_ARM_KERNEL_MAX_ROWS,
     CacheFlusher,
     environment,
+    environment_line,
     interleaved_medians,
     write_csv_atomic,
 )
@@ -204,8 +205,7 @@ def markdown_from_csv(csv_path: str) -> str:
     rows = _read(csv_path)
     if not rows:
         return "(no rows)\n"
-    env = {k[4:]: v for k, v in rows[0].items() if k.startswith("env_")}
-    lines = ["Environment: " + ", ".join(f"{k}={v}" for k, v in env.items()), "",
+    lines = [environment_line(rows), "",
              "The dense arm is the fastest dense path measured in the same interleaved "
              "trials (`F.linear`, or the project's dense few-row kernel at M ≤ "
              f"{DENSE_ARM_KERNEL_MAX_ROWS}, forward); a row above 100% of the ideal is marked: "

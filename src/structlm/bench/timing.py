@@ -102,3 +102,17 @@ def write_csv_atomic(path: str, rows: list[dict[str, object]]) -> None:
         writer.writeheader()
         writer.writerows(rows)
     os.replace(tmp, path)
+
+
+def read_csv_rows(path: str) -> list[dict[str, str]]:
+    """The rows of a benchmark CSV."""
+    import csv
+
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def environment_line(rows: list[dict[str, str]]) -> str:
+    """``Environment: k=v, ...`` from the ``env_*`` columns of a benchmark CSV's rows."""
+    env = {k[4:]: v for k, v in rows[0].items() if k.startswith("env_")}
+    return "Environment: " + ", ".join(f"{k}={v}" for k, v in env.items())

@@ -17,7 +17,6 @@ environment, Markdown from the CSV.
 
 from __future__ import annotations
 
-import csv
 import os
 from dataclasses import dataclass
 from fractions import Fraction
@@ -26,7 +25,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from .timing import environment, interleaved_medians, write_csv_atomic
+from .timing import (
+    environment,
+    environment_line,
+    interleaved_medians,
+    read_csv_rows,
+    write_csv_atomic,
+)
 
 __all__ = ["PRESETS", "TrainBenchConfig", "markdown_from_csv", "run_train_bench",
            "training_step_macs"]
@@ -169,12 +174,10 @@ def run_train_bench(cfgs: list[TrainBenchConfig], out_prefix: str, progress: boo
 
 def markdown_from_csv(csv_path: str) -> str:
     """The table (and the environment) from a ``bench train`` CSV."""
-    with open(csv_path, newline="") as fh:
-        rows = list(csv.DictReader(fh))
+    rows = read_csv_rows(csv_path)
     if not rows:
         return "(no rows)\n"
-    env = {k[4:]: v for k, v in rows[0].items() if k.startswith("env_")}
-    lines = ["Environment: " + ", ".join(f"{k}={v}" for k, v in env.items()), "",
+    lines = [environment_line(rows), "",
              "One training step (forward, backward, clip, AdamW), dense and algebra model of "
              "the same preset, interleaved rounds, medians. Ideal = training MACs per token, "
              "dense / algebra (an upper bound: norms, activations and the optimiser are "
