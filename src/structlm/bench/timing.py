@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..cpu_malloc import malloc_setting
+
 __all__ = ["CacheFlusher", "environment", "interleaved_medians", "write_csv_atomic"]
 
 
@@ -31,7 +33,7 @@ def _cpu_model() -> str:
 
 
 def environment() -> dict[str, str]:
-    """Where the numbers come from: device, library versions, threads, date."""
+    """Where the numbers come from: device, library versions, threads, allocator, date."""
     try:
         import triton  # type: ignore[import-not-found]
 
@@ -46,6 +48,7 @@ def environment() -> dict[str, str]:
         "triton": triton_version,
         "python": platform.python_version(),
         "threads": str(torch.get_num_threads()),
+        "malloc": malloc_setting(),
         "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
 

@@ -13,6 +13,10 @@
     structlm share analyze | compress | experiment MODEL [...]
     structlm convert MODEL [--config YAML] [--algebras Q2^2,Q4] [--targets mlp,attn] [...]
     structlm demo
+
+Every command first sets the C allocator to keep freed memory for reuse (large tensors
+then skip the page faults of a fresh ``mmap``: :mod:`structlm.cpu_malloc`);
+``structlm --system-malloc COMMAND ...`` leaves it as it is.
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="structlm", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--system-malloc", action="store_true",
+                   help="leave the C allocator as it is (by default structlm keeps freed "
+                   "memory for reuse: structlm.cpu_malloc)")
     sub = p.add_subparsers(dest="command", required=True)
     add_algebra_commands(sub)
     bench = add_bench_commands(sub)
@@ -48,8 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``structlm`` command."""
     from ..config import RunError
+    from ..cpu_malloc import retain_freed_memory
 
     args = build_parser().parse_args(argv)
+    if not args.system_malloc:
+        retain_freed_memory()
     try:
         return int(args.func(args))
     except (AlgebraError, ValueError, RunError, FileNotFoundError) as err:
