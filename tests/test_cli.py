@@ -66,7 +66,7 @@ def test_layer_bench_writes_csv_md_png(tmp_path: os.PathLike[str]) -> None:
     for r in read:
         assert float(r["dense_ms"]) <= float(r["dense_flinear_ms"])
         few_rows_fwd = int(r["M"]) <= 32 and r["mode"] == "fwd"
-        expected = ({"F.linear", "dense-rows kernel"}
+        expected = ({"F.linear", "dense-rows kernel", "DecodeLinear"}
                     if few_rows_fwd and cpu_kernels.fused_rows_available() else {"F.linear"})
         assert r["dense_path"] in expected, r
 

@@ -91,3 +91,23 @@ def test_shipped_convert_configs_parse() -> None:
     for path in paths:
         cfg = ConvertExperimentConfig.from_dict(read_yaml(path))
         assert cfg.eval_tokens >= 16384 and cfg.second_corpus  # two texts, >= 16k tokens
+
+
+def test_seed_targets_heal_only_their_arms_with_every_seed() -> None:
+    """The first seed of every arm first, then the further seeds of the algebra and
+    baseline arms of ``seed_targets`` (the dense controls keep one seed); ``None`` runs
+    every arm with every seed; a seed target that is not a target is refused."""
+    from structlm.convert.experiment import planned_runs
+
+    cfg = ConvertExperimentConfig(seeds=[0, 1, 2], seed_targets=["mlp"])
+    runs = planned_runs(cfg)
+    first = [(a.kind, a.target, a.budget) for a, s in runs if s == 0]
+    assert len(first) == 12 and len(set(first)) == 12  # every arm once, distinct
+    later = [(a.kind, a.target) for a, s in runs if s > 0]
+    assert sorted(set(later)) == [("algebra", "mlp"), ("prune", "mlp"), ("svd", "mlp")]
+    assert len(later) == 2 * 6  # 2 algebras x (algebra, prune, svd), seeds 1 and 2
+    assert [s for _, s in runs] == sorted(s for _, s in runs)  # seed 0 of everything first
+    every = planned_runs(ConvertExperimentConfig(seeds=[0, 1]))
+    assert len(every) == 2 * 12
+    with pytest.raises(Exception, match="seed_targets"):
+        ConvertExperimentConfig(seed_targets=["attn"], targets=["mlp"])

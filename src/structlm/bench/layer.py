@@ -1,14 +1,16 @@
 """Layer benchmark: the fastest dense path vs ``AlgebraLinear`` in the same run.
 
 The dense arm is ``F.linear`` (MKL) and, where the project has one for the shape (a
-forward of at most ``DENSE_ARM_KERNEL_MAX_ROWS`` rows on the CPU), its dense few-row kernel;
-both are timed in the same interleaved trials and the faster one is the reference (named
-in the table), so a ratio above the ideal means something to explain, not an unfair
-baseline. Interleaved trials (order alternates), medians, ratio dense/algebra next to the
-ideal ``1/rho`` of the batch; CSV with the environment, a Markdown table and a
-plot, both drawn from the CSV.  Small batches (``M <= 32``) are timed
-cache-flushed: a 256 MiB buffer is written outside the timed region before each
-call, so the weights are not already in cache.
+forward of at most ``DENSE_ARM_KERNEL_MAX_ROWS`` rows on the CPU), its dense few-row kernel,
+called as a function and as the ``DecodeLinear`` module (whose calls cross into C++ bound,
+like the algebra layer's); all are timed in the same interleaved trials and the fastest
+is the reference (named in the table), so a ratio above the ideal means something to
+explain, not an unfair baseline. Interleaved trials (order alternates), medians, ratio
+dense/algebra next to the ideal ``1/rho`` of the batch; CSV with the environment, a
+Markdown table and a plot, both drawn from the CSV.  Small batches (``M <= 32``) are timed
+cache-flushed: a 512 MiB buffer is read outside the timed region before each
+call, so neither the weights nor the code and objects of the call are in cache (as in
+a decode step of a model larger than the last-level cache).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..nn import AlgebraLinear, get_schedule
+from ..nn import AlgebraLinear, DecodeLinear, get_schedule
 from ..ops import cpu_kernels
 from ..ops.blocked import choose_layout
 from .swiglu_block import time_swiglu_block
@@ -142,7 +144,16 @@ def _time_one(cfg: LayerBenchConfig, m: int, k: int, n: int, algebra: str, sched
         def dense_rows() -> object:  # the project's dense few-row kernel (decode's GEMV)
             return cpu_kernels.dense_rows_linear(x, wd)
 
-        fns = {"F.linear": dense, "dense-rows kernel": dense_rows, "algebra": algebra_fn}
+        dense_layer = DecodeLinear(k, n, bias=False)
+        dense_layer.weight = w  # the same weight; its calls cross into C++ bound, as the
+        # algebra layer's do (module against module)
+
+        def dense_module() -> object:
+            with torch.no_grad():
+                return dense_layer(x)
+
+        fns = {"F.linear": dense, "dense-rows kernel": dense_rows,
+               "DecodeLinear": dense_module, "algebra": algebra_fn}
     times = dict(zip(fns, interleaved_medians(list(fns.values()), cfg.trials,
                                               before_each=flusher if flushed else None),
                      strict=True))
@@ -208,7 +219,9 @@ def markdown_from_csv(csv_path: str) -> str:
     lines = [environment_line(rows), "",
              "The dense arm is the fastest dense path measured in the same interleaved "
              "trials (`F.linear`, or the project's dense few-row kernel at M ≤ "
-             f"{DENSE_ARM_KERNEL_MAX_ROWS}, forward); a row above 100% of the ideal is marked: "
+             f"{DENSE_ARM_KERNEL_MAX_ROWS}, forward, called as a function or as the "
+             "`DecodeLinear` module, whose calls cross into C++ bound like the algebra "
+             "layer's); a row above 100% of the ideal is marked: "
              "against the fastest dense path it should not happen, and needs explaining.", "",
              "SwiGLU rows time the whole FFN block (gate, up, activation, down; K×N = D×F), "
              "the dense arm the fastest of three `F.linear`s, gate+up fused into one, and "

@@ -49,7 +49,7 @@ from .baselines import projection_macs, projection_parameters, prune_ffn_width_
 from .convert import AlgebraConfig, convert_
 from .typed_linear import TypedAlgebraLinear
 
-__all__ = ["ConvertExperimentConfig", "run_convert_experiment"]
+__all__ = ["ConvertExperimentConfig", "planned_runs", "run_convert_experiment"]
 
 BASELINES = ("prune", "svd")
 
@@ -85,6 +85,10 @@ class ConvertExperimentConfig:
     """Healing of every arm (the same for all; only the trained modules differ)."""
     seeds: list[int] = field(default_factory=lambda: [0])
     """Healing seeds (batch order)."""
+    seed_targets: list[str] | None = None
+    """Targets whose algebra and baseline arms are healed with every seed (the verdict
+    rule needs at least two per arm); every other arm, the dense controls included, with
+    ``seeds[0]`` only. ``None``: every arm with every seed."""
     mac_tolerance: float = 0.01
     """Baselines' projection MACs must lie within this fraction below the algebra's."""
 
@@ -94,6 +98,10 @@ class ConvertExperimentConfig:
         for t in self.targets:
             if t not in ("mlp", "attn"):
                 raise ConfigError(f"targets: {t!r} is not mlp or attn")
+        bad_seed_targets = [t for t in self.seed_targets or [] if t not in self.targets]
+        if bad_seed_targets:
+            raise ConfigError(f"seed_targets {bad_seed_targets}: expected some of the "
+                              f"targets {self.targets}")
         bad = [b for b in self.baselines if b not in BASELINES]
         if bad:
             raise ConfigError(f"baselines {bad}: expected some of {list(BASELINES)}")
@@ -129,6 +137,19 @@ def _arms(cfg: ConvertExperimentConfig) -> list[_Arm]:
             arms += [_Arm(b, target, alg) for b in cfg.baselines
                      if not (b == "prune" and target != "mlp")]
     return arms
+
+
+def planned_runs(cfg: ConvertExperimentConfig) -> list[tuple[_Arm, int]]:
+    """Every (arm, seed) the experiment runs, in order: the first seed of every arm, then
+    the further seeds of the arms ``seed_targets`` names."""
+    runs = []
+    for i, seed in enumerate(cfg.seeds):
+        for arm in _arms(cfg):
+            every_seed = cfg.seed_targets is None or (
+                arm.kind != "dense" and arm.target in cfg.seed_targets)
+            if i == 0 or every_seed:
+                runs.append((arm, seed))
+    return runs
 
 
 def _target_types(target: str) -> set[MatrixType]:
@@ -258,21 +279,20 @@ def run_convert_experiment(cfg: ConvertExperimentConfig, out_dir: str | Path,
                      "projection_parameters": projection_parameters(prep.loaded.model),
                      "ppl": _ppl(prep.loaded.model, prep)}}
     results = []
-    for seed in cfg.seeds:
-        for arm in _arms(cfg):
-            key = json.dumps({**base, **dataclasses.asdict(arm), "seed": seed}, sort_keys=True)
-            if key not in done:
-                if progress:
-                    print(f"[arm] {arm.name} on {arm.target}, seed {seed}", flush=True)
-                state = out / "heal-state" / (hashlib.sha1(key.encode()).hexdigest()[:16]
-                                              + ".pt")
-                done[key] = clean_json(_run_arm(arm, seed, prep, cfg, state, progress))
-                atomic_write_text(arms_path, json.dumps(done))
-                state.unlink(missing_ok=True)
-            results.append(done[key])
-            _check_macs(results, cfg.mac_tolerance)
-            res["arms"] = results
-            res["seconds"] = time.time() - t0
-            atomic_write_text(out / "results.json", json.dumps(clean_json(res), indent=1))
-            write_convert_report(res, cfg, out)
+    for arm, seed in planned_runs(cfg):
+        key = json.dumps({**base, **dataclasses.asdict(arm), "seed": seed}, sort_keys=True)
+        if key not in done:
+            if progress:
+                print(f"[arm] {arm.name} on {arm.target}, seed {seed}", flush=True)
+            state = out / "heal-state" / (hashlib.sha1(key.encode()).hexdigest()[:16]
+                                          + ".pt")
+            done[key] = clean_json(_run_arm(arm, seed, prep, cfg, state, progress))
+            atomic_write_text(arms_path, json.dumps(done))
+            state.unlink(missing_ok=True)
+        results.append(done[key])
+        _check_macs(results, cfg.mac_tolerance)
+        res["arms"] = results
+        res["seconds"] = time.time() - t0
+        atomic_write_text(out / "results.json", json.dumps(clean_json(res), indent=1))
+        write_convert_report(res, cfg, out)
     return res

@@ -46,6 +46,15 @@ def verdict(a: list[float], b: list[float], name_a: str, name_b: str) -> str:
     return text + ": ranges overlap (no difference shown)"
 
 
+def _seeds_text(cfg: Any) -> str:
+    """Which arms are healed with which seeds."""
+    targets = getattr(cfg, "seed_targets", None)
+    if targets is None or len(cfg.seeds) == 1:
+        return f"{cfg.seeds}"
+    return (f"{cfg.seeds} for the algebra and baseline arms on {', '.join(targets)}, "
+            f"{cfg.seeds[:1]} for every other arm and the dense controls")
+
+
 def _fmt(x: float | None, nd: int = 2) -> str:
     return "—" if x is None else f"{x:,.{nd}f}"
 
@@ -62,7 +71,7 @@ def write_convert_report(res: dict[str, Any], cfg: Any, out: Path) -> None:
               f"calibration text, lr {cfg.heal.lr} ({cfg.heal.lr_scaling}), the changed "
               f"modules' parameters trained (the same modules for the dense control; the "
               f"svd arms train their factors, with any biases frozen as in the share "
-              f"fine-tuning); seeds {cfg.seeds}. Baselines are checked against the "
+              f"fine-tuning); seeds {_seeds_text(cfg)}. Baselines are checked against the "
               f"algebra's projection MACs (within {cfg.mac_tolerance:.0%} below) before "
               f"healing.", ""]
     for name in texts:

@@ -11,9 +11,14 @@ import torch
 from torch import nn
 
 from ..algebra import Algebra, AlgebraError, get_algebra, split_widths, support_of
-from ..ops import cpu_kernels
-from ..ops.blocked import FUSED_ROWS_MAX_ROWS, blocked_linear, fused_rows_applies
-from ..ops.dispatch import Backend, parse_backend, resolve_backend
+from ..ops import cpu_kernels, cpu_ops
+from ..ops.blocked import (
+    FUSED_ROWS_MAX_ROWS,
+    blocked_linear,
+    forced_layout,
+    fused_rows_applies,
+)
+from ..ops.dispatch import Backend, auto_overridden, parse_backend, resolve_backend
 from ..ops.partition import TypePartition, check_types
 from ..ops.plan import make_plan
 from ..ops.reference import effective_weight, element_mask, reference_linear
@@ -250,20 +255,55 @@ class AlgebraLinear(nn.Module):
     def kernel_decode_ready(self, x: torch.Tensor) -> bool:
         """Whether the layer's few-row products with inputs like ``x`` run on the compiled
         CPU kernel: the blocked backend and its one gate,
-        :func:`~structlm.ops.blocked.fused_rows_applies` (the row count is the caller's
-        to check)."""
+        :func:`~structlm.ops.blocked.fused_rows_applies`, and no bias being trained (the
+        row count is the caller's to check)."""
         return (resolve_backend(self.backend, x.device, x.dtype) is Backend.BLOCKED
-                and fused_rows_applies(x, self.weight, None))
+                and fused_rows_applies(x, self.weight, None)
+                and not (self.bias is not None and self.bias.requires_grad
+                         and torch.is_grad_enabled()))  # a trained bias needs autograd
 
     def _rows_kernel_forward(self, x: torch.Tensor, part: TypePartition) -> torch.Tensor | None:
         """Cached decode on the CPU: ``(*, K) -> (*, N)`` in one call of the compiled
-        kernel with the bias fused, skipping the general path's bookkeeping (~30 us a
-        call, a few percent of a decode step); ``None`` where it does not apply."""
+        kernel with the bias fused, skipping the general path's bookkeeping; ``None``
+        where it does not apply.
+
+        Rows of one type (a decode step) go through the layer's bound call
+        (:func:`~structlm.ops.cpu_kernels.typed_rows_binding`, made on the first such
+        call and remade when the weight changes): one crossing into C++ that re-checks
+        what can change between calls and returns ``None`` where the gate below would
+        refuse. Where it does, or while a backend, layout or weight copy is forced, the
+        gate (:meth:`decodes_on_kernel`) and the unbound kernel call decide.
+        """
+        binding = self.__dict__.get("_rows_binding")
+        if binding is not None and not self._binding_overridden():
+            y = binding(x, part.types, self.weight, self.bias)  # (*, N), or None
+            if y is not None:
+                return y
         if not self.decodes_on_kernel(x, part):
             return None
         y2 = cpu_kernels.fused_rows_linear(x.reshape(-1, self.in_features), self.weight,
                                            self.plan, part, self.bias)  # (M, N)
+        if (cpu_kernels.uses_typed_copy(part) and not self._binding_overridden()
+                and (binding is None or not binding.matches(self.weight))):
+            self.__dict__["_rows_binding"] = cpu_kernels.typed_rows_binding(
+                self.weight, self.plan, FUSED_ROWS_MAX_ROWS)
         return y2.view(*x.shape[:-1], self.out_features)
+
+    def _binding_overridden(self) -> bool:
+        """Whether a forced backend, layout or weight copy (tests, debugging), a backend
+        other than auto / blocked, or tracing (``torch.compile`` calls the registered op)
+        keeps the bound decode call out of use."""
+        return ((self.backend is not Backend.BLOCKED
+                 and (self.backend is not Backend.AUTO or auto_overridden()))
+                or forced_layout() is not None or cpu_kernels.decode_copy_mode() != "typed"
+                or cpu_ops.tracing())
+
+    def __getstate__(self) -> dict[str, object]:
+        """State for pickling and ``copy.deepcopy``, without the bound decode call (a
+        compiled object holding this weight; a copy binds its own on first use)."""
+        state = self.__dict__.copy()
+        state.pop("_rows_binding", None)
+        return state
 
     def _forward_triton(self, x2: torch.Tensor, types: torch.Tensor | TypePartition,
                         lead: torch.Size) -> torch.Tensor:

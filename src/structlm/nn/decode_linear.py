@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import cpu_kernels
+from ..ops import cpu_kernels, cpu_ops
 
 __all__ = ["DENSE_ROWS_MAX_ROWS", "DecodeLinear", "dense_rows_applies", "fast_linear"]
 
@@ -49,7 +49,9 @@ class DecodeLinear(nn.Linear):
     """``nn.Linear`` (same parameters, state dict and initialisation) whose cached-decode
     calls — at most ``DENSE_ROWS_MAX_ROWS`` rows, CPU, float32/float64, no autograd —
     run on the compiled few-row kernel (:func:`~structlm.ops.cpu_kernels.dense_rows_linear`)
-    instead of PyTorch's GEMV.
+    instead of PyTorch's GEMV; after the first such call through a bound compiled call
+    (:func:`~structlm.ops.cpu_kernels.dense_rows_binding`, the same crossing the algebra
+    layers' decode calls make, remade when the weight changes).
 
     This is what makes a decode-speed comparison fair: the algebra layers decode on
     that kernel, and on a 2-core machine it streams weights ~1.7x faster than MKL's
@@ -60,4 +62,26 @@ class DecodeLinear(nn.Linear):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fast_linear(x, self.weight, self.bias)  # (*, in) -> (*, out)
+        binding = self.__dict__.get("_rows_binding")
+        if binding is not None and not cpu_ops.tracing():  # None where the gate refuses
+            y = binding(x, _NO_TYPES, self.weight, self.bias)  # (*, out), or None
+            if y is not None:
+                return y
+        if dense_rows_applies(x, self.weight, self.bias):
+            y2 = cpu_kernels.dense_rows_linear(x.reshape(-1, self.in_features), self.weight,
+                                               self.bias)  # (M, out)
+            if binding is None or not binding.matches(self.weight):
+                self.__dict__["_rows_binding"] = cpu_kernels.dense_rows_binding(
+                    self.weight, DENSE_ROWS_MAX_ROWS)
+            return y2.view(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.weight, self.bias)  # (*, in) -> (*, out)
+
+    def __getstate__(self) -> dict[str, object]:
+        """State for pickling and ``copy.deepcopy``, without the bound decode call."""
+        state = self.__dict__.copy()
+        state.pop("_rows_binding", None)
+        return state
+
+
+#: the bound dense call reads no types
+_NO_TYPES = torch.empty(0, dtype=torch.int64)

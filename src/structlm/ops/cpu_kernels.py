@@ -63,6 +63,7 @@ __all__ = [
     "block_tables",
     "decode_copy",
     "decode_copy_mode",
+    "dense_rows_binding",
     "dense_rows_linear",
     "ffn_kernel_args",
     "fused_rows_available",
@@ -74,6 +75,7 @@ __all__ = [
     "packed_weight",
     "rows_kernel_applies",
     "swiglu_rows",
+    "typed_rows_binding",
     "typed_weight",
     "uses_typed_copy",
 ]
@@ -315,6 +317,40 @@ def fused_rows_linear(x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
     copy = typed_weight(w, plan) if typed else packed_weight(w, plan)
     return cpu_ops.rows_linear(x, copy, _row_types(x, part), block_tables(plan), plan.q,
                                plan.out_features, bias, typed)
+
+
+def typed_rows_binding(w: torch.Tensor, plan: BlockPlan, max_rows: int) -> object:
+    """The layer's few-row product of one type bound once (the compiled
+    ``TypedRowsBinding``): ``binding(x, types, w, bias)`` returns ``y (*, N)`` for
+    ``x (*, K)`` of at most ``max_rows`` rows that all have one type, or ``None`` where
+    it does not apply (another or a changed weight, autograd recording, another dtype
+    or device, mixed types): the caller then takes its general path.
+
+    The typed copies (:func:`typed_weight`), the support tables and every type's row
+    lengths are fixed at binding time, so a decode call is one crossing into C++ whose
+    checks are a few integer compares (the unbound path's Python gate and wrapper cost
+    ~0.5 ms a call with cold caches, see ``csrc/fused_rows.cpp``).
+
+    Raises:
+        RuntimeError: when the kernel is not available (see :func:`fused_rows_available`).
+    """
+    mod = kernel_for(w, w)
+    oo, io, _, uses = block_tables(plan)
+    return mod.TypedRowsBinding(w, typed_weight(w, plan), oo, io,
+                                uses, plan.q, max_rows)
+
+
+def dense_rows_binding(w: torch.Tensor, max_rows: int) -> object:
+    """:func:`typed_rows_binding` for a dense ``(N, K)`` weight (one type, one group: the
+    weight is its own copy, read in place; the call's ``types`` are not read), so a dense
+    layer's decode call crosses into C++ as cheaply as an algebra layer's.
+
+    Raises:
+        RuntimeError: when the kernel is not available (see :func:`fused_rows_available`).
+    """
+    mod = kernel_for(w, w)
+    oo, io, _, uses = dense_tables(*w.shape)
+    return mod.TypedRowsBinding(w, w, oo, io, uses, 1, max_rows)
 
 
 def dense_rows_linear(x: torch.Tensor, w: torch.Tensor,

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["cpu_dense_rows", "cpu_rows_linear", "cpu_swiglu_rows", "dense_rows",
-           "rows_linear", "swiglu_rows"]
+           "rows_linear", "swiglu_rows", "tracing"]
 
 
 def _kernel():
@@ -91,7 +91,9 @@ def _cpu_swiglu_rows_fake(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
     return x.new_empty(x.shape)
 
 
-def _tracing() -> bool:
+def tracing() -> bool:
+    """Whether ``torch.compile`` or ``torch.jit`` is tracing now (the kernels are then
+    called as the registered ops, and the layers' bound decode calls are not used)."""
     return torch.compiler.is_compiling() or torch.jit.is_tracing()
 
 
@@ -99,7 +101,7 @@ def rows_linear(x: torch.Tensor, w_copy: torch.Tensor, types: torch.Tensor,
                 tables: tuple[torch.Tensor, ...], q: int, n: int, bias: torch.Tensor | None,
                 typed: bool) -> torch.Tensor:
     """:func:`cpu_rows_linear`, through the op only while tracing (see the module doc)."""
-    if _tracing():
+    if tracing():
         return cpu_rows_linear(x, w_copy, types, *tables, q, n, bias, typed)
     mod = _kernel()
     fn = mod.typed_rows_forward if typed else mod.fused_rows_forward
@@ -108,7 +110,7 @@ def rows_linear(x: torch.Tensor, w_copy: torch.Tensor, types: torch.Tensor,
 
 def dense_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """:func:`cpu_dense_rows`, through the op only while tracing."""
-    if _tracing():
+    if tracing():
         return cpu_dense_rows(x, w, bias)
     return _kernel().dense_rows_forward(x, w, bias)
 
@@ -117,6 +119,6 @@ def swiglu_rows(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: tor
                 types: torch.Tensor, tables: list[torch.Tensor], q: int,
                 typed: bool) -> torch.Tensor:
     """:func:`cpu_swiglu_rows`, through the op only while tracing."""
-    if _tracing():
+    if tracing():
         return cpu_swiglu_rows(x, gate, up, down, types, tables, q, typed)
     return _kernel().swiglu_rows_forward(x, gate, up, down, types, *tables, q, typed)

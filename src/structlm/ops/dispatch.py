@@ -19,6 +19,7 @@ import torch
 
 __all__ = [
     "Backend",
+    "auto_overridden",
     "available_backends",
     "force_backend",
     "parse_backend",
@@ -102,6 +103,12 @@ def resolve_backend(requested: str | Backend, device: torch.device,
             f"{[b.value for b in available_backends(device)]}"
         )
     return req
+
+
+def auto_overridden() -> bool:
+    """Whether ``Backend.AUTO`` is overridden now (:func:`force_backend` or
+    ``STRUCTLM_BACKEND``): the layers' bound decode calls then take the general path."""
+    return bool(_FORCED) or "STRUCTLM_BACKEND" in os.environ
 
 
 @contextlib.contextmanager

@@ -345,6 +345,95 @@ at::Tensor dense_rows_forward(at::Tensor x, at::Tensor w, c10::optional<at::Tens
   return run_typed(x, w, 0, 0, len, s, bias, N, K);
 }
 
+// A layer's few-row product bound once (cached decode of an algebra layer): the typed
+// copies, the support and every type's row lengths and copy offset are fixed at
+// construction, so a call is one Python -> C++ crossing that checks only what can change
+// between calls. Measured with the caches flushed before each call (a decode step
+// streams more weight than the last-level cache holds): the Python gate and wrapper of
+// the unbound path cost ~0.5 ms a call cold, more than reading Q32's 4 MiB of weight.
+class TypedRowsBinding {
+ public:
+  TypedRowsBinding(at::Tensor weight, at::Tensor typed, at::Tensor out_off, at::Tensor in_off,
+                   at::Tensor uses, int64_t q, int64_t max_rows)
+      : weight_(std::move(weight)), typed_(std::move(typed)), out_off_(std::move(out_off)),
+        in_off_(std::move(in_off)), uses_(std::move(uses)), max_rows_(max_rows) {
+    blk_off_ = at::zeros({q * q}, at::kLong);  // unused by the typed loop
+    s_ = support_of(out_off_, in_off_, blk_off_, uses_, q);
+    N_ = s_.out_off[q];
+    K_ = s_.in_off[q];
+    n_types_ = uses_.numel() / (q * q);
+    TORCH_CHECK(weight_.dim() == 2 && weight_.size(0) == N_ && weight_.size(1) == K_,
+                "TypedRowsBinding: weight (", N_, ", ", K_, ") expected, got ", weight_.sizes());
+    lengths_ = typed_row_lengths(s_, n_types_);
+    base_.resize(n_types_ + 1, 0);
+    for (int64_t a = 0; a < n_types_; ++a) {
+      base_[a + 1] = base_[a] + typed_copy_size(s_, lengths_.data() + a * q);
+    }
+    TORCH_CHECK(typed_.is_contiguous() && typed_.numel() == base_[n_types_] &&
+                    typed_.scalar_type() == weight_.scalar_type(),
+                "TypedRowsBinding: the typed copies of ", base_[n_types_], " elements expected");
+    version_ = weight_._version();
+    data_ = weight_.data_ptr();
+  }
+
+  // Whether `weight` is the bound one, unchanged since the copies were made.
+  bool matches(const at::Tensor& weight) const {
+    return weight.unsafeGetTensorImpl() == weight_.unsafeGetTensorImpl() &&
+           weight._version() == version_ && weight.data_ptr() == data_ && weight.is_contiguous();
+  }
+
+  // y (*, N) for x (*, K) whose rows all have one type (a dense weight, bound with the
+  // one-group support, ignores `types`), or None where the binding does not apply (then the caller takes its general path): another weight, or this one changed
+  // since the copies were made (in-place update, .data swap); x not a CPU tensor of the
+  // weight's dtype with K columns and 1..max_rows rows; autograd recording; types not
+  // one int64 per row, all equal, in range; a bias not contiguous, of another dtype or
+  // size.
+  c10::optional<at::Tensor> call(const at::Tensor& x, const at::Tensor& types,
+                                 const at::Tensor& weight,
+                                 const c10::optional<at::Tensor>& bias) const {
+    if (!matches(weight)) return c10::nullopt;
+    if (!x.device().is_cpu() || x.layout() != at::kStrided ||
+        x.scalar_type() != typed_.scalar_type() || x.dim() < 1 || x.size(-1) != K_) {
+      return c10::nullopt;
+    }
+    const int64_t M = x.numel() / K_;
+    if (M < 1 || M > max_rows_) return c10::nullopt;
+    const bool bias_grad = bias.has_value() && bias->requires_grad();
+    if (at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad() || bias_grad)) {
+      return c10::nullopt;
+    }
+    if (bias.has_value() && (!bias->device().is_cpu() || !bias->is_contiguous() ||
+                             bias->scalar_type() != x.scalar_type() || bias->numel() != N_)) {
+      return c10::nullopt;
+    }
+    int64_t a = 0;  // a dense weight (one type, one group): `types` is not read
+    if (n_types_ > 1) {
+      if (!types.device().is_cpu() || types.scalar_type() != at::kLong ||
+          types.numel() != M || !types.is_contiguous()) {
+        return c10::nullopt;
+      }
+      const int64_t* t = types.data_ptr<int64_t>();
+      a = t[0];
+      if (a < 0 || a >= n_types_) return c10::nullopt;
+      for (int64_t m = 1; m < M; ++m) {
+        if (t[m] != a) return c10::nullopt;
+      }
+    }
+    auto y = run_typed(x.reshape({M, K_}), typed_, base_[a], a, lengths_.data() + a * s_.q, s_,
+                       bias, N_, K_);
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = N_;
+    return y.view(shape);
+  }
+
+ private:
+  at::Tensor weight_, typed_, out_off_, in_off_, uses_, blk_off_;
+  Support s_{};
+  std::vector<int64_t> lengths_, base_;
+  int64_t N_ = 0, K_ = 0, n_types_ = 0, max_rows_ = 0, version_ = 0;
+  const void* data_ = nullptr;
+};
+
 // Decode SwiGLU FFN in one call: down(silu(gate(x)) * up(x)), each projection from the
 // typed copies (`typed`; every row one type) or the block-packed ones (gate and up share
 // the tables `gu_*`, down has `dn_*`; a dense FFN passes its weights and the trivial
@@ -378,6 +467,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("typed_rows_forward", &typed_rows_forward,
         "y = x W_eff(type)^T (+ bias) for a few rows of one type, from the typed copies");
   m.def("dense_rows_forward", &dense_rows_forward, "y = x W^T (+ bias) for a few rows");
+  py::class_<TypedRowsBinding>(m, "TypedRowsBinding",
+                               "a layer's few-row product of one type, bound once")
+      .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t,
+                    int64_t>())
+      .def("__call__", &TypedRowsBinding::call, py::arg("x"), py::arg("types"),
+           py::arg("weight"), py::arg("bias"))
+      .def("matches", &TypedRowsBinding::matches, py::arg("weight"));
   m.def("decode_block_forward", &decode_block_forward,
         "one pre-norm decoder block for one new token per sequence, cache written in place");
   m.def("decode_stack_forward", &decode_stack_forward,
