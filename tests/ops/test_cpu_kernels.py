@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from structlm import AlgebraLinear, get_algebra, support_of
 from structlm.ops import Backend, cpu_kernels
 from structlm.ops.blocked import (
-    FUSED_ROWS_LAYOUT_MAX_ROWS_LARGE_Q,
+    FUSED_ROWS_LAYOUT_MAX_ROWS_PER_TYPE,
     FUSED_ROWS_MAX_ROWS,
     choose_layout,
     force_layout,
@@ -95,7 +95,7 @@ def test_fused_rows_is_chosen_for_cpu_decode_and_grads_flow() -> None:
     one = torch.tensor([3])
     assert choose_layout(layer.plan, layer.partition(one), torch.randn(1, 64),
                          layer.weight.detach()) == "fused-rows"
-    many = torch.arange(FUSED_ROWS_LAYOUT_MAX_ROWS_LARGE_Q + 1) % 4
+    many = torch.arange(FUSED_ROWS_LAYOUT_MAX_ROWS_PER_TYPE * layer.q + 1) % 4
     assert choose_layout(layer.plan, layer.partition(many), torch.randn(len(many), 64),
                          layer.weight.detach()) != "fused-rows"
     x = torch.randn(1, 64, requires_grad=True)  # training through it: diag-first backward
@@ -116,9 +116,20 @@ def test_block_tables_and_packing() -> None:
     assert groups[(0, 3)] == [0, 3]
     w = layer.weight.detach()
     packed = cpu_kernels.pack_blocks(w, layer.plan)
-    d, b = 2, 3  # block (2, 3) = rows 6:9, columns 6:8, row-major at blk_off[2*q + 3]
+    d, b = 2, 3  # block (2, 3) = rows 6:9, columns 6:8: one panel of 3 rows, input-major
     start = int(blk_off[d * q + b])
-    assert torch.equal(packed[start:start + 6].view(3, 2), w[6:9, 6:8])
+    assert torch.equal(packed[start:start + 6].view(2, 3), w[6:9, 6:8].t())
+    # blocks of more rows than a panel: full panels of 16 rows, then the rest
+    big = AlgebraLinear(6, 2 * 37, "Q2")  # blocks of 37 rows x 3 columns: panels 16, 16, 5
+    wb = big.weight.detach()
+    pb = cpu_kernels.pack_blocks(wb, big.plan)
+    assert pb.numel() == wb.numel()
+    start = int(cpu_kernels.block_tables(big.plan)[2][1 * 2 + 0])  # block (1, 0)
+    pos = start
+    for p0, rows in ((0, 16), (16, 16), (32, 5)):
+        panel = wb[37 + p0:37 + p0 + rows, 0:3].t()  # (width, rows)
+        assert torch.equal(pb[pos:pos + 3 * rows].view(3, rows), panel)
+        pos += 3 * rows
     assert cpu_kernels.packed_weight(w, layer.plan) is cpu_kernels.packed_weight(w, layer.plan)
     # typed copies: type after type, group after group, each row its blocks back to back
     typed = cpu_kernels.pack_types(w, layer.plan)

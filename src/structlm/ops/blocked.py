@@ -13,8 +13,8 @@ Five layouts, all doing exactly the MACs of the cost model in forward, ``dX`` an
   type's blocks, common ones included, as a handful of rectangles ``W[out d0:d1, in
   b0:b1]`` (one GEMM each, no batched diagonal GEMM, no gathers); the backward is
   diag-first's.
-* **fused-rows** (CPU, float32/float64, at most ``FUSED_ROWS_LAYOUT_MAX_ROWS`` rows, or
-  ``FUSED_ROWS_LAYOUT_MAX_ROWS_LARGE_Q`` from ``q = 4``, any types):
+* **fused-rows** (CPU, float32/float64, at most ``FUSED_ROWS_LAYOUT_MAX_ROWS_PER_TYPE``
+  rows per type on average, i.e. ``16 q`` rows, any types):
   one call of a compiled kernel (:mod:`.cpu_kernels`) that streams through exactly the
   blocks the rows' types use, in a block-contiguous copy of the weight; the backward
   is diag-first's.
@@ -44,8 +44,7 @@ from .partition import RowSet, TypePartition
 from .plan import BlockPlan, Run
 
 __all__ = [
-    "FUSED_ROWS_LAYOUT_MAX_ROWS",
-    "FUSED_ROWS_LAYOUT_MAX_ROWS_LARGE_Q",
+    "FUSED_ROWS_LAYOUT_MAX_ROWS_PER_TYPE",
     "FUSED_ROWS_MAX_ROWS",
     "GATHER_MAX_ROWS_PER_TYPE",
     "OUTPUT_MAJOR_MAX_ROWS",
@@ -68,13 +67,14 @@ OUTPUT_MAJOR_MAX_ROWS = 64
 #: Largest batch of the layer's direct decode call on the compiled kernel (bias fused, no
 #: bookkeeping: :meth:`structlm.nn.AlgebraLinear.decodes_on_kernel`; see :mod:`.cpu_kernels`).
 FUSED_ROWS_MAX_ROWS = 4
-#: Largest batch for which :func:`choose_layout` picks the compiled fused-rows layout: 16
-#: rows for any q, 32 from ``q = 4`` (measured at K = N = 4096, 2 threads, weights from
-#: DRAM: the kernel reads each block once for all its rows and beat every PyTorch layout
-#: up to M = 16 for Q2 .. Q32 and Q2^2, and at M = 32 for q >= 4, mixed or single types;
-#: at M = 64 only Q32 still gains; see ``benchmarks/results/layer_cpu_small.md``).
-FUSED_ROWS_LAYOUT_MAX_ROWS = 16
-FUSED_ROWS_LAYOUT_MAX_ROWS_LARGE_Q = 32
+#: :func:`choose_layout` picks the compiled fused-rows layout up to this many rows per
+#: type (``16 q`` rows in all: 32 for Q2, 64 for Q4 and Q2^2, 512 for Q32). Measured at
+#: K = N = 4096, 2 threads, every type present, with the panel kernel (each block read
+#: once for all its rows, outputs in registers): it beat the best PyTorch layout at M = 32
+#: for Q2 (15.7 vs 29.8 ms), at M = 64 from q = 4 (Q4 20.5 vs 36.5 ms, Q32 10.7 vs 31.3)
+#: and up to M = 16 q for q = 8..32 (Q32 at 512: 25.5 vs 34.4 ms); beyond, the layouts
+#: were level (Q16 at 512, Q8 at 256) or the PyTorch ones ahead (Q4 at 128: 40.2 vs 36.6).
+FUSED_ROWS_LAYOUT_MAX_ROWS_PER_TYPE = 16
 #: Layout forced by :func:`force_layout` (tests run every layout on every plan).
 _FORCED_LAYOUT: list[str] = []
 
@@ -82,7 +82,7 @@ _FORCED_LAYOUT: list[str] = []
 def fused_rows_applies(x: torch.Tensor, w: torch.Tensor, rows: int | None) -> bool:
     """The one gate of the compiled few-row CPU kernel (the ``fused-rows`` layout):
     ``rows`` at most ``FUSED_ROWS_MAX_ROWS`` (``None``: the caller checks the count —
-    :func:`choose_layout` against ``FUSED_ROWS_LAYOUT_MAX_ROWS[_LARGE_Q]``), no
+    :func:`choose_layout` against ``FUSED_ROWS_LAYOUT_MAX_ROWS_PER_TYPE · q``), no
     other layout forced, and :func:`.cpu_kernels.rows_kernel_applies` (CPU,
     float32/float64, nothing for autograd to record, the kernel built).
 
@@ -111,7 +111,7 @@ def choose_layout(plan: BlockPlan, part: TypePartition, x: torch.Tensor,
         forced = _FORCED_LAYOUT[-1]
         if forced != "gathered" or use_gathered_layout(plan, part):
             return forced
-    limit = FUSED_ROWS_LAYOUT_MAX_ROWS_LARGE_Q if plan.q >= 4 else FUSED_ROWS_LAYOUT_MAX_ROWS
+    limit = FUSED_ROWS_LAYOUT_MAX_ROWS_PER_TYPE * plan.q
     if kernel and part.num_rows <= limit and fused_rows_applies(x, w, None):
         return "fused-rows"
     if use_gathered_layout(plan, part):

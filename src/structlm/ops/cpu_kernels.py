@@ -60,6 +60,7 @@ from .plan import BlockPlan
 __all__ = [
     "DECODE_COPIES",
     "FUSED_ROWS_DTYPES",
+    "PANEL_ROWS",
     "block_tables",
     "decode_copy",
     "decode_copy_mode",
@@ -86,7 +87,7 @@ DECODE_COPIES = ("typed", "blocks")
 FUSED_ROWS_DTYPES = (torch.float32, torch.float64)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (_CSRC / "fused_rows.cpp", _CSRC / "decode_block.cpp")
-_HEADERS = (_CSRC / "rows_kernel.h", _CSRC / "dot.h")
+_HEADERS = (_CSRC / "rows_kernel.h", _CSRC / "dot.h", _CSRC / "panel.h")
 #: -fopenmp matters: without it ATen's parallel_for runs serially inside an extension
 _FLAGS = ["-O3", "-march=native", "-fopenmp"]
 _STATE: dict[str, ModuleType | None] = {}
@@ -192,11 +193,24 @@ def dense_tables(n: int, k: int) -> tuple[torch.Tensor, ...]:
 _DENSE_TABLES: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
 
 
+#: Output rows of a panel of the block-packed copy (``csrc/panel.h``'s ``kPanel``).
+PANEL_ROWS = 16
+
+
 def pack_blocks(w: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
-    """``(N, K)`` weight -> 1-D copy, block ``(d, b)`` after block, each row-major."""
+    """``(N, K)`` weight -> 1-D copy, block ``(d, b)`` after block (at ``blk_off``, see
+    :func:`block_tables`), each cut into panels of ``PANEL_ROWS`` output rows (the last
+    one the rows left over) stored input-major: panel ``p`` of block ``(d, b)`` holds
+    ``W[rows p*16 .. p*16 + pw, in group b]`` transposed, ``(in_w[b], pw)`` row-major,
+    so the kernel broadcasts each input against ``pw`` contiguous weights."""
     io, oo = plan.in_offsets, plan.out_offsets
-    return torch.cat([w[oo[d]:oo[d + 1], io[b]:io[b + 1]].reshape(-1)
-                      for d in range(plan.q) for b in range(plan.q)])
+    parts = []
+    for d in range(plan.q):
+        for b in range(plan.q):
+            blk = w[oo[d]:oo[d + 1], io[b]:io[b + 1]]  # (rows, width)
+            parts += [blk[p:p + PANEL_ROWS].t().reshape(-1)
+                      for p in range(0, blk.shape[0], PANEL_ROWS)]
+    return torch.cat(parts)
 
 
 def _cached_copy(cache: WeakIdKeyDictionary, w: torch.Tensor, plan: BlockPlan,

@@ -1,5 +1,5 @@
 // Dot products for the decode kernels: x . w over n elements, and four weight rows
-// against one x. AVX2/FMA for float where the compiler targets it, else a portable
+// against one x (the typed-copy loop; the block-packed one is panel.h). AVX2/FMA for float where the compiler targets it, else a portable
 // 32-lane loop GCC vectorises (and double).
 #pragma once
 
@@ -40,14 +40,6 @@ template <typename T>
 inline void dot4(const T* __restrict x, const T* __restrict w, int64_t ld, int64_t n,
                  T* __restrict out) {
   for (int64_t r = 0; r < 4; ++r) out[r] += dot_segment(x, w + r * ld, n);
-}
-
-// out[r] += x_r . w over n elements for r < 4: one weight row against four input rows
-// (a block with many rows using it: the weight row is loaded once for four FMAs).
-template <typename T>
-inline void dot_x4(const T* const* __restrict x, const T* __restrict w, int64_t n,
-                   T* __restrict out) {
-  for (int64_t r = 0; r < 4; ++r) out[r] += dot_segment(x[r], w, n);
 }
 
 #ifdef STRUCTLM_AVX2
@@ -102,31 +94,6 @@ inline void dot4<float>(const float* __restrict x, const float* __restrict w, in
   out[3] += hsum(s3) + t3;
 }
 
-template <>
-inline void dot_x4<float>(const float* const* __restrict x, const float* __restrict w,
-                          int64_t n, float* __restrict out) {
-  const float *x0 = x[0], *x1 = x[1], *x2 = x[2], *x3 = x[3];
-  __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 wv = _mm256_loadu_ps(w + i);
-    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + i), wv, s0);
-    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(x1 + i), wv, s1);
-    s2 = _mm256_fmadd_ps(_mm256_loadu_ps(x2 + i), wv, s2);
-    s3 = _mm256_fmadd_ps(_mm256_loadu_ps(x3 + i), wv, s3);
-  }
-  float t0 = 0, t1 = 0, t2 = 0, t3 = 0;
-  for (; i < n; ++i) {
-    t0 += x0[i] * w[i];
-    t1 += x1[i] * w[i];
-    t2 += x2[i] * w[i];
-    t3 += x3[i] * w[i];
-  }
-  out[0] += hsum(s0) + t0;
-  out[1] += hsum(s1) + t1;
-  out[2] += hsum(s2) + t2;
-  out[3] += hsum(s3) + t3;
-}
 #endif
 
 }  // namespace structlm

@@ -11,10 +11,9 @@
 //   weight is the q = 1 case, read in place (`dense_rows_forward`), so dense and algebra
 //   layers are timed on one loop.
 // * block-packed (`fused_rows_forward`, rows of mixed types): each (output group, input
-//   group) block row-major on its own; the rows' types select blocks. Measured ~5%
-//   slower than the typed copy at M = 1 (a thread's reads are many pieces of one block
-//   each instead of one stream), but +1x memory only, and shared blocks are read once
-//   for all the rows' types.
+//   group) block on its own, in panels of 16 output rows stored input-major (panel.h);
+//   the rows' types select blocks, and each block is read once for all the rows using
+//   it, their outputs accumulated in registers. +1x memory only.
 //
 // A type's blocks read as 192-float pieces of row-major [out, in] rows cost as much memory
 // traffic as the full rows (the prefetchers fetch the skipped lines too), hence the copies.
@@ -25,6 +24,7 @@
 #include <ATen/Parallel.h>
 
 #include "dot.h"
+#include "panel.h"
 #include "rows_kernel.h"
 
 #include <algorithm>
@@ -35,7 +35,7 @@ namespace {
 
 using structlm::dot1;
 using structlm::dot4;
-using structlm::dot_x4;
+using structlm::kPanel;
 
 constexpr int64_t kChunkRows = 64;  // output rows per accumulator pass (measured: 16-256)
 // typed rows at least this long go four at a time (measured: rows of 384 floats four at
@@ -50,7 +50,12 @@ struct Support {
   const uint8_t* uses;     // (types, q, q)
 };
 
-// Block-packed weight, rows of any types.
+// Block-packed weight, rows of any types. Block (d, b) (out_w[d] rows, in_w[b] columns)
+// starts at blk_off[d * q + b] and is cut into panels of kPanel output rows (the last one
+// out_w[d] % kPanel rows, if any), each stored input-major (panel.h): panel p at
+// p * kPanel * in_w[b], its element (k, j) = W[out_off[d] + p * kPanel + j, in_off[b] + k]
+// at k * pw + j. A thread takes panels of every output group; per panel, the rows using a
+// block go four at a time against it, accumulating the panel's outputs in registers.
 template <typename T>
 void fused_rows_impl(const T* x, const T* packed, const int64_t* types, const Support& s,
                      const T* bias, int64_t M, int64_t N, int64_t K, T* y) {
@@ -66,57 +71,47 @@ void fused_rows_impl(const T* x, const T* packed, const int64_t* types, const Su
       }
     }
   }
-  const int64_t n_threads = std::max<int64_t>(
-      1, std::min<int64_t>(at::get_num_threads(), (N + kChunkRows - 1) / kChunkRows));
+  const int64_t n_panels = (N + kPanel - 1) / kPanel;  // about: groups round up
+  const int64_t n_threads =
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_panels));
   at::parallel_for(0, n_threads, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<T> acc(M * kChunkRows);
+    std::vector<T> acc(M * kPanel);
     for (int64_t t = t0; t < t1; ++t) {
-      // output rows [c0, c1) of one group: all the blocks they use, then y
-      auto process = [&](int64_t c0, int64_t c1) {
-        std::fill(acc.begin(), acc.end(), T(0));
-        for (int64_t d = 0; d < q; ++d) {
-          const int64_t lo = std::max(c0, s.out_off[d]), hi = std::min(c1, s.out_off[d + 1]);
-          if (lo >= hi) continue;
+      for (int64_t d = 0; d < q; ++d) {
+        const int64_t rows_d = s.out_off[d + 1] - s.out_off[d];
+        const int64_t panels_d = (rows_d + kPanel - 1) / kPanel;
+        // thread t's panels of group d: every row of a group uses the same blocks, so
+        // the threads get equal work whatever the types
+        for (int64_t p = t * panels_d / n_threads; p < (t + 1) * panels_d / n_threads; ++p) {
+          const int64_t n0 = s.out_off[d] + p * kPanel;
+          const int64_t pw = std::min(kPanel, s.out_off[d + 1] - n0);
+          std::fill(acc.begin(), acc.end(), T(0));
           for (int64_t b = 0; b < q; ++b) {
             const int64_t count = n_users[d * q + b];
             if (count == 0) continue;
             const int64_t* rows = users.data() + (d * q + b) * M;
             const int64_t width = s.in_off[b + 1] - s.in_off[b];
-            const T* blk = packed + s.blk_off[d * q + b] + (lo - s.out_off[d]) * width;
-            // one row at a time: the block's rows are back to back, so the reads form
-            // one forward stream (four rows at once, four short streams: 1.5x slower)
-            // rows in fours where a block has several users (M > 4 batches: the diagonal
-            // blocks of Q_q serve every row): each weight vector loaded once per four
-            for (int64_t n = lo; n < hi; ++n, blk += width) {
-              int64_t k = 0;
-              for (; k + 4 <= count; k += 4) {
-                const T* xs[4];
-                T part[4] = {T(0), T(0), T(0), T(0)};
-                for (int64_t r = 0; r < 4; ++r) xs[r] = x + rows[k + r] * K + s.in_off[b];
-                dot_x4<T>(xs, blk, width, part);
-                for (int64_t r = 0; r < 4; ++r) acc[rows[k + r] * kChunkRows + (n - c0)] += part[r];
+            const T* pan = packed + s.blk_off[d * q + b] + p * kPanel * width;
+            for (int64_t k = 0; k < count; k += 4) {
+              const int64_t n_rows = std::min<int64_t>(4, count - k);
+              const T* xs[4];
+              T* as[4];
+              for (int64_t r = 0; r < n_rows; ++r) {
+                xs[r] = x + rows[k + r] * K + s.in_off[b];
+                as[r] = acc.data() + rows[k + r] * kPanel;
               }
-              for (; k < count; ++k) {
-                const int64_t m = rows[k];
-                acc[m * kChunkRows + (n - c0)] += dot1<T>(x + m * K + s.in_off[b], blk, width);
+              if (pw == kPanel) {
+                structlm::panel_rows<T>(xs, n_rows, pan, width, as);
+              } else {
+                structlm::panel_rows_generic<T>(xs, n_rows, pan, width, pw, as);
               }
             }
           }
-        }
-        for (int64_t m = 0; m < M; ++m) {
-          for (int64_t n = c0; n < c1; ++n) {
-            y[m * N + n] = acc[m * kChunkRows + (n - c0)] + (bias ? bias[n] : T(0));
+          for (int64_t m = 0; m < M; ++m) {
+            for (int64_t j = 0; j < pw; ++j) {
+              y[m * N + n0 + j] = acc[m * kPanel + j] + (bias ? bias[n0 + j] : T(0));
+            }
           }
-        }
-      };
-      // Thread t takes the t-th slice of every output group: every row of a group uses
-      // the same blocks, so the threads get equal work whatever the types.
-      for (int64_t g = 0; g < q; ++g) {
-        const int64_t rows_g = s.out_off[g + 1] - s.out_off[g];
-        const int64_t g0 = s.out_off[g] + t * rows_g / n_threads;
-        const int64_t g1 = s.out_off[g] + (t + 1) * rows_g / n_threads;
-        for (int64_t c0 = g0; c0 < g1; c0 += kChunkRows) {
-          process(c0, std::min(g1, c0 + kChunkRows));
         }
       }
     }
