@@ -94,9 +94,10 @@ def test_shipped_convert_configs_parse() -> None:
 
 
 def test_seed_targets_heal_only_their_arms_with_every_seed() -> None:
-    """The first seed of every arm first, then the further seeds of the algebra and
-    baseline arms of ``seed_targets`` (the dense controls keep one seed); ``None`` runs
-    every arm with every seed; a seed target that is not a target is refused."""
+    """The algebra and baseline arms of ``seed_targets`` with every seed first (seed by
+    seed), then every other arm (the dense controls included) with the first seed only;
+    ``None`` runs every arm with every seed; a seed target that is not a target is
+    refused."""
     from structlm.convert.experiment import planned_runs
 
     cfg = ConvertExperimentConfig(seeds=[0, 1, 2], seed_targets=["mlp"])
@@ -106,7 +107,9 @@ def test_seed_targets_heal_only_their_arms_with_every_seed() -> None:
     later = [(a.kind, a.target) for a, s in runs if s > 0]
     assert sorted(set(later)) == [("algebra", "mlp"), ("prune", "mlp"), ("svd", "mlp")]
     assert len(later) == 2 * 6  # 2 algebras x (algebra, prune, svd), seeds 1 and 2
-    assert [s for _, s in runs] == sorted(s for _, s in runs)  # seed 0 of everything first
+    multi = [(a.kind != "dense" and a.target == "mlp") for a, _ in runs]
+    assert multi == sorted(multi, reverse=True)  # the every-seed arms first
+    assert [s for (a, s), m in zip(runs, multi, strict=True) if m] == [0] * 6 + [1] * 6 + [2] * 6
     every = planned_runs(ConvertExperimentConfig(seeds=[0, 1]))
     assert len(every) == 2 * 12
     with pytest.raises(Exception, match="seed_targets"):
