@@ -57,7 +57,7 @@ def time_algebra(algebra: str, k: int, n: int, type_index: int, trials: int,
                  flusher: CacheFlusher) -> dict[str, object]:
     layer = AlgebraLinear(k, n, algebra).requires_grad_(False)
     part = TypePartition(torch.tensor([type_index % layer.q]), layer.q)
-    oo, io, _, uses = cpu_kernels.block_tables(layer.plan)
+    oo, io, uses = cpu_kernels.block_tables(layer.plan)
     read = int((uses[part.present[0]].long() * torch.outer(oo.diff(), io.diff())).sum())
     if read % k:
         raise ValueError(f"{algebra}: the type reads {read} weights, not a multiple of K={k}")

@@ -106,7 +106,7 @@ def test_fused_rows_is_chosen_for_cpu_decode_and_grads_flow() -> None:
 
 def test_block_tables_and_packing() -> None:
     layer = AlgebraLinear(8, 12, "Q4")  # type a reads groups d and a for output group d
-    out_off, in_off, blk_off, uses = cpu_kernels.block_tables(layer.plan)
+    out_off, in_off, uses = cpu_kernels.block_tables(layer.plan)
     assert out_off.tolist() == [0, 3, 6, 9, 12] and in_off.tolist() == [0, 2, 4, 6, 8]
     q = 4
     groups = {(a, d): torch.nonzero(uses[a, d]).flatten().tolist()
@@ -116,20 +116,15 @@ def test_block_tables_and_packing() -> None:
     assert groups[(0, 3)] == [0, 3]
     w = layer.weight.detach()
     packed = cpu_kernels.pack_blocks(w, layer.plan)
-    d, b = 2, 3  # block (2, 3) = rows 6:9, columns 6:8: one panel of 3 rows, input-major
-    start = int(blk_off[d * q + b])
-    assert torch.equal(packed[start:start + 6].view(2, 3), w[6:9, 6:8].t())
-    # blocks of more rows than a panel: full panels of 16 rows, then the rest
-    big = AlgebraLinear(6, 2 * 37, "Q2")  # blocks of 37 rows x 3 columns: panels 16, 16, 5
+    # output group 2 (rows 6:9, one strip of 3 rows) at element 6 * 8, stored transposed
+    assert torch.equal(packed[6 * 8:9 * 8].view(8, 3), w[6:9].t())
+    # groups of more rows than a strip: strips of 16 rows, then the rest, group by group
+    big = AlgebraLinear(6, 2 * 37, "Q2")  # groups of 37 rows: strips 16, 16, 5
     wb = big.weight.detach()
     pb = cpu_kernels.pack_blocks(wb, big.plan)
     assert pb.numel() == wb.numel()
-    start = int(cpu_kernels.block_tables(big.plan)[2][1 * 2 + 0])  # block (1, 0)
-    pos = start
-    for p0, rows in ((0, 16), (16, 16), (32, 5)):
-        panel = wb[37 + p0:37 + p0 + rows, 0:3].t()  # (width, rows)
-        assert torch.equal(pb[pos:pos + 3 * rows].view(3, rows), panel)
-        pos += 3 * rows
+    for n0, rows in ((0, 16), (16, 16), (32, 5), (37, 16), (53, 16), (69, 5)):
+        assert torch.equal(pb[n0 * 6:(n0 + rows) * 6].view(6, rows), wb[n0:n0 + rows].t())
     assert cpu_kernels.packed_weight(w, layer.plan) is cpu_kernels.packed_weight(w, layer.plan)
     # typed copies: type after type, group after group, each row its blocks back to back
     typed = cpu_kernels.pack_types(w, layer.plan)

@@ -107,7 +107,7 @@ class _DecodePlan:
     ``.to()`` are seen by the kernel; it goes stale when a parameter or module is
     replaced (``_REGISTRATIONS``; a share adapter's ``replace`` too), the dtype or the
     forced layout changes, or an algebra layer's backend is set: all checked by
-    :func:`_decode_plan`, which asks :func:`_block_ready` again then. The block-packed
+    :func:`_decode_plan`, which asks :func:`_block_ready` again then. The panel-packed
     copies of algebra weights are looked up on every step
     (:func:`~structlm.ops.cpu_kernels.packed_weight` redoes one after an in-place update).
     """

@@ -16,7 +16,7 @@ Five layouts, all doing exactly the MACs of the cost model in forward, ``dX`` an
 * **fused-rows** (CPU, float32/float64, at most ``FUSED_ROWS_LAYOUT_MAX_ROWS_PER_TYPE``
   rows per type on average, i.e. ``16 q`` rows, any types):
   one call of a compiled kernel (:mod:`.cpu_kernels`) that streams through exactly the
-  blocks the rows' types use, in a block-contiguous copy of the weight; the backward
+  blocks the rows' types use, in a panel-packed copy of the weight; the backward
   is diag-first's.
   Where the kernel cannot be built it is never chosen.
 * **block-major** (supports whose extra blocks are shared by several types, e.g.

@@ -21,9 +21,9 @@ the bytes vs 20 ms for all). Two copies (:func:`decode_copy` picks):
   2.25x the layer's weight for Q2^2, 1.75x for Q4). When every row has one type (a
   decode step), the type's weight is one contiguous stream, read like a dense GEMV's;
   the dense layers are this loop's ``q = 1`` case. Measured on 36 paper-110m FFN
-  projections at ``M = 1``: ~5% faster than the block-packed copy (about 1% of a
+  projections at ``M = 1``: ~5% faster than the old block-packed copy (about 1% of a
   decode step).
-* ``"blocks"``: one block-contiguous copy (:func:`packed_weight`; +1x the weight), the
+* ``"blocks"``: one panel-packed copy (:func:`packed_weight`; +1x the weight), the
   rows' types selecting blocks; also what rows of mixed types always use.
 
 The LM's decode step runs every decoder block in one call on these kernels
@@ -160,23 +160,16 @@ def rows_kernel_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
 def block_tables(plan: BlockPlan) -> tuple[torch.Tensor, ...]:
     """The plan's support as tables for the kernel (cached on the plan).
 
-    Returns ``(out_off, in_off, blk_off, uses)``: the output and input group offsets;
-    block ``(d, b)`` of the packed weight starts at ``blk_off[d*q + b]``; ``uses[a, d, b]``
-    (uint8) says whether type ``a`` reads block ``(d, b)`` (output group ``d``, input
-    group ``b``).
+    Returns ``(out_off, in_off, uses)``: the output and input group offsets, and
+    ``uses[a, d, b]`` (uint8), whether type ``a`` reads block ``(d, b)`` (output group
+    ``d``, input group ``b``).
     """
     cached = plan.__dict__.get("_block_tables")
     if cached is not None:
         return cached
-    q, io, oo = plan.q, plan.in_offsets, plan.out_offsets
-    blk_off, pos = [], 0
-    for d in range(q):
-        for b in range(q):
-            blk_off.append(pos)
-            pos += (oo[d + 1] - oo[d]) * (io[b + 1] - io[b])
     uses = torch.from_numpy(np.ascontiguousarray(plan.type_blocks.transpose(0, 2, 1), np.uint8))
-    tables = (torch.tensor(oo, dtype=torch.int64), torch.tensor(io, dtype=torch.int64),
-              torch.tensor(blk_off, dtype=torch.int64), uses)
+    tables = (torch.tensor(plan.out_offsets, dtype=torch.int64),
+              torch.tensor(plan.in_offsets, dtype=torch.int64), uses)
     plan.__dict__["_block_tables"] = tables
     return tables
 
@@ -185,7 +178,7 @@ def dense_tables(n: int, k: int) -> tuple[torch.Tensor, ...]:
     """The trivial support's tables (one group, one block) for an ``(n, k)`` weight."""
     key = (n, k)
     if key not in _DENSE_TABLES:
-        _DENSE_TABLES[key] = (torch.tensor([0, n]), torch.tensor([0, k]), torch.tensor([0]),
+        _DENSE_TABLES[key] = (torch.tensor([0, n]), torch.tensor([0, k]),
                               torch.ones(1, 1, 1, dtype=torch.uint8))
     return _DENSE_TABLES[key]
 
@@ -193,23 +186,20 @@ def dense_tables(n: int, k: int) -> tuple[torch.Tensor, ...]:
 _DENSE_TABLES: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
 
 
-#: Output rows of a panel of the block-packed copy (``csrc/panel.h``'s ``kPanel``).
+#: Output rows of a strip of the panel-packed copy (``csrc/panel.h``'s ``kPanel``).
 PANEL_ROWS = 16
 
 
 def pack_blocks(w: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
-    """``(N, K)`` weight -> 1-D copy, block ``(d, b)`` after block (at ``blk_off``, see
-    :func:`block_tables`), each cut into panels of ``PANEL_ROWS`` output rows (the last
-    one the rows left over) stored input-major: panel ``p`` of block ``(d, b)`` holds
-    ``W[rows p*16 .. p*16 + pw, in group b]`` transposed, ``(in_w[b], pw)`` row-major,
-    so the kernel broadcasts each input against ``pw`` contiguous weights."""
-    io, oo = plan.in_offsets, plan.out_offsets
-    parts = []
-    for d in range(plan.q):
-        for b in range(plan.q):
-            blk = w[oo[d]:oo[d + 1], io[b]:io[b + 1]]  # (rows, width)
-            parts += [blk[p:p + PANEL_ROWS].t().reshape(-1)
-                      for p in range(0, blk.shape[0], PANEL_ROWS)]
+    """``(N, K)`` weight -> 1-D panel-packed copy: each output group's rows cut into
+    strips of ``PANEL_ROWS`` (the last one the rows left over), each strip stored
+    transposed — the strip of ``pw`` rows from row ``n0`` is ``W[n0:n0 + pw, :]^T``,
+    ``(K, pw)`` row-major at element ``n0 * K`` — so block ``(d, b)``'s panel of a strip
+    is its rows ``in_off[b]:in_off[b + 1]`` and the kernel broadcasts each input against
+    ``pw`` contiguous weights, reading the strips front to back."""
+    oo = plan.out_offsets
+    parts = [w[n0:min(n0 + PANEL_ROWS, oo[d + 1])].t().reshape(-1)
+             for d in range(plan.q) for n0 in range(oo[d], oo[d + 1], PANEL_ROWS)]
     return torch.cat(parts)
 
 
@@ -231,9 +221,9 @@ _PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def packed_weight(w: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
-    """The block-contiguous copy of ``w`` the kernel reads (one extra copy of the weight
-    per layer, made on first use and redone after any in-place update or ``.data`` swap
-    of ``w``)."""
+    """The panel-packed copy of ``w`` (:func:`pack_blocks`) the kernel reads (one extra
+    copy of the weight per layer, made on first use and redone after any in-place update
+    or ``.data`` swap of ``w``)."""
     return _cached_copy(_PACKED, w, plan, pack_blocks)
 
 
@@ -242,7 +232,7 @@ def pack_types(w: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
     group ``d``'s rows hold the blocks ``(d, b)`` that ``a`` reads, ascending ``b``, back
     to back (row-major ``(rows of d, their total width)``)."""
     io, oo = plan.in_offsets, plan.out_offsets
-    uses = block_tables(plan)[3]
+    uses = block_tables(plan)[2]
     parts = []
     for a in range(uses.shape[0]):
         for d in range(plan.q):
@@ -295,7 +285,7 @@ def uses_typed_copy(part: TypePartition | None) -> bool:
 
 def fused_rows_macs(plan: BlockPlan, part: TypePartition) -> int:
     """Multiply-adds the kernel performs for ``part``'s rows: its loop bounds, summed."""
-    oo, io, _, uses = block_tables(plan)
+    oo, io, uses = block_tables(plan)
     block_macs = torch.outer(oo.diff(), io.diff())  # (d, b): rows x width
     counts = torch.tensor(part.counts, dtype=torch.int64)
     return int((counts[:, None, None] * uses.long() * block_macs).sum())
@@ -317,7 +307,7 @@ def fused_rows_linear(x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
     no autograd).
 
     Reads the typed copies of ``w`` when every row has one type (:func:`uses_typed_copy`),
-    else its block-contiguous copy (:func:`packed_weight`).
+    else its panel-packed copy (:func:`packed_weight`).
 
     Raises:
         RuntimeError: when the kernel is not available (see :func:`fused_rows_available`).
@@ -349,7 +339,7 @@ def typed_rows_binding(w: torch.Tensor, plan: BlockPlan, max_rows: int) -> objec
         RuntimeError: when the kernel is not available (see :func:`fused_rows_available`).
     """
     mod = kernel_for(w, w)
-    oo, io, _, uses = block_tables(plan)
+    oo, io, uses = block_tables(plan)
     return mod.TypedRowsBinding(w, typed_weight(w, plan), oo, io,
                                 uses, plan.q, max_rows)
 
@@ -363,7 +353,7 @@ def dense_rows_binding(w: torch.Tensor, max_rows: int) -> object:
         RuntimeError: when the kernel is not available (see :func:`fused_rows_available`).
     """
     mod = kernel_for(w, w)
-    oo, io, _, uses = dense_tables(*w.shape)
+    oo, io, uses = dense_tables(*w.shape)
     return mod.TypedRowsBinding(w, w, oo, io, uses, 1, max_rows)
 
 
@@ -388,7 +378,7 @@ def ffn_kernel_args(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                     typed: bool = True) -> list[torch.Tensor]:
     """The SwiGLU weights and support tables as the kernel takes them: the three weights
     (for algebra projections their typed copies, or with ``typed=False`` their
-    block-contiguous ones; a dense FFN's weights as they are), then the gate/up tables
+    panel-packed ones; a dense FFN's weights as they are), then the gate/up tables
     and the down tables (:func:`block_tables`, or the trivial :func:`dense_tables`)."""
     if plans is None:
         return [gate, up, down, *dense_tables(*gate.shape), *dense_tables(*down.shape)]
@@ -410,7 +400,7 @@ def swiglu_rows(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: tor
     call (CPU, no autograd): the decode FFN, one Python call per layer instead of five.
 
     ``plans = (gate/up plan, down plan)`` and ``part`` for algebra projections (their
-    typed or block-contiguous copies are read, see :func:`uses_typed_copy`); ``None`` for
+    typed or panel-packed copies are read, see :func:`uses_typed_copy`); ``None`` for
     a dense FFN (weights read in place, the same loop with one group).
     """
     mod = kernel_for(x, gate)

@@ -5,7 +5,7 @@ trace them as opaque calls instead of tracing into pybind11 (the Triton kernels 
 registered the same way, :mod:`.triton.op`):
 
 * ``structlm::cpu_rows_linear`` — ``y (M, N)`` of a few rows on the support-driven loop,
-  from the block-packed or the typed weight copy;
+  from the panel-packed or the typed weight copy;
 * ``structlm::cpu_dense_rows`` — ``y (M, N)`` of a few rows of a dense weight on the
   same loop;
 * ``structlm::cpu_swiglu_rows`` — ``down(silu(gate(x)) * up(x))`` for a few rows.
@@ -45,20 +45,19 @@ def _kernel():
 
 @torch.library.custom_op("structlm::cpu_rows_linear", mutates_args=())
 def cpu_rows_linear(x: torch.Tensor, w_copy: torch.Tensor, types: torch.Tensor,
-                    out_off: torch.Tensor, in_off: torch.Tensor, blk_off: torch.Tensor,
-                    uses: torch.Tensor, q: int, n: int, bias: torch.Tensor | None,
-                    typed: bool) -> torch.Tensor:
+                    out_off: torch.Tensor, in_off: torch.Tensor, uses: torch.Tensor, q: int,
+                    n: int, bias: torch.Tensor | None, typed: bool) -> torch.Tensor:
     """``(M, K) -> (M, n)``: ``x W_eff(type)^T (+ bias)`` from the typed copies
-    (``typed``) or the block-packed copy of the weight."""
+    (``typed``) or the panel-packed copy of the weight."""
     mod = _kernel()
     fn = mod.typed_rows_forward if typed else mod.fused_rows_forward
-    return fn(x, w_copy, types, out_off, in_off, blk_off, uses, q, bias)
+    return fn(x, w_copy, types, out_off, in_off, uses, q, bias)
 
 
 @cpu_rows_linear.register_fake
 def _cpu_rows_linear_fake(x: torch.Tensor, w_copy: torch.Tensor, types: torch.Tensor,
-                          out_off: torch.Tensor, in_off: torch.Tensor, blk_off: torch.Tensor,
-                          uses: torch.Tensor, q: int, n: int, bias: torch.Tensor | None,
+                          out_off: torch.Tensor, in_off: torch.Tensor, uses: torch.Tensor,
+                          q: int, n: int, bias: torch.Tensor | None,
                           typed: bool) -> torch.Tensor:
     return x.new_empty(x.shape[0], n)
 
@@ -80,7 +79,7 @@ def cpu_swiglu_rows(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                     down: torch.Tensor, types: torch.Tensor, tables: list[torch.Tensor],
                     q: int, typed: bool) -> torch.Tensor:
     """``(M, D) -> (M, D)``: the SwiGLU FFN of a few rows; ``tables`` are the gate/up
-    tables then the down tables (four each, :func:`.cpu_kernels.block_tables`)."""
+    tables then the down tables (three each, :func:`.cpu_kernels.block_tables`)."""
     return _kernel().swiglu_rows_forward(x, gate, up, down, types, *tables, q, typed)
 
 

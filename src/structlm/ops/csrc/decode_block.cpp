@@ -92,8 +92,8 @@ void check_param(const at::Tensor& t, const at::Tensor& x, int64_t numel, const 
 // to all `past` cached positions and itself).
 // dense: ln_1 weight, ln_1 bias, qkv weight (3D, D), qkv bias, proj weight (D, D), proj
 // bias, ln_2 weight, ln_2 bias.  k_buf / v_buf: (M, n_head, cap, hs) with cap > past;
-// position `past` is written.  ffn: gate, up, down weights (dense, typed or block-packed)
-// then the gate/up and down tables (out_off, in_off, blk_off, uses each); types (M,)
+// position `past` is written.  ffn: gate, up, down weights (dense, typed or panel-packed)
+// then the gate/up and down tables (out_off, in_off, uses each); types (M,)
 // int64; q the number of types (1 for a dense FFN); typed: the FFN weights are typed
 // copies (every row one type).  Returns the block's output (M, D).
 at::Tensor decode_block_forward(at::Tensor x, std::vector<at::Tensor> dense, double ln_eps,
@@ -102,7 +102,7 @@ at::Tensor decode_block_forward(at::Tensor x, std::vector<at::Tensor> dense, dou
                                 bool typed) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "decode_block: x (M, D) on the CPU expected");
   TORCH_CHECK(dense.size() == 8, "decode_block: 8 dense parameters expected, got ", dense.size());
-  TORCH_CHECK(ffn.size() == 11, "decode_block: 3 FFN weights and 8 tables expected, got ",
+  TORCH_CHECK(ffn.size() == 9, "decode_block: 3 FFN weights and 6 tables expected, got ",
               ffn.size());
   x = x.contiguous();
   const int64_t M = x.size(0), D = x.size(1);
@@ -143,7 +143,7 @@ at::Tensor decode_block_forward(at::Tensor x, std::vector<at::Tensor> dense, dou
                               h.data_ptr<scalar_t>());
   });
   y.add_(swiglu_rows_forward(h, ffn[0], ffn[1], ffn[2], types, ffn[3], ffn[4], ffn[5], ffn[6],
-                             ffn[7], ffn[8], ffn[9], ffn[10], q, typed));
+                             ffn[7], ffn[8], q, typed));
   return y;
 }
 

@@ -10,10 +10,10 @@
 //   (2.25x the layer's weight for Q2^2) and is what the dense layers run too: a dense
 //   weight is the q = 1 case, read in place (`dense_rows_forward`), so dense and algebra
 //   layers are timed on one loop.
-// * block-packed (`fused_rows_forward`, rows of mixed types): each (output group, input
-//   group) block on its own, in panels of 16 output rows stored input-major (panel.h);
-//   the rows' types select blocks, and each block is read once for all the rows using
-//   it, their outputs accumulated in registers. +1x memory only.
+// * panel-packed (`fused_rows_forward`, rows of mixed types): strips of 16 output rows,
+//   each stored transposed (input-major, panel.h), so a thread's reads are one forward
+//   stream; the rows' types select the strips' block parts, each read once for all the
+//   rows using it, their outputs accumulated in registers. +1x memory only.
 //
 // A type's blocks read as 192-float pieces of row-major [out, in] rows cost as much memory
 // traffic as the full rows (the prefetchers fetch the skipped lines too), hence the copies.
@@ -46,16 +46,16 @@ struct Support {
   int64_t q;
   const int64_t* out_off;  // (q + 1,)
   const int64_t* in_off;   // (q + 1,)
-  const int64_t* blk_off;  // (q * q,)
   const uint8_t* uses;     // (types, q, q)
 };
 
-// Block-packed weight, rows of any types. Block (d, b) (out_w[d] rows, in_w[b] columns)
-// starts at blk_off[d * q + b] and is cut into panels of kPanel output rows (the last one
-// out_w[d] % kPanel rows, if any), each stored input-major (panel.h): panel p at
-// p * kPanel * in_w[b], its element (k, j) = W[out_off[d] + p * kPanel + j, in_off[b] + k]
-// at k * pw + j. A thread takes panels of every output group; per panel, the rows using a
-// block go four at a time against it, accumulating the panel's outputs in registers.
+// Panel-packed weight, rows of any types. Each output group's rows are cut into strips of
+// kPanel rows (the last one the rows left over), each strip stored transposed: the strip
+// of pw rows from output row n0 is the (K, pw) matrix W[n0 : n0 + pw, :]^T, row-major, at
+// element n0 * K; block (d, b)'s panel of it is its rows in_off[b] .. in_off[b + 1], at
+// n0 * K + in_off[b] * pw. A thread takes strips of every output group and reads each
+// strip front to back (one forward stream), the blocks' parts that some row uses; per
+// panel, those rows go four at a time against it, the strip's outputs in registers.
 template <typename T>
 void fused_rows_impl(const T* x, const T* packed, const int64_t* types, const Support& s,
                      const T* bias, int64_t M, int64_t N, int64_t K, T* y) {
@@ -91,7 +91,7 @@ void fused_rows_impl(const T* x, const T* packed, const int64_t* types, const Su
             if (count == 0) continue;
             const int64_t* rows = users.data() + (d * q + b) * M;
             const int64_t width = s.in_off[b + 1] - s.in_off[b];
-            const T* pan = packed + s.blk_off[d * q + b] + p * kPanel * width;
+            const T* pan = packed + n0 * K + s.in_off[b] * pw;
             for (int64_t k = 0; k < count; k += 4) {
               const int64_t n_rows = std::min<int64_t>(4, count - k);
               const T* xs[4];
@@ -232,20 +232,18 @@ void check_rows(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
 }
 
 // The tables as a Support after checking them; N and K from the group offsets.
-Support support_of(const at::Tensor& out_off, const at::Tensor& in_off, const at::Tensor& blk_off,
-                   const at::Tensor& uses, int64_t q) {
+Support support_of(const at::Tensor& out_off, const at::Tensor& in_off, const at::Tensor& uses,
+                   int64_t q) {
   TORCH_CHECK(in_off.numel() == q + 1 && out_off.numel() == q + 1,
               "fused_rows: q + 1 group offsets expected");
-  TORCH_CHECK(out_off.scalar_type() == at::kLong && in_off.scalar_type() == at::kLong &&
-                  blk_off.scalar_type() == at::kLong,
+  TORCH_CHECK(out_off.scalar_type() == at::kLong && in_off.scalar_type() == at::kLong,
               "fused_rows: int64 offset tables expected");
-  TORCH_CHECK(out_off.is_contiguous() && in_off.is_contiguous() && blk_off.is_contiguous() &&
-                  uses.is_contiguous(),
+  TORCH_CHECK(out_off.is_contiguous() && in_off.is_contiguous() && uses.is_contiguous(),
               "fused_rows: contiguous tables expected");
   TORCH_CHECK(uses.scalar_type() == at::kByte && uses.numel() % (q * q) == 0,
               "fused_rows: a uint8 (types, q, q) block-use table expected");
   return Support{q, out_off.data_ptr<int64_t>(), in_off.data_ptr<int64_t>(),
-                 blk_off.data_ptr<int64_t>(), uses.data_ptr<uint8_t>()};
+                 uses.data_ptr<uint8_t>()};
 }
 
 // The rows' types, each checked to lie in [0, n_types).
@@ -279,15 +277,14 @@ at::Tensor run_typed(at::Tensor x, const at::Tensor& typed, int64_t base, int64_
 
 }  // namespace
 
-// x (M, K); packed: the weight (N, K) stored block by block (block (d, b) = rows of
-// output group d, columns of input group b, row-major, at packed[blk_off[d*q + b]]);
-// types (M,) int64 in [0, q); out_off / in_off (q + 1,) int64 group offsets; uses
+// x (M, K); packed: the weight (N, K) panel-packed (fused_rows_impl: strips of 16 output
+// rows within each output group, each stored transposed); types (M,) int64 in [0, q); out_off / in_off (q + 1,) int64 group offsets; uses
 // (types, q, q) uint8: uses[a][d][b] = type a reads block (d, b); bias (N,) or None.
 // Returns y (M, N).
 at::Tensor fused_rows_forward(at::Tensor x, at::Tensor packed, at::Tensor types,
-                              at::Tensor out_off, at::Tensor in_off, at::Tensor blk_off,
-                              at::Tensor uses, int64_t q, c10::optional<at::Tensor> bias) {
-  const Support s = support_of(out_off, in_off, blk_off, uses, q);
+                              at::Tensor out_off, at::Tensor in_off, at::Tensor uses,
+                              int64_t q, c10::optional<at::Tensor> bias) {
+  const Support s = support_of(out_off, in_off, uses, q);
   const int64_t N = s.out_off[q], K = s.in_off[q];
   check_rows(x, packed, bias, N, K, N * K);
   const int64_t* t = checked_types(types, x, uses.numel() / (q * q));
@@ -305,9 +302,9 @@ at::Tensor fused_rows_forward(at::Tensor x, at::Tensor packed, at::Tensor types,
 // The same product, every row of one type, from the typed copies (`typed`: the copies of
 // all types back to back, see typed_rows_impl). Tables as for fused_rows_forward.
 at::Tensor typed_rows_forward(at::Tensor x, at::Tensor typed, at::Tensor types,
-                              at::Tensor out_off, at::Tensor in_off, at::Tensor blk_off,
-                              at::Tensor uses, int64_t q, c10::optional<at::Tensor> bias) {
-  const Support s = support_of(out_off, in_off, blk_off, uses, q);
+                              at::Tensor out_off, at::Tensor in_off, at::Tensor uses,
+                              int64_t q, c10::optional<at::Tensor> bias) {
+  const Support s = support_of(out_off, in_off, uses, q);
   const int64_t N = s.out_off[q], K = s.in_off[q], n_types = uses.numel() / (q * q);
   const std::vector<int64_t> lengths = typed_row_lengths(s, n_types);
   int64_t copies = 0;
@@ -333,9 +330,9 @@ at::Tensor dense_rows_forward(at::Tensor x, at::Tensor w, c10::optional<at::Tens
   TORCH_CHECK(w.dim() == 2, "dense_rows: weight (N, K) expected, got ", w.sizes());
   const int64_t N = w.size(0), K = w.size(1);
   check_rows(x, w, bias, N, K, N * K);
-  const int64_t out_off[2] = {0, N}, in_off[2] = {0, K}, blk_off[1] = {0};
+  const int64_t out_off[2] = {0, N}, in_off[2] = {0, K};
   const uint8_t uses[1] = {1};
-  const Support s{1, out_off, in_off, blk_off, uses};
+  const Support s{1, out_off, in_off, uses};
   const int64_t len[1] = {K};
   return run_typed(x, w, 0, 0, len, s, bias, N, K);
 }
@@ -352,8 +349,7 @@ class TypedRowsBinding {
                    at::Tensor uses, int64_t q, int64_t max_rows)
       : weight_(std::move(weight)), typed_(std::move(typed)), out_off_(std::move(out_off)),
         in_off_(std::move(in_off)), uses_(std::move(uses)), max_rows_(max_rows) {
-    blk_off_ = at::zeros({q * q}, at::kLong);  // unused by the typed loop
-    s_ = support_of(out_off_, in_off_, blk_off_, uses_, q);
+    s_ = support_of(out_off_, in_off_, uses_, q);
     N_ = s_.out_off[q];
     K_ = s_.in_off[q];
     n_types_ = uses_.numel() / (q * q);
@@ -422,7 +418,7 @@ class TypedRowsBinding {
   }
 
  private:
-  at::Tensor weight_, typed_, out_off_, in_off_, uses_, blk_off_;
+  at::Tensor weight_, typed_, out_off_, in_off_, uses_;
   Support s_{};
   std::vector<int64_t> lengths_, base_;
   int64_t N_ = 0, K_ = 0, n_types_ = 0, max_rows_ = 0, version_ = 0;
@@ -430,18 +426,17 @@ class TypedRowsBinding {
 };
 
 // Decode SwiGLU FFN in one call: down(silu(gate(x)) * up(x)), each projection from the
-// typed copies (`typed`; every row one type) or the block-packed ones (gate and up share
+// typed copies (`typed`; every row one type) or the panel-packed ones (gate and up share
 // the tables `gu_*`, down has `dn_*`; a dense FFN passes its weights and the trivial
 // one-group tables, so both run the same code).
 at::Tensor swiglu_rows_forward(at::Tensor x, at::Tensor gate, at::Tensor up, at::Tensor down,
                                at::Tensor types, at::Tensor gu_out_off, at::Tensor gu_in_off,
-                               at::Tensor gu_blk_off, at::Tensor gu_uses,
-                               at::Tensor dn_out_off, at::Tensor dn_in_off,
-                               at::Tensor dn_blk_off, at::Tensor dn_uses, int64_t q, bool typed) {
+                               at::Tensor gu_uses, at::Tensor dn_out_off,
+                               at::Tensor dn_in_off, at::Tensor dn_uses, int64_t q, bool typed) {
   const c10::optional<at::Tensor> none;
   auto project = typed ? &typed_rows_forward : &fused_rows_forward;
-  auto g = project(x, gate, types, gu_out_off, gu_in_off, gu_blk_off, gu_uses, q, none);
-  auto u = project(x, up, types, gu_out_off, gu_in_off, gu_blk_off, gu_uses, q, none);
+  auto g = project(x, gate, types, gu_out_off, gu_in_off, gu_uses, q, none);
+  auto u = project(x, up, types, gu_out_off, gu_in_off, gu_uses, q, none);
   AT_DISPATCH_FLOATING_TYPES(g.scalar_type(), "swiglu_rows_forward", [&] {
     scalar_t* gp = g.data_ptr<scalar_t>();
     const scalar_t* up_ = u.data_ptr<scalar_t>();
@@ -451,14 +446,14 @@ at::Tensor swiglu_rows_forward(at::Tensor x, at::Tensor gate, at::Tensor up, at:
       gp[i] = v / (scalar_t(1) + std::exp(-v)) * up_[i];
     }
   });
-  return project(g, down, types, dn_out_off, dn_in_off, dn_blk_off, dn_uses, q, none);
+  return project(g, down, types, dn_out_off, dn_in_off, dn_uses, q, none);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu_rows_forward", &swiglu_rows_forward,
         "down(silu(gate(x)) * up(x)) for a few rows, each projection support-driven");
   m.def("fused_rows_forward", &fused_rows_forward,
-        "y = x W_eff(type)^T (+ bias) for a few rows of any types, block-packed weight");
+        "y = x W_eff(type)^T (+ bias) for a few rows of any types, panel-packed weight");
   m.def("typed_rows_forward", &typed_rows_forward,
         "y = x W_eff(type)^T (+ bias) for a few rows of one type, from the typed copies");
   m.def("dense_rows_forward", &dense_rows_forward, "y = x W^T (+ bias) for a few rows");

@@ -39,58 +39,86 @@ inline void panel_rows(const T* const* x, int64_t n_rows, const T* pan, int64_t 
 }
 
 #ifdef STRUCTLM_AVX2
-// U rows, the k loop split S ways (independent accumulators: with one or two rows a single
-// chain per output vector would wait on the FMA latency).
-template <int U, int S>
-inline void panel_rows_avx2(const float* const* __restrict x, const float* __restrict pan,
-                            int64_t w, float* const* __restrict acc) {
-  __m256 a[S][U][2];
-  for (int s = 0; s < S; ++s) {
-    for (int u = 0; u < U; ++u) {
-      a[s][u][0] = s == 0 ? _mm256_loadu_ps(acc[u]) : _mm256_setzero_ps();
-      a[s][u][1] = s == 0 ? _mm256_loadu_ps(acc[u] + 8) : _mm256_setzero_ps();
-    }
+// The accumulators are named variables, not an array: GCC kept an array of __m256 in
+// memory (a store per FMA and the weight reloaded for every row: 3.5x slower).
+#define STRUCTLM_PANEL_FMA(lo, hi, xp, kk, w0, w1)            \
+  do {                                                         \
+    const __m256 xb_ = _mm256_broadcast_ss((xp) + (kk));       \
+    lo = _mm256_fmadd_ps(xb_, w0, lo);                         \
+    hi = _mm256_fmadd_ps(xb_, w1, hi);                         \
+  } while (0)
+
+// Rows 0..n_rows-1 (n_rows 3 or 4; a 3-row call passes row 2 again as row 3 and keeps
+// its own result), one chain per output vector.
+inline void panel_rows34_avx2(const float* const* __restrict x, int64_t n_rows,
+                              const float* __restrict pan, int64_t w,
+                              float* const* __restrict acc) {
+  const float* x0 = x[0];
+  const float* x1 = x[1];
+  const float* x2 = x[2];
+  const float* x3 = n_rows > 3 ? x[3] : x[2];
+  __m256 a0 = _mm256_loadu_ps(acc[0]), b0 = _mm256_loadu_ps(acc[0] + 8);
+  __m256 a1 = _mm256_loadu_ps(acc[1]), b1 = _mm256_loadu_ps(acc[1] + 8);
+  __m256 a2 = _mm256_loadu_ps(acc[2]), b2 = _mm256_loadu_ps(acc[2] + 8);
+  __m256 a3 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+  if (n_rows > 3) a3 = _mm256_loadu_ps(acc[3]), b3 = _mm256_loadu_ps(acc[3] + 8);
+  for (int64_t k = 0; k < w; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(pan + k * kPanel);
+    const __m256 w1 = _mm256_loadu_ps(pan + k * kPanel + 8);
+    STRUCTLM_PANEL_FMA(a0, b0, x0, k, w0, w1);
+    STRUCTLM_PANEL_FMA(a1, b1, x1, k, w0, w1);
+    STRUCTLM_PANEL_FMA(a2, b2, x2, k, w0, w1);
+    STRUCTLM_PANEL_FMA(a3, b3, x3, k, w0, w1);
   }
+  _mm256_storeu_ps(acc[0], a0), _mm256_storeu_ps(acc[0] + 8, b0);
+  _mm256_storeu_ps(acc[1], a1), _mm256_storeu_ps(acc[1] + 8, b1);
+  _mm256_storeu_ps(acc[2], a2), _mm256_storeu_ps(acc[2] + 8, b2);
+  if (n_rows > 3) _mm256_storeu_ps(acc[3], a3), _mm256_storeu_ps(acc[3] + 8, b3);
+}
+
+// One or two rows, the k loop split in two (independent chains: a single chain per
+// output vector would wait on the FMA latency).
+inline void panel_rows12_avx2(const float* const* __restrict x, int64_t n_rows,
+                              const float* __restrict pan, int64_t w,
+                              float* const* __restrict acc) {
+  const float* x0 = x[0];
+  const float* x1 = n_rows > 1 ? x[1] : x[0];
+  __m256 a0 = _mm256_loadu_ps(acc[0]), b0 = _mm256_loadu_ps(acc[0] + 8);
+  __m256 a1 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+  if (n_rows > 1) a1 = _mm256_loadu_ps(acc[1]), b1 = _mm256_loadu_ps(acc[1] + 8);
+  __m256 c0 = _mm256_setzero_ps(), d0 = c0, c1 = c0, d1 = c0;  // odd k
   int64_t k = 0;
-  for (; k + S <= w; k += S) {
-    for (int s = 0; s < S; ++s) {
-      const float* p = pan + (k + s) * kPanel;
-      const __m256 w0 = _mm256_loadu_ps(p), w1 = _mm256_loadu_ps(p + 8);
-      for (int u = 0; u < U; ++u) {
-        const __m256 xb = _mm256_broadcast_ss(x[u] + k + s);
-        a[s][u][0] = _mm256_fmadd_ps(xb, w0, a[s][u][0]);
-        a[s][u][1] = _mm256_fmadd_ps(xb, w1, a[s][u][1]);
-      }
-    }
-  }
-  for (; k < w; ++k) {  // the k left over by the split
+  for (; k + 2 <= w; k += 2) {
     const float* p = pan + k * kPanel;
     const __m256 w0 = _mm256_loadu_ps(p), w1 = _mm256_loadu_ps(p + 8);
-    for (int u = 0; u < U; ++u) {
-      const __m256 xb = _mm256_broadcast_ss(x[u] + k);
-      a[0][u][0] = _mm256_fmadd_ps(xb, w0, a[0][u][0]);
-      a[0][u][1] = _mm256_fmadd_ps(xb, w1, a[0][u][1]);
-    }
+    const __m256 v0 = _mm256_loadu_ps(p + kPanel), v1 = _mm256_loadu_ps(p + kPanel + 8);
+    STRUCTLM_PANEL_FMA(a0, b0, x0, k, w0, w1);
+    STRUCTLM_PANEL_FMA(a1, b1, x1, k, w0, w1);
+    STRUCTLM_PANEL_FMA(c0, d0, x0, k + 1, v0, v1);
+    STRUCTLM_PANEL_FMA(c1, d1, x1, k + 1, v0, v1);
   }
-  for (int u = 0; u < U; ++u) {
-    __m256 lo = a[0][u][0], hi = a[0][u][1];
-    for (int s = 1; s < S; ++s) {
-      lo = _mm256_add_ps(lo, a[s][u][0]);
-      hi = _mm256_add_ps(hi, a[s][u][1]);
-    }
-    _mm256_storeu_ps(acc[u], lo);
-    _mm256_storeu_ps(acc[u] + 8, hi);
+  if (k < w) {
+    const __m256 w0 = _mm256_loadu_ps(pan + k * kPanel);
+    const __m256 w1 = _mm256_loadu_ps(pan + k * kPanel + 8);
+    STRUCTLM_PANEL_FMA(a0, b0, x0, k, w0, w1);
+    STRUCTLM_PANEL_FMA(a1, b1, x1, k, w0, w1);
+  }
+  _mm256_storeu_ps(acc[0], _mm256_add_ps(a0, c0));
+  _mm256_storeu_ps(acc[0] + 8, _mm256_add_ps(b0, d0));
+  if (n_rows > 1) {
+    _mm256_storeu_ps(acc[1], _mm256_add_ps(a1, c1));
+    _mm256_storeu_ps(acc[1] + 8, _mm256_add_ps(b1, d1));
   }
 }
+#undef STRUCTLM_PANEL_FMA
 
 template <>
 inline void panel_rows<float>(const float* const* x, int64_t n_rows, const float* pan,
                               int64_t w, float* const* acc) {
-  switch (n_rows) {
-    case 1: panel_rows_avx2<1, 4>(x, pan, w, acc); break;
-    case 2: panel_rows_avx2<2, 2>(x, pan, w, acc); break;
-    case 3: panel_rows_avx2<3, 1>(x, pan, w, acc); break;
-    default: panel_rows_avx2<4, 1>(x, pan, w, acc); break;
+  if (n_rows >= 3) {
+    panel_rows34_avx2(x, n_rows, pan, w, acc);
+  } else {
+    panel_rows12_avx2(x, n_rows, pan, w, acc);
   }
 }
 #endif

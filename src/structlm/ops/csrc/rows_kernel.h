@@ -9,25 +9,24 @@
 
 // y = x W_eff(type)^T (+ bias) for a few rows; see fused_rows.cpp.
 at::Tensor fused_rows_forward(at::Tensor x, at::Tensor packed, at::Tensor types,
-                              at::Tensor out_off, at::Tensor in_off, at::Tensor blk_off,
-                              at::Tensor uses, int64_t q, c10::optional<at::Tensor> bias);
+                              at::Tensor out_off, at::Tensor in_off, at::Tensor uses,
+                              int64_t q, c10::optional<at::Tensor> bias);
 
 // The same for rows of one type, from the typed copies; see fused_rows.cpp.
 at::Tensor typed_rows_forward(at::Tensor x, at::Tensor typed, at::Tensor types,
-                              at::Tensor out_off, at::Tensor in_off, at::Tensor blk_off,
-                              at::Tensor uses, int64_t q, c10::optional<at::Tensor> bias);
+                              at::Tensor out_off, at::Tensor in_off, at::Tensor uses,
+                              int64_t q, c10::optional<at::Tensor> bias);
 
 // y = x W^T (+ bias) for a few rows, W (N, K) row-major, on the typed loop.
 at::Tensor dense_rows_forward(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
 
 // down(silu(gate(x)) * up(x)) for a few rows; `tables` = the gate/up support's
-// (out_off, in_off, blk_off, uses), then the down support's; `typed`: the weights are
-// typed copies (every row one type), else block-packed.
+// (out_off, in_off, uses), then the down support's; `typed`: the weights are
+// typed copies (every row one type), else panel-packed.
 at::Tensor swiglu_rows_forward(at::Tensor x, at::Tensor gate, at::Tensor up, at::Tensor down,
                                at::Tensor types, at::Tensor gu_out_off, at::Tensor gu_in_off,
-                               at::Tensor gu_blk_off, at::Tensor gu_uses,
-                               at::Tensor dn_out_off, at::Tensor dn_in_off,
-                               at::Tensor dn_blk_off, at::Tensor dn_uses, int64_t q, bool typed);
+                               at::Tensor gu_uses, at::Tensor dn_out_off,
+                               at::Tensor dn_in_off, at::Tensor dn_uses, int64_t q, bool typed);
 
 // One pre-norm decoder block for one new token per sequence; see decode_block.cpp.
 at::Tensor decode_block_forward(at::Tensor x, std::vector<at::Tensor> attn, double ln_eps,
