@@ -220,18 +220,25 @@ def test_copies_bind_their_own_weight(how: str) -> None:
 
 
 @pytest.mark.parametrize("k,n", [(1, 7), (97, 1025), (1025, 97)])
-@pytest.mark.parametrize("lead", [(1,), (3, 1), (DENSE_ROWS_MAX_ROWS,)])
+@pytest.mark.parametrize("lead", [(1,), (3, 1), (cpu_kernels.DENSE_IN_PLACE_MAX_ROWS,),
+                                  (DENSE_ROWS_MAX_ROWS,)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_decode_linear_bound_call_matches_f_linear(k: int, n: int, lead: tuple[int, ...],
                                                    dtype: torch.dtype) -> None:
+    """Up to DENSE_IN_PLACE_MAX_ROWS rows the bound call; more rows (the panel-packed
+    copy) refused by it and run unbound."""
     gen = torch.Generator().manual_seed(k + n)
     layer = DecodeLinear(k, n, bias=True, dtype=dtype)
     x = torch.randn(*lead, k, generator=gen, dtype=torch.float64)
     with torch.no_grad():
         layer(x.to(dtype))
+        layer(torch.randn(1, k, generator=gen, dtype=torch.float64).to(dtype))  # binds
         counts = _count_binding_calls(layer)
         y = layer(x.to(dtype))
-    assert counts == {"bound": 1, "refused": 0} and y.shape == (*lead, n)
+    rows = x.numel() // k
+    bound = rows <= cpu_kernels.DENSE_IN_PLACE_MAX_ROWS
+    assert counts == {"bound": int(bound), "refused": int(not bound)}
+    assert y.shape == (*lead, n)
     exact = F.linear(x, layer.weight.double(), layer.bias.double())
     tol = 1e-4 if dtype == torch.float32 else 1e-10
     torch.testing.assert_close(y.double(), exact, rtol=tol, atol=tol * k ** 0.5)

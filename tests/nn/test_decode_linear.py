@@ -29,7 +29,7 @@ def _rule(fast: torch.Tensor, plain: torch.Tensor, exact: torch.Tensor, k: int) 
 
 
 @pytest.mark.parametrize("k,n", [(1, 7), (7, 1), (97, 1025), (1025, 97), (768, 2304)])
-@pytest.mark.parametrize("rows", [1, 3, FUSED_ROWS_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 3, FUSED_ROWS_MAX_ROWS, 5, 17, DENSE_ROWS_MAX_ROWS])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_decode_linear_matches_f_linear(k: int, n: int, rows: int, bias: bool,

@@ -72,7 +72,7 @@ class DecodeLinear(nn.Linear):
                                                self.bias)  # (M, out)
             if binding is None or not binding.matches(self.weight):
                 self.__dict__["_rows_binding"] = cpu_kernels.dense_rows_binding(
-                    self.weight, DENSE_ROWS_MAX_ROWS)
+                    self.weight, cpu_kernels.DENSE_IN_PLACE_MAX_ROWS)  # more: packed copy
             return y2.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)  # (*, in) -> (*, out)
 
