@@ -13,6 +13,8 @@ cold too):
   compiled call, ``cpu_kernels.typed_rows_binding``);
 * algebra, unbound — the same layer through its Python gate and wrapper (the path before
   the binding; ``force_layout("fused-rows")`` keeps the binding out of use);
+* the bare kernel calls on the typed copy and on the panel-packed copy (which copy a
+  single-type decode call should read);
 * equal-bytes dense — the dense module on a weight with as many elements as the
   token's type reads (``N_eq = rho N`` rows): the time the memory system takes for
   those bytes in one call, so ``dense / equal-bytes`` is the best ratio any layout
@@ -57,12 +59,17 @@ def time_algebra(algebra: str, k: int, n: int, type_index: int, trials: int,
                  flusher: CacheFlusher) -> dict[str, object]:
     layer = AlgebraLinear(k, n, algebra).requires_grad_(False)
     part = TypePartition(torch.tensor([type_index % layer.q]), layer.q)
-    oo, io, uses = cpu_kernels.block_tables(layer.plan)
+    tables = cpu_kernels.block_tables(layer.plan)
+    oo, io, uses = tables
     read = int((uses[part.present[0]].long() * torch.outer(oo.diff(), io.diff())).sum())
     if read % k:
         raise ValueError(f"{algebra}: the type reads {read} weights, not a multiple of K={k}")
     dense, equal = _dense(k, n), _dense(k, read // k)
     x = torch.randn(1, k)
+    mod = cpu_kernels.kernel_for(x, layer.weight)
+    typed = cpu_kernels.typed_weight(layer.weight, layer.plan)
+    packed = cpu_kernels.packed_weight(layer.weight, layer.plan)
+    types = part.types.long()
 
     def unbound() -> object:
         with force_layout("fused-rows"):
@@ -71,7 +78,11 @@ def time_algebra(algebra: str, k: int, n: int, type_index: int, trials: int,
     fns = {"F.linear": lambda: F.linear(x, dense.weight),
            "dense-rows kernel": lambda: cpu_kernels.dense_rows_linear(x, dense.weight),
            "DecodeLinear": lambda: dense(x), "bound": lambda: layer(x, part),
-           "unbound": unbound, "equal bytes": lambda: equal(x)}
+           "unbound": unbound, "equal bytes": lambda: equal(x),
+           "kernel typed": lambda: mod.typed_rows_forward(x, typed, types, *tables, layer.q,
+                                                          None),
+           "kernel panel": lambda: mod.fused_rows_forward(x, packed, types, *tables, layer.q,
+                                                          None)}
     with torch.no_grad():
         for f in fns.values():
             f()  # binds the modules' calls
@@ -85,7 +96,9 @@ def time_algebra(algebra: str, k: int, n: int, type_index: int, trials: int,
             "weights_read": read, "dense_path": dense_path,
             "dense_ms": round(t[dense_path] * 1e3, 4),
             "bound_ms": round(t["bound"] * 1e3, 4), "unbound_ms": round(t["unbound"] * 1e3, 4),
-            "equal_bytes_ms": round(t["equal bytes"] * 1e3, 4), "ideal": round(ideal, 4),
+            "equal_bytes_ms": round(t["equal bytes"] * 1e3, 4),
+            "kernel_typed_ms": round(t["kernel typed"] * 1e3, 4),
+            "kernel_panel_ms": round(t["kernel panel"] * 1e3, 4), "ideal": round(ideal, 4),
             "speedup_bound": round(t[dense_path] / t["bound"], 4),
             "speedup_unbound": round(t[dense_path] / t["unbound"], 4),
             "floor_speedup": round(floor, 4),
@@ -99,14 +112,16 @@ def markdown(csv_path: Path) -> str:
     lines = [environment_line(rows), "",
              "| algebra | K×N | dense path | dense ms | bound ms | unbound ms | equal-bytes ms "
              "| speed-up bound | unbound | equal-bytes floor | ideal 1/ρ | % of ideal "
-             "| % of floor |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| % of floor | kernel typed ms | kernel panel ms |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['algebra']} | {r['K']}×{r['N']} | {r['dense_path']} | "
                      f"{r['dense_ms']} | {r['bound_ms']} | {r['unbound_ms']} | "
                      f"{r['equal_bytes_ms']} | {float(r['speedup_bound']):.2f}× | "
                      f"{float(r['speedup_unbound']):.2f}× | {float(r['floor_speedup']):.2f}× | "
                      f"{float(r['ideal']):.2f}× | {r['pct_ideal_bound']}% | "
-                     f"{r['pct_floor_bound']}% |")
+                     f"{r['pct_floor_bound']}% | {r['kernel_typed_ms']} | "
+                     f"{r['kernel_panel_ms']} |")
     return "\n".join(lines) + "\n"
 
 

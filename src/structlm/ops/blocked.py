@@ -69,11 +69,12 @@ OUTPUT_MAJOR_MAX_ROWS = 64
 FUSED_ROWS_MAX_ROWS = 4
 #: :func:`choose_layout` picks the compiled fused-rows layout up to this many rows per
 #: type (``16 q`` rows in all: 32 for Q2, 64 for Q4 and Q2^2, 512 for Q32). Measured at
-#: K = N = 4096, 2 threads, every type present, with the panel kernel (each block read
-#: once for all its rows, outputs in registers): it beat the best PyTorch layout at M = 32
-#: for Q2 (15.7 vs 29.8 ms), at M = 64 from q = 4 (Q4 20.5 vs 36.5 ms, Q32 10.7 vs 31.3)
-#: and up to M = 16 q for q = 8..32 (Q32 at 512: 25.5 vs 34.4 ms); beyond, the layouts
-#: were level (Q16 at 512, Q8 at 256) or the PyTorch ones ahead (Q4 at 128: 40.2 vs 36.6).
+#: K = N = 4096, 2 threads, caches flushed, every type present, the panel kernel against
+#: the best PyTorch layout (``python benchmarks/panel_kernel.py --threads 2 --layouts``,
+#: ``benchmarks/results/panel_kernel/layouts_2threads_flushed.md``): ahead at 16 q rows
+#: for every q (Q2 at 32: 15.7 vs 20.1 ms, Q4 at 64: 16.9 vs 28.7, Q32 at 512: 25.0 vs
+#: 39.6) and mostly at 32 q (Q16 at 512: 34.4 vs 35.3); an earlier run of the same
+#: comparison had Q4 at 128 rows behind (40.2 vs 36.6 ms), hence the margin.
 FUSED_ROWS_LAYOUT_MAX_ROWS_PER_TYPE = 16
 #: Layout forced by :func:`force_layout` (tests run every layout on every plan).
 _FORCED_LAYOUT: list[str] = []

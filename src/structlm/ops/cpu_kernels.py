@@ -366,8 +366,9 @@ def dense_rows_binding(w: torch.Tensor, max_rows: int) -> object:
 
 #: Up to this many rows the dense few-row kernel reads the weight in place (one dot
 #: product per output); above, the panel kernel reads a panel-packed copy (+1x the weight,
-#: made on first use): measured 5-16% faster from M = 8 on 4096x4096 and the SmolLM2 /
-#: paper-110m FFN shapes, level at M = 4, slower at M = 1-2 (no copy to stream).
+#: made on first use): with caches flushed, 2 threads, on 4096x4096 and the SmolLM2 /
+#: paper-110m FFN shapes, 0-17% faster at M = 8 and 8-18% at M = 32, level at M = 4,
+#: mixed at M = 1 (``benchmarks/panel_kernel.py --threads 2 --flush``).
 DENSE_IN_PLACE_MAX_ROWS = 4
 #: weight tensor -> (its state when packed, its panel-packed copy)
 _DENSE_PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
