@@ -27,19 +27,16 @@ Writes CSV (with the environment) and a Markdown table drawn from it.
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from structlm.bench.timing import (
     CacheFlusher,
-    environment,
     environment_line,
     interleaved_medians,
-    write_csv_atomic,
+    write_csv_and_markdown,
 )
 from structlm.cpu_malloc import retain_freed_memory
 from structlm.nn import AlgebraLinear, DecodeLinear
@@ -107,8 +104,7 @@ def time_algebra(algebra: str, k: int, n: int, type_index: int, trials: int,
             "trials": trials}
 
 
-def markdown(csv_path: Path) -> str:
-    rows = list(csv.DictReader(csv_path.open()))
+def markdown(rows: list[dict[str, str]]) -> str:
     lines = [environment_line(rows), "",
              "| algebra | K×N | dense path | dense ms | bound ms | unbound ms | equal-bytes ms "
              "| speed-up bound | unbound | equal-bytes floor | ideal 1/ρ | % of ideal "
@@ -142,22 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     flusher = CacheFlusher()
-    env = {f"env_{k}": v for k, v in environment().items()}
     rows = []
     for alg in args.algebras.split(","):
         r = time_algebra(alg, args.k, args.n, args.type, args.trials, flusher)
-        rows.append({**r, **env})
+        rows.append(r)
         print(f"{alg}: bound {r['speedup_bound']:.2f}x, unbound {r['speedup_unbound']:.2f}x, "
               f"equal-bytes floor {r['floor_speedup']:.2f}x, ideal {r['ideal']:.2f}x",
               flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    csv_path = out.with_suffix(".csv")
-    write_csv_atomic(str(csv_path), rows)
-    tmp = out.with_name(out.name + ".md.tmp")
-    tmp.write_text(markdown(csv_path))
-    tmp.replace(out.with_suffix(".md"))
-    print(f"wrote {csv_path} and {out.with_suffix('.md')}")
+    write_csv_and_markdown(args.out, rows, markdown)
     return 0
 
 

@@ -25,17 +25,14 @@ CSV with the environment and a Markdown table drawn from it.
 from __future__ import annotations
 
 import argparse
-import csv
-from pathlib import Path
 
 import torch
 
 from structlm.bench.timing import (
     CacheFlusher,
-    environment,
     environment_line,
     interleaved_medians,
-    write_csv_atomic,
+    write_csv_and_markdown,
 )
 from structlm.nn import AlgebraLinear
 from structlm.ops import cpu_kernels
@@ -104,8 +101,7 @@ def layout_rows(alg: str, m: int, trials: int, flush: CacheFlusher
             for p, v in zip(("fused-rows", best), t, strict=True)]
 
 
-def markdown(csv_path: Path) -> str:
-    rows = list(csv.DictReader(csv_path.open()))
+def markdown(rows: list[dict[str, str]]) -> str:
     lines = [environment_line(rows), "",
              "| case | K×N | M | path | flushed | ms | GMAC/s |",
              "|---|---|---:|---|---|---:|---:|"]
@@ -127,7 +123,6 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("the compiled rows kernel is not available: nothing to time")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    env = {f"env_{k}": v for k, v in environment().items()}
     rows: list[dict[str, object]] = []
     flush = CacheFlusher() if args.flush or args.layouts else None
     cases = ((("Q2", 32), ("Q2", 64), ("Q4", 64), ("Q4", 128), ("Q2^2", 64), ("Q2^2", 128),
@@ -148,14 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['case']:5s} {r['K']}x{r['N']} M={r['M']:<3} {r['path']:8s} "
               f"{r['ms']:9.3f} ms {r['gmacs']:7.2f} GMAC/s", flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    csv_path = out.with_suffix(".csv")
-    write_csv_atomic(str(csv_path), [{**r, **env} for r in rows])
-    tmp = out.with_name(out.name + ".md.tmp")
-    tmp.write_text(markdown(csv_path))
-    tmp.replace(out.with_suffix(".md"))
-    print(f"wrote {csv_path} and {out.with_suffix('.md')}")
+    write_csv_and_markdown(args.out, rows, markdown)
     return 0
 
 

@@ -21,17 +21,14 @@ Markdown table drawn from it.
 from __future__ import annotations
 
 import argparse
-import csv
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from structlm.bench.timing import (
-    environment,
     environment_line,
     interleaved_medians,
-    write_csv_atomic,
+    write_csv_and_markdown,
 )
 from structlm.nn import AlgebraLinear
 
@@ -77,8 +74,7 @@ def profile(alg: str, m: int, k: int, trials: int) -> dict[str, object]:
     return row
 
 
-def markdown(csv_path: Path) -> str:
-    rows = list(csv.DictReader(csv_path.open()))
+def markdown(rows: list[dict[str, str]]) -> str:
     lines = [environment_line(rows), "",
              "| algebra | M | K×N | dense GMAC/s | diagonal stage GMAC/s | type stage GMAC/s "
              "| layer GMAC/s | layer ms (diag + type ms) | speed-up | ideal |",
@@ -102,22 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    env = {f"env_{k}": v for k, v in environment().items()}
     rows = []
     for alg in args.algebras.split(","):
         r = profile(alg, args.m, args.k, args.trials)
-        rows.append({**r, **env})
+        rows.append(r)
         print(f"{alg}: dense {r['dense_gmacs']} GMAC/s, diagonal {r['diagonal_gmacs']}, "
               f"type {r['type_gmacs']}, layer {r['layer_gmacs']} ({r['speedup']}x of "
               f"{r['ideal']}x)", flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    csv_path = out.with_suffix(".csv")
-    write_csv_atomic(str(csv_path), rows)
-    tmp = out.with_name(out.name + ".md.tmp")
-    tmp.write_text(markdown(csv_path))
-    tmp.replace(out.with_suffix(".md"))
-    print(f"wrote {csv_path} and {out.with_suffix('.md')}")
+    write_csv_and_markdown(args.out, rows, markdown)
     return 0
 
 

@@ -13,7 +13,8 @@ import torch
 
 from ..cpu_malloc import malloc_setting
 
-__all__ = ["CacheFlusher", "environment", "interleaved_medians", "write_csv_atomic"]
+__all__ = ["CacheFlusher", "environment", "interleaved_medians", "write_csv_and_markdown",
+           "write_csv_atomic"]
 
 
 #: Up to this many rows (forward) the benchmarks time the project's dense few-row kernels
@@ -119,3 +120,21 @@ def environment_line(rows: list[dict[str, str]]) -> str:
     """``Environment: k=v, ...`` from the ``env_*`` columns of a benchmark CSV's rows."""
     env = {k[4:]: v for k, v in rows[0].items() if k.startswith("env_")}
     return "Environment: " + ", ".join(f"{k}={v}" for k, v in env.items())
+
+
+def write_csv_and_markdown(out_prefix: str, rows: list[dict[str, object]],
+                           markdown: Callable[[list[dict[str, str]]], str]) -> None:
+    """``<out_prefix>.csv`` from ``rows`` (with the ``env_*`` columns of
+    :func:`environment` added), then ``<out_prefix>.md`` drawn from that CSV by
+    ``markdown(rows read back)``, both written atomically; prints where."""
+    from pathlib import Path
+
+    from ..atomic import atomic_write_text
+
+    out = Path(out_prefix)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    env = {f"env_{k}": v for k, v in environment().items()}
+    csv_path, md_path = out.with_name(out.name + ".csv"), out.with_name(out.name + ".md")
+    write_csv_atomic(str(csv_path), [{**r, **env} for r in rows])
+    atomic_write_text(md_path, markdown(read_csv_rows(str(csv_path))))
+    print(f"wrote {csv_path} and {md_path}")
