@@ -4,6 +4,7 @@ conversion, equal-MAC baselines, the dense control, healing, report, resume)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 
@@ -65,6 +66,17 @@ def test_reduced_convert_experiment(tmp_path) -> None:
     again = run_convert_experiment(ex, tmp_path / "out", progress=False)
     assert [a["seconds"] for a in again["arms"]] == [a["seconds"] for a in arms]
     assert json.loads((tmp_path / "out" / "arms.json").read_text()) == before
+    # a second seed for the FFN arms only: the finished arms are kept, the dense control
+    # stays in the report (one seed), the FFN arms gain seed 1
+    more = dataclasses.replace(ex, targets=["mlp"], seeds=[0, 1], seed_targets=["mlp"])
+    res2 = run_convert_experiment(more, tmp_path / "out", progress=False)
+    runs2 = [(a["arm"], a["seed"]) for a in res2["arms"]]
+    assert runs2 == [("dense (control)", 0), ("Q4", 0), ("prune to Q4 MACs", 0),
+                     ("svd at Q4 MACs", 0), ("Q4", 1), ("prune to Q4 MACs", 1),
+                     ("svd at Q4 MACs", 1)]
+    assert res2["arms"][1]["seconds"] == by[("mlp", "Q4")]["seconds"]  # reused
+    report2 = (tmp_path / "out" / "report.md").read_text()
+    assert "| dense (control) | 1 |" in report2 and "| Q4 | 2 |" in report2
 
 
 def test_cli_builds_the_config(tmp_path) -> None:

@@ -279,21 +279,31 @@ def run_convert_experiment(cfg: ConvertExperimentConfig, out_dir: str | Path,
         "original": {"projection_macs": float(original),
                      "projection_parameters": projection_parameters(prep.loaded.model),
                      "ppl": _ppl(prep.loaded.model, prep)}}
-    results = []
-    for arm, seed in planned_runs(cfg):
-        key = json.dumps({**base, **dataclasses.asdict(arm), "seed": seed}, sort_keys=True)
-        if key not in done:
-            if progress:
-                print(f"[arm] {arm.name} on {arm.target}, seed {seed}", flush=True)
-            state = out / "heal-state" / (hashlib.sha1(key.encode()).hexdigest()[:16]
-                                          + ".pt")
-            done[key] = clean_json(_run_arm(arm, seed, prep, cfg, state, progress))
-            atomic_write_text(arms_path, json.dumps(done))
-            state.unlink(missing_ok=True)
-        results.append(done[key])
+    runs = [(arm, seed, json.dumps({**base, **dataclasses.asdict(arm), "seed": seed},
+                                   sort_keys=True)) for arm, seed in planned_runs(cfg)]
+
+    def write() -> None:
+        """Results and report from every planned run finished so far (in arm order)."""
+        order = {key: i for i, key in enumerate(
+            json.dumps({**base, **dataclasses.asdict(arm), "seed": seed}, sort_keys=True)
+            for seed in cfg.seeds for arm in _arms(cfg))}
+        results = [done[key] for _, _, key in sorted(runs, key=lambda r: order[r[2]])
+                   if key in done]
         _check_macs(results, cfg.mac_tolerance)
         res["arms"] = results
         res["seconds"] = time.time() - t0
         atomic_write_text(out / "results.json", json.dumps(clean_json(res), indent=1))
         write_convert_report(res, cfg, out)
+
+    write()
+    for arm, seed, key in runs:
+        if key in done:
+            continue
+        if progress:
+            print(f"[arm] {arm.name} on {arm.target}, seed {seed}", flush=True)
+        state = out / "heal-state" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".pt")
+        done[key] = clean_json(_run_arm(arm, seed, prep, cfg, state, progress))
+        atomic_write_text(arms_path, json.dumps(done))
+        state.unlink(missing_ok=True)
+        write()
     return res
