@@ -55,8 +55,20 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("algebra", "unequal"), CASES)
-@pytest.mark.parametrize("m", [1, 7, 37])
+def _fp32_cases() -> list:
+    """Every case at 1 and 7 rows; 37 rows (several row blocks) on the unequal-width cases,
+    and on every case where a GPU runs them: under the CPU interpreter the equal-width
+    37-row cases cost ~45 s and are marked slow (`make test-all` runs them)."""
+    params = []
+    for algebra, unequal in CASES:
+        for m in (1, 7, 37):
+            slow = m == 37 and not unequal and DEV.type == "cpu"
+            params.append(pytest.param(algebra, unequal, m,
+                                       marks=[pytest.mark.slow] if slow else []))
+    return params
+
+
+@pytest.mark.parametrize(("algebra", "unequal", "m"), _fp32_cases())
 def test_kernels_fp32(algebra: str, unequal: bool, m: int) -> None:
     torch.manual_seed(m)
     layer = _layer(algebra, unequal)

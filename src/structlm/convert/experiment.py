@@ -41,6 +41,7 @@ from torch import nn
 
 from ..atomic import atomic_write_text, clean_json
 from ..config import ConfigError, dataclass_from_dict
+from ..plot_throttle import PlotThrottle
 from ..share.adapters import MatrixType, get_adapter, parse_types
 from ..share.compress import CompressionConfig, compress_model
 from ..share.compress.finetune import FinetuneConfig, finetune, trainable_parameters
@@ -282,7 +283,9 @@ def run_convert_experiment(cfg: ConvertExperimentConfig, out_dir: str | Path,
     runs = [(arm, seed, json.dumps({**base, **dataclasses.asdict(arm), "seed": seed},
                                    sort_keys=True)) for arm, seed in planned_runs(cfg)]
 
-    def write() -> None:
+    throttle = PlotThrottle()
+
+    def write(final: bool = False) -> None:
         """Results and report from every planned run finished so far (in arm order)."""
         order = {key: i for i, key in enumerate(
             json.dumps({**base, **dataclasses.asdict(arm), "seed": seed}, sort_keys=True)
@@ -293,7 +296,7 @@ def run_convert_experiment(cfg: ConvertExperimentConfig, out_dir: str | Path,
         res["arms"] = results
         res["seconds"] = time.time() - t0
         atomic_write_text(out / "results.json", json.dumps(clean_json(res), indent=1))
-        write_convert_report(res, cfg, out)
+        write_convert_report(res, cfg, out, plots=throttle.due(final))
 
     write()
     for arm, seed, key in runs:
@@ -305,5 +308,5 @@ def run_convert_experiment(cfg: ConvertExperimentConfig, out_dir: str | Path,
         done[key] = clean_json(_run_arm(arm, seed, prep, cfg, state, progress))
         atomic_write_text(arms_path, json.dumps(done))
         state.unlink(missing_ok=True)
-        write()
+        write(final=all(k in done for _, _, k in runs))
     return res

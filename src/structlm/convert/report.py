@@ -59,8 +59,10 @@ def _fmt(x: float | None, nd: int = 2) -> str:
     return "—" if x is None else f"{x:,.{nd}f}"
 
 
-def write_convert_report(res: dict[str, Any], cfg: Any, out: Path) -> None:
-    """Write ``report.md`` and the plot from the results so far (partial runs too)."""
+def write_convert_report(res: dict[str, Any], cfg: Any, out: Path,
+                         plots: bool = True) -> None:
+    """Write ``report.md``, and the plot when ``plots``, from the results so far (partial
+    runs too)."""
     texts = res["eval_texts"]
     orig = res["original"]
     lines = [f"# structlm convert: {res['model']}", ""]
@@ -119,7 +121,8 @@ def write_convert_report(res: dict[str, Any], cfg: Any, out: Path) -> None:
         lines.append("")
     lines += ["![perplexity vs MACs](ppl_vs_macs.png)", ""]
     atomic_write_text(out / "report.md", "\n".join(lines))
-    _plot(res, texts, out / "ppl_vs_macs.png")
+    if plots:
+        _plot(res, texts, out / "ppl_vs_macs.png")
 
 
 def _plot(res: dict[str, Any], texts: list[str], path: Path) -> None:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from ...atomic import atomic_write_text, clean_json
+from ...plot_throttle import PlotThrottle
 from ..adapters import get_adapter
 from ..configs import dataclass_from_dict
 from ..pipeline import Prepared, evaluate_all, prepare, spread_windows
@@ -354,7 +355,9 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, progress: bool = 
     res["ppl_original"] = _ppl(prep.loaded.model, prep)
     cells, info = _cells(cfg, prep, cache, progress)
 
-    def write() -> dict[str, Any]:
+    throttle = PlotThrottle()
+
+    def write(final: bool = False) -> dict[str, Any]:
         res.update(_assemble(cfg, prep, cache, cells, info, texts))
         planned = sum(len(c.seeds) for c in cells)
         done = sum(cache.has_tuned(prep, c.ccfg, c.ft, s) for c in cells
@@ -362,7 +365,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, progress: bool = 
         res["finetuned_runs"] = {"done": done, "planned": planned}
         res["seconds"] = time.time() - t0
         atomic_write_text(out / "experiment.json", json.dumps(clean_json(res), indent=1))
-        write_experiment_report(res, cfg, out)
+        write_experiment_report(res, cfg, out, plots=throttle.due(final))
         return res
 
     if cfg.second_model:
@@ -376,7 +379,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, progress: bool = 
     else:
         res["second_model"] = {"skipped": "no second model given (none is obtainable offline "
                                           "here); pass --second-model, e.g. gpt2-medium"}
-    write()
+    write(final=analytic_only)
     if analytic_only:
         return res
     queue = sorted(((p, i, s) for i, c in enumerate(cells)
@@ -386,4 +389,4 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, progress: bool = 
         if c.ft.steps > 0 and not cache.has_tuned(prep, c.ccfg, c.ft, s):
             cache.tuned(prep, c.ccfg, c.ft, s, progress)
             write()
-    return write()
+    return write(final=True)

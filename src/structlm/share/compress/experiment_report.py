@@ -227,9 +227,11 @@ def _text_lines(res: dict[str, Any]) -> list[str]:
             "calibration documents.", ""]
 
 
-def write_experiment_report(res: dict[str, Any], cfg: Any, out: Path) -> None:
-    """``report.md`` and the plots."""
-    _plots(res, out)
+def write_experiment_report(res: dict[str, Any], cfg: Any, out: Path,
+                            plots: bool = True) -> None:
+    """``report.md``, and the plots when ``plots``."""
+    if plots:
+        _plots(res, out)
     ft, sft = cfg.finetune, cfg.seed_finetune
 
     def ft_text(f: Any) -> str:
