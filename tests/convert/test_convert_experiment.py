@@ -77,6 +77,9 @@ def test_reduced_convert_experiment(tmp_path) -> None:
     assert res2["arms"][1]["seconds"] == by[("mlp", "Q4")]["seconds"]  # reused
     report2 = (tmp_path / "out" / "report.md").read_text()
     assert "| dense (control) | 1 |" in report2 and "| Q4 | 2 |" in report2
+    # the two equal-MAC baselines are compared with each other too, by the same rule
+    assert "- Q4 budget, `in_domain:austen`: prune to Q4 MACs " in report2
+    assert " vs svd at Q4 MACs: " in report2
 
 
 def test_cli_builds_the_config(tmp_path) -> None:

@@ -113,11 +113,16 @@ def write_convert_report(res: dict[str, Any], cfg: Any, out: Path,
                 continue
             others = [(k[1], v) for k, v in groups.items()
                       if k[0] == target and k[2] in (alg, "") and k[1] != alg]
+            baselines = [(k[1], v) for k, v in groups.items()
+                         if k[0] == target and k[2] == alg and k[1] != alg]
+            pairs = [(alg, mine, other, runs) for other, runs in others] + [
+                (*baselines[i], *baselines[j]) for i in range(len(baselines))
+                for j in range(i + 1, len(baselines))]  # the baselines against each other
             for t in texts:
-                for other, runs in others:
+                for name_a, runs_a, name_b, runs_b in pairs:
                     lines.append(f"- {alg} budget, `{t}`: " + verdict(
-                        [r["ppl_healed"][t] for r in mine], [r["ppl_healed"][t] for r in runs],
-                        alg, other))
+                        [r["ppl_healed"][t] for r in runs_a],
+                        [r["ppl_healed"][t] for r in runs_b], name_a, name_b))
         lines.append("")
     lines += ["![perplexity vs MACs](ppl_vs_macs.png)", ""]
     atomic_write_text(out / "report.md", "\n".join(lines))
