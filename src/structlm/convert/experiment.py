@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import itertools
 import json
 import time
 from dataclasses import dataclass, field
@@ -280,18 +281,19 @@ def run_convert_experiment(cfg: ConvertExperimentConfig, out_dir: str | Path,
         "original": {"projection_macs": float(original),
                      "projection_parameters": projection_parameters(prep.loaded.model),
                      "ppl": _ppl(prep.loaded.model, prep)}}
-    runs = [(arm, seed, json.dumps({**base, **dataclasses.asdict(arm), "seed": seed},
-                                   sort_keys=True)) for arm, seed in planned_runs(cfg)]
+    def key_of(arm: _Arm, seed: int) -> str:
+        return json.dumps({**base, **dataclasses.asdict(arm), "seed": seed}, sort_keys=True)
 
+    runs = [(arm, seed, key_of(arm, seed)) for arm, seed in planned_runs(cfg)]
+    # results and report list the runs seed by seed in arm order, whatever order they ran in
+    order = {key_of(arm, seed): i
+             for i, (seed, arm) in enumerate(itertools.product(cfg.seeds, _arms(cfg)))}
+    report_keys = sorted((key for _, _, key in runs), key=order.__getitem__)
     throttle = PlotThrottle()
 
     def write(final: bool = False) -> None:
         """Results and report from every planned run finished so far (in arm order)."""
-        order = {key: i for i, key in enumerate(
-            json.dumps({**base, **dataclasses.asdict(arm), "seed": seed}, sort_keys=True)
-            for seed in cfg.seeds for arm in _arms(cfg))}
-        results = [done[key] for _, _, key in sorted(runs, key=lambda r: order[r[2]])
-                   if key in done]
+        results = [done[key] for key in report_keys if key in done]
         _check_macs(results, cfg.mac_tolerance)
         res["arms"] = results
         res["seconds"] = time.time() - t0
