@@ -142,17 +142,17 @@ def _arms(cfg: ConvertExperimentConfig) -> list[_Arm]:
 
 
 def planned_runs(cfg: ConvertExperimentConfig) -> list[tuple[_Arm, int]]:
-    """Every (arm, seed) the experiment runs, in order: the arms healed with every seed
-    first, seed by seed (their verdicts need them all), then the others with ``seeds[0]``
-    (``seed_targets=None``: every arm, seed by seed)."""
-    ranked = []
+    """Every (arm, seed) the experiment runs, seed by seed: every arm with ``seeds[0]``
+    first (an interrupted run still has every row of the table once), then the further
+    seeds of the arms in ``seed_targets`` (``None``: every arm with every seed)."""
+    runs = []
     for i, seed in enumerate(cfg.seeds):
         for arm in _arms(cfg):
             every_seed = cfg.seed_targets is None or (
                 arm.kind != "dense" and arm.target in cfg.seed_targets)
             if i == 0 or every_seed:
-                ranked.append(((0 if every_seed else 1, i), (arm, seed)))
-    return [run for _, run in sorted(ranked, key=lambda r: r[0])]
+                runs.append((arm, seed))
+    return runs
 
 
 def _target_types(target: str) -> set[MatrixType]:
