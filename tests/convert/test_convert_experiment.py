@@ -61,6 +61,8 @@ def test_reduced_convert_experiment(tmp_path) -> None:
     report = (tmp_path / "out" / "report.md").read_text()
     assert "Q4 budget, `in_domain:austen`: Q4" in report and "one seed: no verdict" in report
     assert (tmp_path / "out" / "ppl_vs_macs.png").stat().st_size > 1000
+    assert (tmp_path / "out" / "healing_curves.png").stat().st_size > 1000
+    assert "| mlp | Q4 | " in report.split("## Healing curves")[1]  # last two evaluations
     # a rerun resumes: every arm is read back from arms.json, nothing recomputed
     before = json.loads((tmp_path / "out" / "arms.json").read_text())
     again = run_convert_experiment(ex, tmp_path / "out", progress=False)

@@ -1,5 +1,6 @@
 """Report of ``structlm convert``: ``report.md`` (one table per target, verdicts per
-budget and text by a pre-set rule) and ``ppl_vs_macs.png``."""
+budget and text by a pre-set rule, the healing curves' last steps), ``ppl_vs_macs.png``
+and ``healing_curves.png``."""
 
 from __future__ import annotations
 
@@ -125,9 +126,84 @@ def write_convert_report(res: dict[str, Any], cfg: Any, out: Path,
                         [r["ppl_healed"][t] for r in runs_b], name_a, name_b))
         lines.append("")
     lines += ["![perplexity vs MACs](ppl_vs_macs.png)", ""]
+    lines += _curve_lines(res.get("arms", []))
     atomic_write_text(out / "report.md", "\n".join(lines))
     if plots:
         _plot(res, texts, out / "ppl_vs_macs.png")
+        _plot_curves(res.get("arms", []), cfg.targets, out / "healing_curves.png")
+
+
+def _evals(run: dict[str, Any]) -> list[tuple[int, float]]:
+    """``(step, in-domain perplexity)`` at every evaluation of a healing run."""
+    return [(c["step"], c["eval_ppl"]) for c in run["curve"] if c.get("eval_ppl") is not None]
+
+
+def _curve_lines(arms: list[dict[str, Any]]) -> list[str]:
+    """Has healing plateaued? The in-domain perplexity at the last two evaluations of
+    every arm (mean over its seeds) and the change between them."""
+    rows = []
+    for (target, arm, _), runs in _group(arms).items():
+        pts = [_evals(r) for r in runs]
+        if any(len(p) < 2 for p in pts):
+            continue
+        (s0, _), (s1, _) = pts[0][-2], pts[0][-1]
+        a = statistics.fmean(p[-2][1] for p in pts)
+        b = statistics.fmean(p[-1][1] for p in pts)
+        rows.append(f"| {target} | {arm} | {a:,.2f} | {b:,.2f} | {b / a - 1:+.1%} |")
+        step_names = (s0, s1)
+    if not rows:
+        return []
+    return ["## Healing curves", "",
+            "In-domain perplexity on the healing run's own evaluation windows (fewer "
+            "tokens than the table's, so not comparable with it) at the last two "
+            "evaluations, mean over seeds: a large last change means healing had not "
+            "plateaued at this step count.", "",
+            f"| target | arm | step {step_names[0]} | step {step_names[1]} | change |",
+            "|---|---|---:|---:|---:|", *rows, "",
+            "![healing curves](healing_curves.png)", ""]
+
+
+def _plot_curves(arms: list[dict[str, Any]], targets: list[str], path: Path) -> None:
+    """In-domain perplexity against healing step, one panel per target, one line per
+    arm and seed (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [(k, v) for k, v in _group(arms).items() if any(len(_evals(r)) for r in v)]
+    shown = [t for t in targets if any(k[0] == t for k, _ in groups)]
+    if not shown:
+        return
+    fig, axes = plt.subplots(1, len(shown), figsize=(6 * len(shown), 4.5), squeeze=False)
+    for ax, target in zip(axes[0], shown, strict=True):
+        for (t, arm, _), runs in groups:
+            if t != target:
+                continue
+            color = None
+            for i, r in enumerate(runs):
+                steps, ppl = zip(*_evals(r), strict=True)
+                line = ax.plot(steps, ppl, marker="o", ms=3, lw=1, color=color,
+                               label=arm if i == 0 else None)[0]
+                color = line.get_color()
+        ax.set_yscale("log")
+        ax.set_xlabel("healing step")
+        ax.set_ylabel("in-domain perplexity (healing's eval windows)")
+        ax.set_title(f"healing: {target}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def _save(fig: Any, path: Path) -> None:
+    """Save atomically (a temporary file, then a rename)."""
+    import matplotlib.pyplot as plt
+
+    tmp = path.with_name(".tmp-" + path.name)
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
 
 
 def _plot(res: dict[str, Any], texts: list[str], path: Path) -> None:
@@ -159,7 +235,4 @@ def _plot(res: dict[str, Any], texts: list[str], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7, loc="upper right")
     fig.tight_layout()
-    tmp = path.with_name(".tmp-" + path.name)
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    _save(fig, path)
