@@ -259,6 +259,33 @@ def test_compress_model_save_load_round_trip(method: str, tmp_path) -> None:
         assert bad.layers[0].module(MatrixType.Q).basis is bad.layers[2].module(MatrixType.Q).basis
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_token_macs_count_what_a_one_token_call_multiplies(method: str) -> None:
+    """``token_macs`` (in the compression report) equals the matmul MACs that
+    ``FlopCounterMode`` counts when every compressed module maps one token (GQA K/V
+    narrower than Q; the gated MLP-in as two parts for the per-part methods)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = tiny_llama(num_hidden_layers=5)
+    ad = get_adapter(model)
+    ids = _ids(8 * 32)
+    cal = calibrate(ad, ids, seq_len=32, batch_size=2, progress=False)
+    cfg = CompressionConfig(method=method, types="all", target_reduction=0.3, residual_rank=2)
+    rep = compress_model(ad, cal, cfg)
+    assert rep["types"]["k"]["shape"][0] < rep["types"]["q"]["shape"][0]  # GQA
+    for t, d in rep["types"].items():
+        mt = MatrixType(t)
+        x = torch.randn(1, d["shape"][1], generator=torch.Generator().manual_seed(1))
+        x.requires_grad_(True)  # a graph-recording call: PyTorch ops, which the mode sees
+        with FlopCounterMode(display=False) as fc:
+            for layer in ad.layers:
+                layer.module(mt)(x)
+        assert fc.get_total_flops() == 2 * d["token_macs"], (t, d["method"])
+    if method in ("shared", "hybrid"):  # the two-sided shared basis: U in every layer
+        d = rep["types"]["mlp_in"]
+        assert d["token_macs"] > d["stored_parameters"]
+
+
 def test_load_compressed_refuses_a_file_that_lacks_a_factor(tmp_path) -> None:
     from safetensors.torch import load_file, save_file
 

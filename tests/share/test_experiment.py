@@ -68,12 +68,21 @@ def test_reduced_experiment(tmp_path) -> None:
     assert len(res["scope"]) == 6
     assert all(0 < v < 1 for a in hyb for v in a["residual_share_of_basis_error"].values())
     assert "skipped" in res["second_model"]
+    # MACs per token beside the storage: a per-layer SVD computes what it stores; the
+    # shared basis is applied in every layer, so equal storage costs it more MACs
+    by = {(e["reduction"], e["method"]): e["arms"][0] for e in whole}
+    svd = by[(0.3, "svd")]
+    assert svd["token_macs_ratio"] == pytest.approx(
+        svd["stored_parameters"] / svd["original_parameters"])
+    assert by[(0.3, "shared")]["token_macs_ratio"] > svd["token_macs_ratio"]
+    assert all(0 < a["token_macs_ratio"] for a in res["scope"])
     assert res["finetuned_runs"] == {"done": 2 * 3 + 3 + 2 * 2 + 6, "planned": 19}
     report = (tmp_path / "out" / "report.md").read_text()
     for text in texts:
         assert f"## {text}" in report
     for row in ("### Whole-model compression", "### The seed's regime", "| −50% |",
-                "| 7 | shared on mlp", "| 9 | hybrid on all", "recovered on"):
+                "| 7 | shared on mlp", "| 9 | hybrid on all", "recovered on",
+                "| MACs / token |"):
         assert row in report, row
     for png in ("ppl_vs_budget.png", "energy_vs_ppl.png", "finetune_curves.png"):
         assert (tmp_path / "out" / png).stat().st_size > 10_000

@@ -13,6 +13,7 @@ from .ranks import (
     solve_basis_sharing_rank,
     solve_svd_rank,
     stored_parameters,
+    token_macs,
 )
 
 __all__ = ["BASIS_SHARING", "METHODS", "CompressionConfig", "LowRankLinear", "OneSidedLinear",
@@ -20,4 +21,4 @@ __all__ = ["BASIS_SHARING", "METHODS", "CompressionConfig", "LowRankLinear", "On
            "best_rectangular_ranks", "build_modules", "compress_model", "consecutive_groups",
            "factorize_basis_sharing", "factorize_shared", "factorize_svd", "load_compressed",
            "plan_types", "save_compressed", "solve_basis_sharing_rank", "solve_svd_rank",
-           "stored_parameters", "update_coefficients"]
+           "stored_parameters", "token_macs", "update_coefficients"]

@@ -24,6 +24,7 @@ from .ranks import (
     solve_basis_sharing_rank,
     solve_svd_rank,
     stored_parameters,
+    token_macs,
 )
 
 __all__ = ["CompressionConfig", "TypePlan", "build_modules", "compress_model", "plan_types"]
@@ -248,14 +249,17 @@ def compress_model(adapter: ModelAdapter, cal: Calibration, cfg: CompressionConf
             layer.replace(t, mod)
         out, inn = plan.shape
         original = L * out * inn
-        stored = stored_parameters(factors.method, out, inn, factors.ranks,
-                                   [len(g) for g in factors.groups], factors.parts)
+        sizes = [len(g) for g in factors.groups]
+        stored = stored_parameters(factors.method, out, inn, factors.ranks, sizes,
+                                   factors.parts)
         orig_sum, stored_sum = orig_sum + original, stored_sum + stored
         report["types"][t.value] = {
             "method": factors.method, "k": factors.ranks.k, "k_out": factors.ranks.k_out,
             "k_in": factors.ranks.k_in, "r": factors.ranks.r, "shape": [out, inn],
             "parts": factors.parts, "group_sizes": [len(g) for g in factors.groups],
             "original_parameters": original, "stored_parameters": stored,
+            "token_macs": token_macs(factors.method, out, inn, factors.ranks, sizes,
+                                     factors.parts),
             "budget": plan.budget, "ratio": original / stored, "energy_kept": factors.energy,
             "mean_energy_kept": sum(factors.energy) / L, **factors.info}
         if progress is not None:

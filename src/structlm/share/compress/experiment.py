@@ -37,12 +37,12 @@ import torch
 
 from ...atomic import atomic_write_text, clean_json
 from ...plot_throttle import PlotThrottle
-from ..adapters import get_adapter
+from ..adapters import MatrixType, get_adapter
 from ..configs import dataclass_from_dict
 from ..pipeline import Prepared, evaluate_all, prepare, spread_windows
-from .apply import CompressionConfig, compress_model
+from .apply import CompressionConfig, compress_model, plan_types
 from .finetune import FinetuneConfig, finetune
-from .ranks import METHODS
+from .ranks import METHODS, TypeRanks, token_macs
 
 __all__ = ["ExperimentConfig", "run_experiment"]
 
@@ -158,6 +158,23 @@ def _analytic(prep: Prepared, ccfg: CompressionConfig) -> dict[str, Any]:
     if "update" in rep:
         out["update"] = rep["update"]
     return out
+
+
+def token_macs_ratio(prep: Prepared, ccfg: CompressionConfig, arm: dict[str, Any]) -> float:
+    """Decoder projection MACs per token of the compressed model (one row, the modules'
+    own order) over the original's, from the arm's recorded ranks: every linear type of
+    every layer counted, the uncompressed ones at ``out·in``."""
+    ad = prep.adapter
+    L = ad.num_layers
+    dense = {t: L * ad.layers[0].weight(t).numel() for t in MatrixType}
+    now = dict(dense)
+    for plan in plan_types(ad, ccfg):
+        r = arm["ranks"][plan.type.value]
+        out, inn = plan.shape
+        now[plan.type] = token_macs(r["method"], out, inn, TypeRanks(r["k_out"], r["k_in"],
+                                                                     r["r"]),
+                                    [len(g) for g in plan.groups], plan.parts)
+    return sum(now.values()) / sum(dense.values())
 
 
 def _tuned(prep: Prepared, ccfg: CompressionConfig, ft: FinetuneConfig, seed: int,
@@ -314,6 +331,7 @@ def _assemble(cfg: ExperimentConfig, prep: Prepared, cache: _ArmCache, cells: li
     seed_entries = []
     for c in cells:
         a = cache.analytic(prep, c.ccfg, False)
+        a = {**a, "token_macs_ratio": token_macs_ratio(prep, c.ccfg, a)}
         arms = [{**a, **cache.tuned(prep, c.ccfg, c.ft, s, False)}
                 for s in c.seeds if cache.has_tuned(prep, c.ccfg, c.ft, s)]
         entry = {"method": c.ccfg.method, "reduction": c.ccfg.target_reduction,

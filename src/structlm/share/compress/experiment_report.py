@@ -11,6 +11,11 @@ Rules (fixed before any run, applied per text whatever they say):
 * **test 5** (fine-tuning repairs): lives if fine-tuning undoes ≥ 50% of the
   log-perplexity damage, ``(log p_analytic − log p_tuned) / (log p_analytic − log p_orig)``;
 * **tests 7/9**: a compressed model is usable within 2× the original perplexity.
+
+Budgets are stored parameters (the papers' convention); the MACs / token column gives
+the decoder projections' multiply-adds per token over the original's, at one row in the
+modules' own order: a shared basis is applied in every layer, so equal storage is not
+equal compute (the two-sided ``shared`` costs more than the dense model at mild budgets).
 """
 
 from __future__ import annotations
@@ -59,10 +64,10 @@ def verdict(stats: dict[str, dict[str, float]]) -> str:
 def _whole_table(res: dict[str, Any], text: str) -> list[str]:
     orig = res["ppl_original"][text]
     texts = res["eval_texts"]
-    lines = [f"| reduction | method | stored / original | energy kept | analytic ppl | "
-             f"fine-tuned ppl | recovered here | recovered on {_other(texts, text)} |",
-             "|---|---|---|---|---|---|---|---|",
-             f"| 0% | original | 1 | 1 | {_f(orig)} | — | — | — |"]
+    lines = [f"| reduction | method | stored / original | MACs / token | energy kept | "
+             f"analytic ppl | fine-tuned ppl | recovered here | recovered on "
+             f"{_other(texts, text)} |", "|---|---|---|---|---|---|---|---|---|",
+             f"| 0% | original | 1 | 1 | 1 | {_f(orig)} | — | — | — |"]
     for e in res["whole_model"]:
         a0 = e["arms"][0]
         energy = sum(a0["energy_kept"].values()) / len(a0["energy_kept"])
@@ -72,9 +77,15 @@ def _whole_table(res: dict[str, Any], text: str) -> list[str]:
         rec_o = _rec(res, e, other) if other else float("nan")
         lines.append(f"| {e['reduction']:.0%} | {e['method']} | "
                      f"{a0['stored_parameters'] / a0['original_parameters']:.4f} | "
-                     f"{energy:.3f} | {_f(e['analytic'][text])} | {_ft(ft)} | "
+                     f"{_macs(a0)} | {energy:.3f} | {_f(e['analytic'][text])} | {_ft(ft)} | "
                      f"{_f(100 * rec, 0)}% | {_f(100 * rec_o, 0)}% |")
     return lines
+
+
+def _macs(arm: dict[str, Any]) -> str:
+    """Decoder projection MACs per token over the original's (one-row order)."""
+    r = arm.get("token_macs_ratio")
+    return "—" if r is None else f"{r:.3f}"
 
 
 def _other(texts: list[str], text: str) -> str:
@@ -108,16 +119,17 @@ def _seed_section(res: dict[str, Any], text: str) -> list[str]:
     lines = [f"### The seed's regime: {sr['types']} only, shared at k = {sr['k']} "
              f"(removes {sr['reduction_of_shared']:.1%} of it); the others at the storage "
              "that leaves (the closest each can reach without exceeding it)", "",
-             "| method | stored / original | energy kept | analytic ppl | fine-tuned ppl | "
-             "recovered | test 5 |", "|---|---|---|---|---|---|---|"]
+             "| method | stored / original | MACs / token | energy kept | analytic ppl | "
+             "fine-tuned ppl | recovered | test 5 |", "|---|---|---|---|---|---|---|---|"]
     stats = {}
     for e in sr["entries"]:
         a0 = e["arms"][0]
         ft = e["finetuned"].get(text, {})
         rec = _rec(res, e, text)
         stats[e["method"]] = ft
+        energy = sum(a0["energy_kept"].values()) / len(a0["energy_kept"])
         lines.append(f"| {e['method']} | {a0['stored_parameters'] / a0['original_parameters']:.4f}"
-                     f" | {sum(a0['energy_kept'].values()) / len(a0['energy_kept']):.3f} | "
+                     f" | {_macs(a0)} | {energy:.3f} | "
                      f"{_f(e['analytic'][text])} | {_ft(ft)} | {_f(100 * rec, 0)}% | "
                      f"{'lives' if rec >= 0.5 else 'fails'} |")
     lines += ["", f"Original {_f(orig)}. Test 6 (same budget, fine-tuned): {verdict(stats)}.",
@@ -138,6 +150,7 @@ def _scope_rows(res: dict[str, Any], text: str) -> list[str]:
         test = 9 if arm["method"] == "hybrid" else 7
         usable = "usable (≤ 2× original)" if tuned and tuned <= 2 * orig else "not usable"
         rows.append(f"| {test} | {arm['method']} on {arm['types']} | {arm['ratio']:.2f}× | "
+                    f"{_macs(arm)} | "
                     f"{_f(arm['ppl_analytic'][text])} | {_f(tuned)}{extra} | {usable} |")
     return rows
 
@@ -263,8 +276,9 @@ def write_experiment_report(res: dict[str, Any], cfg: Any, out: Path,
                   "|---|---|---|", *_verdicts(res["whole_model"], text), ""]
         if res["scope"]:
             lines += ["### Tests 7 and 9: where sharing works (one seed, equal per-type "
-                      "reduction)", "", "| test | arm | ratio | analytic | fine-tuned | "
-                      "verdict |", "|---|---|---|---|---|---|", *_scope_rows(res, text), ""]
+                      "reduction)", "", "| test | arm | ratio | MACs / token | analytic | "
+                      "fine-tuned | verdict |", "|---|---|---|---|---|---|---|",
+                      *_scope_rows(res, text), ""]
     sm = res["second_model"]
     lines += ["## Test 8: a second model", "",
               sm["skipped"] if "skipped" in sm else f"{sm['model']}: see experiment.json", ""]

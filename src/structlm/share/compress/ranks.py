@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["BASIS_SHARING", "METHODS", "TypeRanks", "consecutive_groups", "max_basis_rank",
-           "solve_basis_sharing_rank", "solve_svd_rank", "stored_parameters"]
+           "solve_basis_sharing_rank", "solve_svd_rank", "stored_parameters", "token_macs"]
 
 METHODS = ("shared", "hybrid", "svd", "basis-sharing", "onesided-all-layers")
 """Compression methods (``onesided-all-layers`` = ``basis-sharing`` with one group)."""
@@ -88,6 +88,31 @@ def stored_parameters(method: str, out: int, inn: int, ranks: TypeRanks,
         return base + (L * ranks.r * (out + inn) if method == "hybrid" else 0)
     if method in BASIS_SHARING:
         return parts * sum(min(ranks.k, max_basis_rank(inn, n, op)) * (inn + n * op)
+                           for n in group_sizes)
+    raise ValueError(f"unknown method {method!r}: expected one of {METHODS}")
+
+
+def token_macs(method: str, out: int, inn: int, ranks: TypeRanks, group_sizes: list[int],
+               parts: int = 1) -> int:
+    """Multiply-adds per token of one type summed over its ``L`` layers, in the order the
+    modules take for one row (``P x`` first; a shared basis's ``U A`` is not formed):
+
+    ``svd`` ``parts·k (out_p + in)`` a layer (= its stored parameters); ``shared``
+    ``k_in·in + k_out·k_in + out·k_out`` (``hybrid`` ``+ r (out + in)``); ``basis-sharing``
+    ``parts·k_g (in + out_p)``, since every layer maps its own input onto the group's
+    basis. Unlike the stored parameters, a shared basis costs MACs in every layer: a
+    two-sided ``shared`` type can cost more per token than the dense matrix."""
+    L = sum(group_sizes)
+    if out % parts:
+        raise ValueError(f"{out} rows do not split into {parts} equal parts")
+    op = out // parts
+    if method == "svd":
+        return parts * L * ranks.k * (op + inn)
+    if method in ("shared", "hybrid"):
+        per = inn * ranks.k_in + ranks.k_in * ranks.k_out + ranks.k_out * out
+        return L * (per + (ranks.r * (out + inn) if method == "hybrid" else 0))
+    if method in BASIS_SHARING:
+        return parts * sum(n * min(ranks.k, max_basis_rank(inn, n, op)) * (inn + op)
                            for n in group_sizes)
     raise ValueError(f"unknown method {method!r}: expected one of {METHODS}")
 
