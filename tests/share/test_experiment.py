@@ -114,3 +114,15 @@ def test_verdict_rule() -> None:
     assert verdict({"svd": {**a, "n": 1}, "shared": {**b, "n": 1}}).startswith("one seed")
     assert recovered(10.0, 20.0, 10.0) == pytest.approx(1.0)
     assert recovered(10.0, 20.0, 20.0) == pytest.approx(0.0)
+
+
+def test_no_verdict_before_fine_tuning() -> None:
+    """An arm not yet fine-tuned gets no test-5 verdict and no recovery share (a partial
+    report must not print "fails" for a run that has not happened)."""
+    from structlm.share.compress.experiment_report import _pct, _test5
+
+    assert _test5({}, float("nan")) == "not fine-tuned yet"
+    assert _pct(float("nan")) == "—"
+    tuned = {"mean": 20.0, "min": 20.0, "max": 20.0, "n": 1, "std": 0.0}
+    assert _test5(tuned, 0.7) == "lives" and _test5(tuned, 0.2) == "fails"
+    assert _test5(tuned, float("nan")) == "no damage to repair"
