@@ -70,6 +70,13 @@ def max_basis_rank(inn: int, n: int, out_part: int) -> int:
     return min(inn, n * out_part)
 
 
+def _layers_and_part_rows(group_sizes: list[int], out: int, parts: int) -> tuple[int, int]:
+    """``L`` (layers over all groups) and ``out_p`` (rows of one part)."""
+    if out % parts:
+        raise ValueError(f"{out} rows do not split into {parts} equal parts")
+    return sum(group_sizes), out // parts
+
+
 def stored_parameters(method: str, out: int, inn: int, ranks: TypeRanks,
                       group_sizes: list[int], parts: int = 1) -> int:
     """Stored parameters of one type under ``method`` (biases unchanged, not counted).
@@ -77,10 +84,7 @@ def stored_parameters(method: str, out: int, inn: int, ranks: TypeRanks,
     ``group_sizes``: layers per group (``[1] * L`` for per-layer methods; only
     ``basis-sharing`` reads the grouping); ``parts``: row blocks factorised separately
     (2 for a gated MLP-in under ``basis-sharing``)."""
-    L = sum(group_sizes)
-    if out % parts:
-        raise ValueError(f"{out} rows do not split into {parts} equal parts")
-    op = out // parts
+    L, op = _layers_and_part_rows(group_sizes, out, parts)
     if method == "svd":
         return parts * L * ranks.k * (op + inn)
     if method in ("shared", "hybrid"):
@@ -102,10 +106,7 @@ def token_macs(method: str, out: int, inn: int, ranks: TypeRanks, group_sizes: l
     ``parts·k_g (in + out_p)``, since every layer maps its own input onto the group's
     basis. Unlike the stored parameters, a shared basis costs MACs in every layer: a
     two-sided ``shared`` type can cost more per token than the dense matrix."""
-    L = sum(group_sizes)
-    if out % parts:
-        raise ValueError(f"{out} rows do not split into {parts} equal parts")
-    op = out // parts
+    L, op = _layers_and_part_rows(group_sizes, out, parts)
     if method == "svd":
         return parts * L * ranks.k * (op + inn)
     if method in ("shared", "hybrid"):
