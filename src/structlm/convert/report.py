@@ -175,17 +175,18 @@ def _plot_curves(arms: list[dict[str, Any]], targets: list[str], path: Path) -> 
     shown = [t for t in targets if any(k[0] == t for k, _ in groups)]
     if not shown:
         return
+    colors: dict[str, str] = {}  # one colour per arm name in every panel
+    for (_, arm, _), _runs in groups:
+        colors.setdefault(arm, f"C{len(colors) % 10}")
     fig, axes = plt.subplots(1, len(shown), figsize=(6 * len(shown), 4.5), squeeze=False)
     for ax, target in zip(axes[0], shown, strict=True):
         for (t, arm, _), runs in groups:
             if t != target:
                 continue
-            color = None
             for i, r in enumerate(runs):
                 steps, ppl = zip(*_evals(r), strict=True)
-                line = ax.plot(steps, ppl, marker="o", ms=3, lw=1, color=color,
-                               label=arm if i == 0 else None)[0]
-                color = line.get_color()
+                ax.plot(steps, ppl, marker="o", ms=3, lw=1, color=colors[arm],
+                        label=arm if i == 0 else None)
         ax.set_yscale("log")
         ax.set_xlabel("healing step")
         ax.set_ylabel("in-domain perplexity (healing's eval windows)")
