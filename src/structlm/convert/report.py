@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from ..atomic import atomic_write_text
+from ..atomic import atomic_save_figure, atomic_write_text
 
 __all__ = ["verdict", "write_convert_report"]
 
@@ -194,17 +194,8 @@ def _plot_curves(arms: list[dict[str, Any]], targets: list[str], path: Path) -> 
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
-    _save(fig, path)
+    atomic_save_figure(fig, path)
 
-
-def _save(fig: Any, path: Path) -> None:
-    """Save atomically (a temporary file, then a rename)."""
-    import matplotlib.pyplot as plt
-
-    tmp = path.with_name(".tmp-" + path.name)
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
 
 
 def _plot(res: dict[str, Any], texts: list[str], path: Path) -> None:
@@ -236,4 +227,4 @@ def _plot(res: dict[str, Any], texts: list[str], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7, loc="upper right")
     fig.tight_layout()
-    _save(fig, path)
+    atomic_save_figure(fig, path)

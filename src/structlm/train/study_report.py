@@ -12,12 +12,11 @@ from __future__ import annotations
 import csv
 import itertools
 import math
-import os
 import statistics
 from pathlib import Path
 from typing import Any
 
-from ..atomic import atomic_write_text
+from ..atomic import atomic_save_figure, atomic_write_text
 from .study import run_summary
 from .study_config import ArmSpec, StudyConfig
 
@@ -193,13 +192,8 @@ def _plot_macs(stats: dict[str, dict[str, Any]], png: Path) -> None:
 
 
 def _save(fig: Any, png: Path) -> None:
-    import matplotlib.pyplot as plt
-
     fig.tight_layout()
-    tmp = png.with_name(png.name + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, png)
+    atomic_save_figure(fig, png, dpi=120)
 
 
 def _write_csvs(cfg: StudyConfig, out: Path, stats: dict[str, dict[str, Any]]) -> None:
