@@ -82,7 +82,8 @@ def test_reduced_experiment(tmp_path) -> None:
         assert f"## {text}" in report
     for row in ("### Whole-model compression", "### The seed's regime", "| −50% |",
                 "| 7 | shared on mlp", "| 9 | hybrid on all", "recovered on",
-                "| MACs / token |"):
+                "| MACs / token |", "## Had fine-tuning plateaued?", "| seed regime | svd |",
+                "| whole model −50% | shared | 2 |"):
         assert row in report, row
     for png in ("ppl_vs_budget.png", "energy_vs_ppl.png", "finetune_curves.png"):
         assert (tmp_path / "out" / png).stat().st_size > 10_000
@@ -126,3 +127,26 @@ def test_no_verdict_before_fine_tuning() -> None:
     tuned = {"mean": 20.0, "min": 20.0, "max": 20.0, "n": 1, "std": 0.0}
     assert _test5(tuned, 0.7) == "lives" and _test5(tuned, 0.2) == "fails"
     assert _test5(tuned, float("nan")) == "no damage to repair"
+
+
+def test_plateau_rule() -> None:
+    """The plateau table: the last two evaluations, mean over the seeds done, and the
+    pre-set 2% rule; arms not fine-tuned (no ``ppl_finetuned``) are left out."""
+    from structlm.share.compress.experiment_report import plateau_rows
+
+    def arm(last: float) -> dict:
+        curve = [{"step": 0, "eval_ppl": 90.0}, {"step": 1, "eval_ppl": None},
+                 {"step": 50, "eval_ppl": 50.0}, {"step": 100, "eval_ppl": last}]
+        return {"curve": curve, "ppl_finetuned": {}}
+
+    res = {"seed_regime": {"entries": [{"method": "svd", "reduction": 0.92,
+                                        "arms": [arm(49.5), arm(49.7)]}]},
+           "whole_model": [{"method": "shared", "reduction": 0.2, "arms": [arm(45.0)]},
+                           {"method": "hybrid", "reduction": 0.2,
+                            "arms": [{"curve": None}]}]}
+    rows = plateau_rows(res)
+    assert len(rows) == 2
+    assert rows[0].startswith("| seed regime | svd | 2 | 50 → 100 | 50.00 | 49.60 | -0.8% "
+                              "| plateaued |")
+    assert rows[1].startswith("| whole model −20% | shared | 1 | 50 → 100 | 50.00 | 45.00 | "
+                              "-10.0% | still moving |")

@@ -10,7 +10,10 @@ Rules (fixed before any run, applied per text whatever they say):
   seed, or before fine-tuning (deterministic), only the ordering is reported;
 * **test 5** (fine-tuning repairs): lives if fine-tuning undoes ≥ 50% of the
   log-perplexity damage, ``(log p_analytic − log p_tuned) / (log p_analytic − log p_orig)``;
-* **tests 7/9**: a compressed model is usable within 2× the original perplexity.
+* **tests 7/9**: a compressed model is usable within 2× the original perplexity;
+* **plateau** (the seed regime's "long enough to converge"): a fine-tuning run has
+  plateaued if its last evaluation interval changed the held-out subset's perplexity
+  by less than 2% (mean over seeds).
 
 Budgets are stored parameters (the papers' convention); the MACs / token column gives
 the decoder projections' multiply-adds per token over the original's, at one row in the
@@ -21,12 +24,16 @@ equal compute (the two-sided ``shared`` costs more than the dense model at mild 
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
 from ...atomic import atomic_write_text
 
-__all__ = ["recovered", "verdict", "write_experiment_report"]
+__all__ = ["plateau_rows", "recovered", "verdict", "write_experiment_report"]
+
+PLATEAU_CHANGE = 0.02
+"""The plateau rule: a last evaluation interval changing perplexity by less than this."""
 
 
 def _f(x: float | None, nd: int = 2) -> str:
@@ -170,6 +177,43 @@ def _scope_rows(res: dict[str, Any], text: str) -> list[str]:
     return rows
 
 
+def _evals(arm: dict[str, Any]) -> list[tuple[int, float]]:
+    """``(step, held-out subset perplexity)`` at every evaluation of a fine-tuning run."""
+    return [(c["step"], c["eval_ppl"]) for c in arm.get("curve") or []
+            if c.get("eval_ppl") is not None]
+
+
+def plateau_rows(res: dict[str, Any]) -> list[str]:
+    """Had fine-tuning plateaued? Per fine-tuned setting: the subset perplexity at the
+    last two evaluations (mean over the seeds done), the change, the plateau rule."""
+    groups = [("seed regime", e) for e in (res.get("seed_regime") or {}).get("entries", [])]
+    groups += [("whole model", e) for e in res["whole_model"]]
+    rows = []
+    for regime, e in groups:
+        pts = [_evals(a) for a in e["arms"] if "ppl_finetuned" in a]
+        if not pts or any(len(p) < 2 for p in pts):
+            continue
+        a = statistics.fmean(p[-2][1] for p in pts)
+        b = statistics.fmean(p[-1][1] for p in pts)
+        where = regime if regime == "seed regime" else f"{regime} −{e['reduction']:.0%}"
+        rule = "plateaued" if abs(b / a - 1) < PLATEAU_CHANGE else "still moving"
+        rows.append(f"| {where} | {e['method']} | {len(pts)} | {pts[0][-2][0]} → "
+                    f"{pts[0][-1][0]} | {a:,.2f} | {b:,.2f} | {b / a - 1:+.1%} | {rule} |")
+    return rows
+
+
+def _plateau_lines(res: dict[str, Any], text: str) -> list[str]:
+    rows = plateau_rows(res)
+    if not rows:
+        return []
+    return ["## Had fine-tuning plateaued?", "",
+            f"Perplexity on the fine-tuning run's own held-out subset ({text}; fewer tokens "
+            "than the tables', so not comparable with them) at the last two evaluations, "
+            f"mean over seeds; the rule: a change under {PLATEAU_CHANGE:.0%} is a plateau.",
+            "", "| setting | method | seeds | steps | before | last | change | rule |",
+            "|---|---|---:|---|---:|---:|---:|---|", *rows, ""]
+
+
 def _plots(res: dict[str, Any], out: Path) -> None:
     import matplotlib
 
@@ -294,6 +338,7 @@ def write_experiment_report(res: dict[str, Any], cfg: Any, out: Path,
                       "reduction)", "", "| test | arm | ratio | MACs / token | analytic | "
                       "fine-tuned | verdict |", "|---|---|---|---|---|---|---|",
                       *_scope_rows(res, text), ""]
+    lines += _plateau_lines(res, res["eval_texts"][0])
     sm = res["second_model"]
     lines += ["## Test 8: a second model", "",
               sm["skipped"] if "skipped" in sm else f"{sm['model']}: see experiment.json", ""]
