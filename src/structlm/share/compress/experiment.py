@@ -234,17 +234,21 @@ class _ArmCache:
     def tuned(self, prep: Prepared, ccfg: CompressionConfig, ft: FinetuneConfig, seed: int,
               progress: bool) -> dict[str, Any] | None:
         """The fine-tuned part (``None`` if it is not done and ``run`` is False)."""
-        key = self._key(prep, ccfg, part="finetuned", seed=seed,
-                        finetune=dataclasses.asdict(ft))
+        key = self.tuned_key(prep, ccfg, ft, seed)
         label = (f"{ccfg.method} on {ccfg.types} at "
                  f"{ccfg.target_reduction or ccfg.k_fraction}, fine-tuned, seed {seed}")
         return self._get(key, lambda: _tuned(prep, ccfg, ft, seed, progress,
                                              self.state_path(key)), label, progress)
 
+    def tuned_key(self, prep: Prepared, ccfg: CompressionConfig, ft: FinetuneConfig,
+                  seed: int) -> str:
+        """The key of one fine-tuning run in ``arms.json``."""
+        return self._key(prep, ccfg, part="finetuned", seed=seed,
+                         finetune=dataclasses.asdict(ft))
+
     def has_tuned(self, prep: Prepared, ccfg: CompressionConfig, ft: FinetuneConfig,
                   seed: int) -> bool:
-        return self._key(prep, ccfg, part="finetuned", seed=seed,
-                         finetune=dataclasses.asdict(ft)) in self.done
+        return self.tuned_key(prep, ccfg, ft, seed) in self.done
 
 
 def _summary(arms: list[dict[str, Any]], key: str, name: str) -> dict[str, float]:
@@ -377,10 +381,11 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, progress: bool = 
 
     def write(final: bool = False) -> dict[str, Any]:
         res.update(_assemble(cfg, prep, cache, cells, info, texts))
-        planned = sum(len(c.seeds) for c in cells)
-        done = sum(cache.has_tuned(prep, c.ccfg, c.ft, s) for c in cells
-                   for s in c.seeds)
-        res["finetuned_runs"] = {"done": done, "planned": planned}
+        # distinct runs: the scope's "all" arms are whole-model arms already
+        runs = {cache.tuned_key(prep, c.ccfg, c.ft, s): (c, s) for c in cells
+                for s in c.seeds}
+        done = sum(cache.has_tuned(prep, c.ccfg, c.ft, s) for c, s in runs.values())
+        res["finetuned_runs"] = {"done": done, "planned": len(runs)}
         res["seconds"] = time.time() - t0
         atomic_write_text(out / "experiment.json", json.dumps(clean_json(res), indent=1))
         write_experiment_report(res, cfg, out, plots=throttle.due(final))
