@@ -382,10 +382,9 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, progress: bool = 
     def write(final: bool = False) -> dict[str, Any]:
         res.update(_assemble(cfg, prep, cache, cells, info, texts))
         # distinct runs: the scope's "all" arms are whole-model arms already
-        runs = {cache.tuned_key(prep, c.ccfg, c.ft, s): (c, s) for c in cells
-                for s in c.seeds}
-        done = sum(cache.has_tuned(prep, c.ccfg, c.ft, s) for c, s in runs.values())
-        res["finetuned_runs"] = {"done": done, "planned": len(runs)}
+        runs = {cache.tuned_key(prep, c.ccfg, c.ft, s) for c in cells for s in c.seeds}
+        res["finetuned_runs"] = {"done": len(runs & cache.done.keys()),
+                                 "planned": len(runs)}
         res["seconds"] = time.time() - t0
         atomic_write_text(out / "experiment.json", json.dumps(clean_json(res), indent=1))
         write_experiment_report(res, cfg, out, plots=throttle.due(final))

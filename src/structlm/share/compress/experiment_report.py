@@ -272,10 +272,10 @@ def _plots(res: dict[str, Any], out: Path) -> None:
     for ax, (title, entries) in zip(axes[0], groups, strict=True):
         for j, e in enumerate(entries):
             for arm in e["arms"]:
-                ev = [c for c in arm.get("curve") or [] if c["eval_ppl"] is not None]
+                ev = _evals(arm)
                 lbl = (f"{e['method']} −{e['reduction']:.0%}" if e["reduction"] is not None
                        else e["method"]) if arm is e["arms"][0] else None
-                ax.plot([c["step"] for c in ev], [c["eval_ppl"] for c in ev], "o-", ms=2,
+                ax.plot([st for st, _ in ev], [p for _, p in ev], "o-", ms=2,
                         lw=0.7, color=f"C{j % 10}", label=lbl)
         ax.set_yscale("log")
         ax.set_xlabel("fine-tuning step")
