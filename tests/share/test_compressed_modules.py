@@ -81,7 +81,11 @@ def test_shared_basis_gradients_match_dense(tokens: int) -> None:
     U, P, b = mod.basis.U.double(), mod.basis.P.double(), mod.bias.double()
     (x.double() @ (U @ core @ P + rb @ rc).T + b).pow(2).sum().backward()
     for g, ref in zip(got, (core.grad, rb.grad, rc.grad), strict=True):
-        torch.testing.assert_close(g.double(), ref, rtol=1e-4, atol=1e-2)
+        # float32 sums over up to 1025 rows: the error scales with the gradient's size
+        # (measured over 40 seeds: ≤ 1.3e-6 of its max-abs), not with each element's,
+        # so an element near cancellation needs an absolute bound of that scale
+        torch.testing.assert_close(g.double(), ref, rtol=1e-4,
+                                   atol=1e-5 * float(ref.abs().max()))
     assert mod.basis.P.grad is None and mod.basis.U.grad is None  # the basis stays frozen
 
 
