@@ -148,6 +148,9 @@ def test_plateau_rule() -> None:
     rows = plateau_rows(res)
     assert len(rows) == 2
     assert rows[0].startswith("| seed regime | svd | 2 | 50 → 100 | 50.00 | 49.60 | -0.8% "
-                              "| plateaued |")
-    assert rows[1].startswith("| whole model −20% | shared | 1 | 50 → 100 | 50.00 | 45.00 | "
-                              "-10.0% | still moving |")
+                              "| plateaued | — |")
+    assert rows[1] == ("| whole model −20% | shared | 1 | 50 → 100 | 50.00 | 45.00 | "
+                       "-10.0% | still moving | — |")
+    # a run that got worse while training: its last evaluation 20% above its best (50)
+    res["whole_model"][0]["arms"] = [arm(60.0), arm(45.0)]
+    assert plateau_rows(res)[1].endswith("| still moving | 1 of 2 (up to +20%) |")
