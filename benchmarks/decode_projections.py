@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from structlm.bench.timing import environment, interleaved_medians, write_csv_atomic
 from structlm.models import config_from_preset
 from structlm.nn import AlgebraLinear
-from structlm.ops import cpu_kernels
+from structlm.ops import cpu_extension, cpu_kernels
 from structlm.ops.blocked import force_layout
 
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             F.linear(xs[w.shape[1]], w)
 
     kernels = cpu_kernels.fused_rows_available()
-    mod = cpu_kernels._module() if kernels else None
+    mod = cpu_extension.extension() if kernels else None
 
     def run_dense_kernel() -> None:
         for w in dense:

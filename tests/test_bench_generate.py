@@ -78,9 +78,10 @@ def test_bench_any_pretrained_model_against_its_converted_copy(tmp_path) -> None
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from structlm.bench.generate import GenerateBenchConfig, run_generate_bench
-    from structlm.convert.decode import decode_macs_per_token, use_decode_kernels_
+    from structlm.hf.decode import use_decode_kernels_
+    from structlm.hf.loading import load_model
+    from structlm.hf.macs import decode_macs_per_token
     from structlm.nn import DecodeLinear
-    from structlm.share.loading import load_model
 
     src = tmp_path / "tiny"
     torch.manual_seed(0)

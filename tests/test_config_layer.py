@@ -83,7 +83,7 @@ def test_train_config_yaml_reads_exponents_and_refuses_nonpositive_counts(tmp_pa
 def test_partial_nested_mapping_keeps_the_fields_own_default() -> None:
     """``seed_finetune: {lr: 0.1}`` changes the rate of the seed regime's 300-step default,
     not the plain FinetuneConfig's 60 steps (a silent change before)."""
-    from structlm.share.compress.experiment import ExperimentConfig
+    from structlm.experiments.share.experiment import ExperimentConfig
 
     cfg = ExperimentConfig.from_dict({"seed_finetune": {"lr": 0.1}, "finetune": {"steps": 9}})
     assert (cfg.seed_finetune.steps, cfg.seed_finetune.warmup, cfg.seed_finetune.lr) == (

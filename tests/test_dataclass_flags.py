@@ -61,10 +61,10 @@ def test_every_config_field_of_the_commands_is_documented() -> None:
     from structlm.bench.layer import LayerBenchConfig
     from structlm.bench.share import ShareBenchConfig
     from structlm.bench.train_step import TrainBenchConfig
+    from structlm.experiments.share.experiment import ExperimentConfig
+    from structlm.hf.finetune import FinetuneConfig
     from structlm.share.analysis.analyze import AnalysisConfig
     from structlm.share.compress import CompressionConfig
-    from structlm.share.compress.experiment import ExperimentConfig
-    from structlm.share.compress.finetune import FinetuneConfig
     from structlm.train.loop import TrainConfig
 
     for cls in (AnalysisConfig, CompressionConfig, FinetuneConfig, ExperimentConfig,

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from structlm.cli.args import layer_list as _layers
-from structlm.share.pipeline import check_layers
+from structlm.hf.pipeline import check_layers
 
 
 @pytest.mark.parametrize(("text", "match"), [

@@ -1,10 +1,10 @@
-"""When partial runs redraw their plots (:mod:`structlm.plot_throttle`)."""
+"""When partial runs redraw their plots (:mod:`structlm.experiments.plot_throttle`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from structlm.plot_throttle import PlotThrottle
+from structlm.experiments.plot_throttle import PlotThrottle
 
 
 def test_first_and_final_calls_draw_and_the_rest_wait_for_the_interval() -> None:

@@ -7,17 +7,17 @@ Public API::
 
 import importlib.util as _importlib_util
 
-from .algebra import Algebra, AlgebraError, get_algebra, support_of
-from .convert import AlgebraConfig, conversion_info, convert_, load_converted, unconvert_
-from .nn import AlgebraLinear, BlockSchedule, CyclicSchedule, TableSchedule, get_schedule
-from .ops import Backend, TypePartition, force_backend
+from structlm.algebra import Algebra, AlgebraError, get_algebra, support_of
+from structlm.convert import AlgebraConfig, conversion_info, convert_, load_converted, unconvert_
+from structlm.nn import AlgebraLinear, BlockSchedule, CyclicSchedule, TableSchedule, get_schedule
+from structlm.ops import Backend, TypePartition, force_backend
 
 __version__ = "0.1.0"
 
 if _importlib_util.find_spec("transformers") is not None:
     # registers StructLM with transformers' Auto classes, so that after ``import structlm``
     # ``AutoModelForCausalLM.from_pretrained(folder)`` loads a saved StructLM model
-    from . import models as _models  # noqa: F401
+    from structlm import models as _models  # noqa: F401
 
 __all__ = [
     "Algebra",

@@ -12,14 +12,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from structlm import AlgebraConfig, convert_  # noqa: E402
-from structlm.convert.baselines import (  # noqa: E402
-    ffn_importance,
-    projection_macs,
-    projection_parameters,
-    prune_ffn_width_,
-)
-from structlm.share.adapters import get_adapter  # noqa: E402
-from structlm.share.calibration import calibrate  # noqa: E402
+from structlm.experiments.convert.baselines import ffn_importance, prune_ffn_width_  # noqa: E402
+from structlm.hf.adapters import get_adapter  # noqa: E402
+from structlm.hf.calibration import calibrate  # noqa: E402
+from structlm.hf.macs import projection_macs, projection_parameters  # noqa: E402
 from structlm.share.compress import CompressionConfig, compress_model  # noqa: E402
 from tiny_models import tiny_family, tiny_gpt2, tiny_llama  # noqa: E402
 

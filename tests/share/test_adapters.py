@@ -6,8 +6,7 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from structlm.models import StructLMForCausalLM
-from structlm.share.adapters import (
+from structlm.hf.adapters import (
     MATRIX_TYPES,
     GPT2Adapter,
     LlamaAdapter,
@@ -18,6 +17,7 @@ from structlm.share.adapters import (
     linear_from,
     parse_types,
 )
+from structlm.models import StructLMForCausalLM
 from tiny_models import FAMILY_OVERRIDES, tiny_family, tiny_gpt2, tiny_structlm
 
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from structlm.share.adapters import get_adapter
+from structlm.hf.adapters import get_adapter
+from structlm.hf.calibration import calibrate
 from structlm.share.analysis import analyze
-from structlm.share.calibration import calibrate
 from tiny_models import tiny_llama
 
 

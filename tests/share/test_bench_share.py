@@ -24,10 +24,10 @@ from structlm.bench.share import (
     write_outputs,
 )
 from structlm.cli import build_parser
-from structlm.share.adapters import get_adapter
-from structlm.share.calibration import calibrate
+from structlm.hf.adapters import get_adapter
+from structlm.hf.calibration import calibrate
+from structlm.hf.loading import LoadedModel
 from structlm.share.compress import CompressionConfig, compress_model, save_compressed
-from structlm.share.loading import LoadedModel
 from tiny_models import tiny_llama
 
 

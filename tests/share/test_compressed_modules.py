@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from structlm.nn.factorized import shared_basis_macs
 from structlm.share.compress import (
     LowRankLinear,
     OneSidedLinear,
     SharedBasis,
     SharedBasisLinear,
 )
-from structlm.share.compress.modules import shared_basis_macs
 
 GEN = torch.Generator().manual_seed(7)
 

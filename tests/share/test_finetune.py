@@ -11,12 +11,12 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from structlm.share.adapters import get_adapter
-from structlm.share.calibration import calibrate
+from structlm.config import read_yaml
+from structlm.experiments.share.experiment import ExperimentConfig
+from structlm.hf.adapters import get_adapter
+from structlm.hf.calibration import calibrate
+from structlm.hf.finetune import FinetuneConfig, finetune, trainable_parameters
 from structlm.share.compress import CompressionConfig, SharedBasisLinear, compress_model
-from structlm.share.compress.experiment import ExperimentConfig
-from structlm.share.compress.finetune import FinetuneConfig, finetune, trainable_parameters
-from structlm.share.configs import read_yaml
 from tiny_models import tiny_llama
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -137,7 +137,7 @@ def test_killed_finetune_resumes_to_the_same_result(tmp_path, monkeypatch) -> No
 
 
 def test_recorded_arm_deletes_its_finetune_state(tmp_path) -> None:
-    from structlm.share.compress.experiment import _ArmCache
+    from structlm.experiments.share.experiment import _ArmCache
 
     cache = _ArmCache(tmp_path / "arms.json", ExperimentConfig())
     key = '{"part": "finetuned", "seed": 0}'

@@ -8,8 +8,10 @@ from typing import Any
 import pytest
 import torch
 
+from structlm.hf.adapters import get_adapter
+from structlm.hf.calibration import Calibration, CovarianceAccumulator, calibrate
+from structlm.hf.linalg import effective_rank, psd_sqrt
 from structlm.share import sinks
-from structlm.share.adapters import get_adapter
 from structlm.share.analysis.analyze import (
     FUNCTIONAL_KEYS,
     AnalysisConfig,
@@ -17,8 +19,6 @@ from structlm.share.analysis.analyze import (
     _functional_tests,
 )
 from structlm.share.analysis.subspaces import functional_matrices, per_side_k
-from structlm.share.calibration import Calibration, CovarianceAccumulator, calibrate
-from structlm.share.linalg import effective_rank, psd_sqrt
 from tiny_models import tiny_llama
 
 

@@ -5,10 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from structlm.share.analysis.alignment import align, drop_split
-from structlm.share.analysis.analyze import Thresholds, _alignment_test, _subspace_test
-from structlm.share.analysis.subspaces import functional_matrices, per_side_k, subspace_scores
-from structlm.share.linalg import (
+from structlm.hf.linalg import (
     effective_rank,
     energy_weighted_basis,
     psd_inv_sqrt,
@@ -17,6 +14,9 @@ from structlm.share.linalg import (
     random_orthonormal,
     subspace_overlap,
 )
+from structlm.share.analysis.alignment import align, drop_split
+from structlm.share.analysis.analyze import Thresholds, _alignment_test, _subspace_test
+from structlm.share.analysis.subspaces import functional_matrices, per_side_k, subspace_scores
 
 
 def _gen(seed: int = 0) -> torch.Generator:

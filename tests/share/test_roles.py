@@ -101,7 +101,7 @@ def test_shape_only_control_catches_a_shape_confound() -> None:
 
 
 def test_role_test_reports_the_shape_only_control() -> None:
-    from structlm.share.adapters import get_adapter
+    from structlm.hf.adapters import get_adapter
     from structlm.share.analysis.analyze import Thresholds, _role_test
     from tiny_models import tiny_llama
 

@@ -15,13 +15,13 @@ import torch
 
 pytest.importorskip("transformers")
 
-from structlm.train.evaluate import split_loss, unigram_loss
-from structlm.train.study import run_study
-from structlm.train.study_config import (
+from structlm.experiments.study.config import (
     ArmSpec,
     StudyConfig,
     load_study_config,
 )
+from structlm.experiments.study.run import run_study
+from structlm.train.evaluate import split_loss, unigram_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "study" / "tiny.yaml"
@@ -151,7 +151,7 @@ def test_one_writer_and_one_study_per_folder(tmp_path) -> None:
 
 
 def test_verdicts_follow_the_range_rule_and_wait_for_every_seed() -> None:
-    from structlm.train.study_report import _verdict
+    from structlm.experiments.study.report import _verdict
 
     def arm(values: list[float], planned: int) -> dict:
         return {"n": len(values), "planned": planned, "mean": sum(values) / len(values),
@@ -167,7 +167,7 @@ def test_verdicts_follow_the_range_rule_and_wait_for_every_seed() -> None:
 
 
 def test_iso_quality_interpolates_in_log_macs_and_bounds_outside_the_dense_range() -> None:
-    from structlm.train.study_report import iso_quality
+    from structlm.experiments.study.report import iso_quality
 
     def s(algebra: str, macs: int, mean: float) -> dict:
         return {"arm": ArmSpec(name=f"{algebra}-{macs}", algebra=algebra),

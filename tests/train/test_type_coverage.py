@@ -61,7 +61,7 @@ def test_every_shipped_config_trains_every_type(path: str) -> None:
 
 
 def test_the_demo_trains_every_type(tmp_path) -> None:
-    from structlm.demo import demo_train_config
+    from structlm.experiments.demo import demo_train_config
 
     cfg = demo_train_config(tmp_path, steps=10, algebra="Q2^2")
     assert cfg.q == 4 and cfg.type_counts() == [32, 32, 32, 32]

@@ -3,7 +3,7 @@
 Importable without ``torch``.
 """
 
-from .catalogue import (
+from structlm.algebra.catalogue import (
     CATALOGUE_NAMES,
     complete_graph_algebra,
     get_algebra,
@@ -13,8 +13,8 @@ from .catalogue import (
     tensor_power,
     tensor_product,
 )
-from .structure import Algebra, AlgebraError, RankFacts
-from .support import LayerSupport, split_widths, support_of
+from structlm.algebra.structure import Algebra, AlgebraError, RankFacts
+from structlm.algebra.support import LayerSupport, split_widths, support_of
 
 __all__ = [
     "CATALOGUE_NAMES",

@@ -18,7 +18,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .structure import Algebra, AlgebraError
+from structlm.algebra.structure import Algebra, AlgebraError
 
 __all__ = [
     "CATALOGUE_NAMES",

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from fractions import Fraction
 
-from .catalogue import get_algebra
-from .structure import AlgebraError
-from .support import LayerSupport, support_of
+from structlm.algebra.catalogue import get_algebra
+from structlm.algebra.structure import AlgebraError
+from structlm.algebra.support import LayerSupport, support_of
 
 __all__ = [
     "algebra_rho",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .catalogue import CATALOGUE_NAMES, get_algebra
-from .structure import AlgebraError
-from .support import support_of
+from structlm.algebra.catalogue import CATALOGUE_NAMES, get_algebra
+from structlm.algebra.structure import AlgebraError
+from structlm.algebra.support import support_of
 
 __all__ = ["algebra_facts", "algebra_table_markdown"]
 

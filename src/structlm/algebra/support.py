@@ -31,7 +31,7 @@ from functools import cached_property
 
 import numpy as np
 
-from .structure import Algebra, AlgebraError
+from structlm.algebra.structure import Algebra, AlgebraError
 
 __all__ = ["LayerSupport", "split_widths", "support_of"]
 

@@ -16,7 +16,7 @@ Two modes:
 The two models are a StructLM preset (random weights) or two trained StructLM folders —
 or, with ``model``, any pretrained Hugging Face decoder an adapter knows (``smollm2``, a
 folder) against a copy converted by :func:`structlm.convert_`; both then have their plain
-projections on the decode kernel (:func:`structlm.convert.decode.use_decode_kernels_`),
+projections on the decode kernel (:func:`structlm.hf.decode.use_decode_kernels_`),
 and the MAC ideal counts the whole decode step of each (projections, attention, LM head).
 
 Each (model, mode) runs ``runs`` times over all prompts, the first run is dropped
@@ -40,8 +40,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ..algebra.cost import decode_macs
-from .timing import environment, write_csv_atomic
+from structlm.algebra.cost import decode_macs
+from structlm.bench.timing import environment, write_csv_atomic
 
 __all__ = ["DEFAULT_PROMPTS", "GenerateBenchConfig", "ideal_decode_speedup", "plot_generate_csv",
            "run_generate_bench"]
@@ -93,7 +93,7 @@ class GenerateBenchConfig:
 def ideal_decode_speedup(cfg: Any, context: float) -> float:
     """MAC ratio dense/algebra of one decode step at an average ``context``, over the
     whole model (projections, attention, LM head)."""
-    from ..models.cost import _rho
+    from structlm.models.cost import _rho
 
     d, f, v, n = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers
 
@@ -112,7 +112,7 @@ def _student_t_half_width(xs: list[float]) -> float:
 
 
 def _load(path: str, preset: str, algebra: str, seed: int) -> Any:
-    from ..models import StructLMForCausalLM, config_from_preset
+    from structlm.models import StructLMForCausalLM, config_from_preset
 
     if path:
         from transformers import AutoModelForCausalLM
@@ -127,9 +127,9 @@ def _pretrained_pair(cfg: GenerateBenchConfig) -> tuple[Any, dict[str, Any]]:
     projections on the decode kernel."""
     import copy
 
-    from ..convert import AlgebraConfig, convert_
-    from ..convert.decode import use_decode_kernels_
-    from ..share.loading import load_model
+    from structlm.convert import AlgebraConfig, convert_
+    from structlm.hf.decode import use_decode_kernels_
+    from structlm.hf.loading import load_model
 
     loaded = load_model(cfg.model)
     if loaded.tokenizer is None:
@@ -179,7 +179,7 @@ def _one_run(models: dict[str, Any], tok: Any, prompts: Sequence[str], mode: str
 def run_generate_bench(cfg: GenerateBenchConfig, out_prefix: str,
                        progress: bool = True) -> list[dict[str, Any]]:
     """Time both models; write ``<out_prefix>.csv``, ``.md`` and ``.png``; return the rows."""
-    from ..data import load_tokenizer
+    from structlm.data import load_tokenizer
 
     torch.set_num_threads(cfg.threads)
     if cfg.model:
@@ -207,7 +207,7 @@ def run_generate_bench(cfg: GenerateBenchConfig, out_prefix: str,
         mean_new = statistics.mean(lengths["algebra"]) / len(cfg.prompts)
         context = prompt_len + mean_new / 2
         if cfg.model:
-            from ..convert.decode import decode_macs_per_token
+            from structlm.hf.macs import decode_macs_per_token
 
             ideal = float(decode_macs_per_token(models["dense"], context)
                           / decode_macs_per_token(models["algebra"], context))

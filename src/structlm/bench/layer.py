@@ -25,11 +25,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..nn import AlgebraLinear, DecodeLinear, get_schedule
-from ..ops import cpu_kernels
-from ..ops.blocked import choose_layout
-from .swiglu_block import time_swiglu_block
-from .timing import (
+from structlm.bench.swiglu_block import time_swiglu_block
+from structlm.bench.timing import (
     DENSE_ARM_KERNEL_MAX_ROWS,
     CacheFlusher,
     environment,
@@ -37,6 +34,9 @@ from .timing import (
     interleaved_medians,
     write_csv_atomic,
 )
+from structlm.nn import AlgebraLinear, DecodeLinear, get_schedule
+from structlm.ops import cpu_kernels
+from structlm.ops.blocked import choose_layout
 
 __all__ = ["PRESETS", "LayerBenchConfig", "markdown_from_csv", "plot_from_csv", "run_layer_bench"]
 
@@ -68,7 +68,7 @@ class LayerBenchConfig:
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from ..algebra import num_types
+        from structlm.algebra import num_types
 
         for a in self.algebras:
             q = num_types(a)  # raises naming an unknown algebra

@@ -41,9 +41,9 @@ def peak_memory_of_run(source: str, compressed: str, batch: int, prompt_len: int
 
     import torch
 
-    from ..share.compress import load_compressed
-    from ..share.loading import load_model
-    from .share import greedy_decode
+    from structlm.bench.greedy import greedy_decode
+    from structlm.hf.loading import load_model
+    from structlm.share.compress import load_compressed
 
     torch.set_num_threads(threads)
     model = (load_compressed(compressed) if compressed else load_model(source)).model.eval()

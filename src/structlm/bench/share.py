@@ -17,7 +17,7 @@ the end split into anonymous and file-backed pages (:mod:`.peak_memory`; one pro
 model, since an in-process high-water mark mostly sees the allocator reusing memory the
 other model's run freed).
 Fairness: both models' plain ``nn.Linear`` s are put on the project's fastest dense
-path (:func:`~structlm.convert.decode.use_decode_kernels_`: the compiled few-row kernel
+path (:func:`~structlm.hf.decode.use_decode_kernels_`: the compiled few-row kernel
 at cached decode, ``F.linear`` otherwise), and the compressed model's factor products
 take the same path (:func:`~structlm.nn.fast_linear`), so neither model is credited with
 a kernel the other lacks.
@@ -29,7 +29,6 @@ from __future__ import annotations
 import copy
 import csv
 import dataclasses
-import inspect
 import json
 import os
 import statistics
@@ -43,7 +42,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from .timing import environment, interleaved_medians, write_csv_atomic
+from structlm.bench.greedy import decode_steps, greedy_decode, prefill
+from structlm.bench.timing import environment, interleaved_medians, write_csv_atomic
 
 __all__ = ["ShareBenchConfig", "greedy_decode", "markdown_from_csv", "measure",
            "peak_memory_rows", "plot_from_csv", "run_share_bench", "unique_parameters",
@@ -87,7 +87,7 @@ class ShareBenchConfig:
     """Measure peak resident memory in a fresh process per model and batch."""
 
     def __post_init__(self) -> None:
-        from ..share.compress.ranks import METHODS
+        from structlm.share.compress.ranks import METHODS
 
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {list(METHODS)}, got {self.method!r}")
@@ -122,43 +122,6 @@ def weights_read_per_token(model: torch.nn.Module) -> int:
     return total
 
 
-def _step_kwargs(model: Any) -> tuple[dict[str, Any], str]:
-    """A cached step's keyword arguments and cache argument (``cache`` or ``past_key_values``)."""
-    sig = inspect.signature(model.forward).parameters
-    kw = {"use_cache": True, **({"logits_to_keep": 1} if "logits_to_keep" in sig else {})}
-    return kw, "cache" if "cache" in sig else "past_key_values"
-
-
-def _cache_of(out: Any) -> Any:
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else out.past_key_values
-
-
-def _prefill(model: Any, ids: torch.Tensor) -> tuple[Any, torch.Tensor]:
-    """One forward of ``ids`` ``(B, T)``: the filled cache and the greedy next ids ``(B,)``."""
-    out = model(input_ids=ids, **_step_kwargs(model)[0])
-    return _cache_of(out), out.logits[:, -1].argmax(-1)  # logits (B, 1, V)
-
-
-def _decode(model: Any, cache: Any, token: torch.Tensor, steps: int) -> torch.Tensor:
-    """``steps`` greedy single-token forwards with ``cache``, starting from ``token``
-    ``(B,)``; returns the ids produced ``(B, steps)``."""
-    (kw, name), out = _step_kwargs(model), []
-    for _ in range(steps):
-        res = model(input_ids=token[:, None], **{name: cache}, **kw)  # (B, 1) in
-        cache, token = _cache_of(res), res.logits[:, -1].argmax(-1)  # (B,)
-        out.append(token)
-    return torch.stack(out, 1)
-
-
-@torch.no_grad()
-def greedy_decode(model: Any, ids: torch.Tensor, steps: int) -> torch.Tensor:
-    """The new ids ``(B, 1 + steps)`` of the benchmark's loop: prefill then ``steps``
-    cached decode steps (equal to ``generate(do_sample=False)`` without EOS stopping)."""
-    cache, token = _prefill(model, ids)
-    return torch.cat([token[:, None], _decode(model, cache, token, steps)], 1)
-
-
 def _decode_medians(models: Sequence[Any], ids: torch.Tensor, steps: int, trials: int,
                     warmup: int) -> list[float]:
     """Median seconds of the decode loop of each model; the prefill is untimed, a fresh
@@ -167,9 +130,9 @@ def _decode_medians(models: Sequence[Any], ids: torch.Tensor, steps: int, trials
     for i in range(warmup + trials):
         order = range(len(models)) if i % 2 == 0 else reversed(range(len(models)))
         for j in order:
-            cache, token = _prefill(models[j], ids)
+            cache, token = prefill(models[j], ids)
             t0 = time.perf_counter()
-            _decode(models[j], cache, token, steps)
+            decode_steps(models[j], cache, token, steps)
             if i >= warmup:
                 times[j].append(time.perf_counter() - t0)
     return [statistics.median(t) for t in times]
@@ -188,7 +151,7 @@ def measure(original: Any, compressed: Any, ids: torch.Tensor, cfg: ShareBenchCo
     if limit is not None and cfg.prompt_len + cfg.decode_tokens + 1 > limit:
         raise ValueError(f"prompt_len + decode_tokens + 1 exceeds the model's {limit} positions")
     torch.set_num_threads(cfg.threads)
-    from ..convert.decode import use_decode_kernels_
+    from structlm.hf.decode import use_decode_kernels_
 
     original.eval()
     compressed.eval()
@@ -219,7 +182,7 @@ def measure(original: Any, compressed: Any, ids: torch.Tensor, cfg: ShareBenchCo
     for phase, b in tqdm(grid, desc="share bench", disable=not progress, unit="meas"):
         x = ids[: b * cfg.prompt_len].view(b, cfg.prompt_len)  # (B, T)
         if phase == "prefill":
-            t_o, t_c = interleaved_medians([lambda m=m, x=x: _prefill(m, x) for m in models],
+            t_o, t_c = interleaved_medians([lambda m=m, x=x: prefill(m, x) for m in models],
                                            cfg.trials, cfg.warmup)
             unit, tokens = "s_per_call", b * cfg.prompt_len
         else:
@@ -346,10 +309,10 @@ def write_outputs(rows: list[dict[str, Any]], out_prefix: str) -> None:
 def run_share_bench(cfg: ShareBenchConfig, out_prefix: str, progress: bool = True
                     ) -> list[dict[str, Any]]:
     """Load (or compress) the models, :func:`measure`, :func:`write_outputs`; the rows."""
-    from ..share.compress import CompressionConfig, compress_model, load_compressed
-    from ..share.compress.io import MANIFEST
-    from ..share.loading import load_model
-    from ..share.text import split_corpus, token_stream
+    from structlm.hf.loading import load_model
+    from structlm.hf.text import split_corpus, token_stream
+    from structlm.share.compress import CompressionConfig, compress_model, load_compressed
+    from structlm.share.compress.io import MANIFEST
 
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -363,8 +326,8 @@ def run_share_bench(cfg: ShareBenchConfig, out_prefix: str, progress: bool = Tru
         docs = split_corpus(cfg.corpus, 0.25, cfg.seed).evaluation
         ids = token_stream(loaded.tokenizer, docs, need)
     else:
-        from ..share.adapters import get_adapter
-        from ..share.pipeline import prepare
+        from structlm.hf.adapters import get_adapter
+        from structlm.hf.pipeline import prepare
 
         ccfg = CompressionConfig(method=cfg.method, types=cfg.types,
                                  target_reduction=cfg.target_reduction)
@@ -381,7 +344,7 @@ def run_share_bench(cfg: ShareBenchConfig, out_prefix: str, progress: bool = Tru
         if cfg.compressed:
             rows += peak_memory_rows(rows[0], source, cfg.compressed, cfg, progress)
         else:
-            from ..share.compress import save_compressed
+            from structlm.share.compress import save_compressed
 
             parent = Path(os.path.abspath(out_prefix)).parent
             parent.mkdir(parents=True, exist_ok=True)
@@ -397,7 +360,7 @@ def run_share_bench(cfg: ShareBenchConfig, out_prefix: str, progress: bool = Tru
 def peak_memory_rows(base: dict[str, Any], source: str, compressed_dir: str,
                      cfg: ShareBenchConfig, progress: bool = False) -> list[dict[str, Any]]:
     """Rows of peak resident memory, original vs compressed, per batch (fresh processes)."""
-    from .peak_memory import measure_peak_memory
+    from structlm.bench.peak_memory import measure_peak_memory
 
     rows = []
     for b in tqdm(cfg.batches, desc="peak memory", disable=not progress, unit="batch"):

@@ -19,12 +19,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..models import config_from_preset
-from ..models.modeling_structlm import StructLMMLP
-from ..nn import get_schedule
-from ..ops import cpu_kernels
-from ..ops.blocked import choose_layout
-from .timing import DENSE_ARM_KERNEL_MAX_ROWS, CacheFlusher, interleaved_medians
+from structlm.bench.timing import DENSE_ARM_KERNEL_MAX_ROWS, CacheFlusher, interleaved_medians
+from structlm.models import config_from_preset
+from structlm.models.modeling_structlm import StructLMMLP
+from structlm.nn import get_schedule
+from structlm.ops import cpu_kernels
+from structlm.ops.blocked import choose_layout
 
 __all__ = ["time_swiglu_block"]
 

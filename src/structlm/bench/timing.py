@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..cpu_malloc import malloc_setting
+from structlm.cpu_malloc import malloc_setting
 
 __all__ = ["CacheFlusher", "environment", "interleaved_medians", "write_csv_and_markdown",
            "write_csv_atomic"]
@@ -129,7 +129,7 @@ def write_csv_and_markdown(out_prefix: str, rows: list[dict[str, object]],
     ``markdown(rows read back)``, both written atomically; prints where."""
     from pathlib import Path
 
-    from ..atomic import atomic_write_text
+    from structlm.atomic import atomic_write_text
 
     out = Path(out_prefix)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from .timing import (
+from structlm.bench.timing import (
     environment,
     environment_line,
     interleaved_medians,
@@ -81,7 +81,7 @@ PRESETS: dict[str, list[TrainBenchConfig]] = {
 
 
 def _train_config(cfg: TrainBenchConfig, algebra: str) -> Any:
-    from ..train.loop import TrainConfig
+    from structlm.train.loop import TrainConfig
 
     overrides = {"structured_scores": True} if cfg.structured_scores and algebra != "dense" \
         else {}
@@ -93,8 +93,8 @@ def _train_config(cfg: TrainBenchConfig, algebra: str) -> Any:
 def training_step_macs(model: Any, seq_len: int) -> Fraction:
     """Multiply–accumulates per token of one training step of a ``StructLMForCausalLM``
     on windows of ``seq_len`` positions (see the module docstring)."""
-    from ..models.cost import score_cost
-    from ..nn import AlgebraLinear, get_schedule
+    from structlm.models.cost import score_cost
+    from structlm.nn import AlgebraLinear, get_schedule
 
     cfg = model.config
     d, f, v, n = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size,
@@ -113,7 +113,7 @@ def training_step_macs(model: Any, seq_len: int) -> Fraction:
 
 
 def _one(cfg: TrainBenchConfig) -> dict[str, Any]:
-    from ..train.loop import _build_model, _build_optimizer
+    from structlm.train.loop import _build_model, _build_optimizer
 
     torch.set_num_threads(cfg.threads)
     arms = {}

@@ -25,18 +25,18 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ..algebra import AlgebraError
+from structlm.algebra import AlgebraError
 
 __all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``structlm`` command."""
-    from .algebra import add_algebra_commands
-    from .bench import add_bench_commands
-    from .convert import add_convert_commands
-    from .lm import add_lm_commands
-    from .share import add_share_commands
+    from structlm.cli.algebra import add_algebra_commands
+    from structlm.cli.bench import add_bench_commands
+    from structlm.cli.convert import add_convert_commands
+    from structlm.cli.lm import add_lm_commands
+    from structlm.cli.share import add_share_commands
 
     p = argparse.ArgumentParser(prog="structlm", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -54,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``structlm`` command."""
-    from ..config import RunError
-    from ..cpu_malloc import retain_freed_memory
+    from structlm.config import RunError
+    from structlm.cpu_malloc import retain_freed_memory
 
     args = build_parser().parse_args(argv)
     if not args.system_malloc:

@@ -2,6 +2,6 @@
 
 import sys
 
-from . import main
+from structlm.cli import main
 
 sys.exit(main())

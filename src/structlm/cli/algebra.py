@@ -6,8 +6,8 @@ import argparse
 import json
 from typing import Any
 
-from ..algebra import CATALOGUE_NAMES
-from ..algebra.facts import _rank_text, algebra_facts, algebra_table_markdown
+from structlm.algebra import CATALOGUE_NAMES
+from structlm.algebra.facts import _rank_text, algebra_facts, algebra_table_markdown
 
 
 def _cmd_algebra_info(args: argparse.Namespace) -> int:

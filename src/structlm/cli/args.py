@@ -78,7 +78,7 @@ def generate_modes(text: str) -> tuple[str, ...]:
 
 def layer_list(text: str) -> list[int]:
     """``0,3,5`` or ``0-9`` or a mix (``0-3,10``); repeats and bad numbers are refused."""
-    from ..share.pipeline import check_layers
+    from structlm.hf.pipeline import check_layers
 
     out: list[int] = []
     try:

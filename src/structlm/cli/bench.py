@@ -6,14 +6,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..config import dataclass_from_dict
-from .args import generate_modes, positive_int, prompt, shapes
-from .dataclass_flags import add_dataclass_flags
-from .lm import _check_gpt2_preset
+from structlm.cli.args import generate_modes, positive_int, prompt, shapes
+from structlm.cli.dataclass_flags import add_dataclass_flags
+from structlm.cli.lm import _check_gpt2_preset
+from structlm.config import dataclass_from_dict
 
 
 def _cmd_bench_layer(args: argparse.Namespace) -> int:
-    from ..bench.layer import config_from_args, run_layer_bench
+    from structlm.bench.layer import config_from_args, run_layer_bench
 
     cfg = config_from_args(args.preset, **args.flags.values(args))
     out = args.out or f"bench-out/layer_{args.preset}"
@@ -25,7 +25,7 @@ def _cmd_bench_layer(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_generate(args: argparse.Namespace) -> int:
-    from ..bench.generate import GenerateBenchConfig, run_generate_bench
+    from structlm.bench.generate import GenerateBenchConfig, run_generate_bench
 
     given = args.flags.values(args)
     if not given.get("model") and not (given.get("dense_model") and given.get("algebra_model")):
@@ -43,7 +43,7 @@ def _cmd_bench_generate(args: argparse.Namespace) -> int:
 def _cmd_bench_train(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from ..bench.train_step import PRESETS, run_train_bench
+    from structlm.bench.train_step import PRESETS, run_train_bench
 
     given = args.flags.values(args)
     cfgs = [dataclasses.replace(c, **given) for c in PRESETS[args.preset]]
@@ -59,8 +59,8 @@ def add_bench_commands(sub: Any) -> Any:
     """Register ``bench`` on the top-level subparsers; returns its subparsers."""
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(
         dest="bench_command", required=True)
-    from ..bench.generate import GenerateBenchConfig
-    from ..bench.layer import PRESETS, LayerBenchConfig
+    from structlm.bench.generate import GenerateBenchConfig
+    from structlm.bench.layer import PRESETS, LayerBenchConfig
 
     layer = bench.add_parser("layer", help="dense vs AlgebraLinear (blocked), interleaved")
     layer.add_argument("--preset", default="quick", choices=sorted(PRESETS),
@@ -80,8 +80,8 @@ def add_bench_commands(sub: Any) -> Any:
         parse={"modes": generate_modes, "max_new_tokens": positive_int,
                "runs": positive_int, "threads": positive_int}))
 
-    from ..bench.train_step import PRESETS as TRAIN_PRESETS
-    from ..bench.train_step import TrainBenchConfig
+    from structlm.bench.train_step import PRESETS as TRAIN_PRESETS
+    from structlm.bench.train_step import TrainBenchConfig
 
     btrain = bench.add_parser("train", help="training-step tokens/s, dense vs algebra model")
     btrain.add_argument("--preset", default="study-cpu", choices=sorted(TRAIN_PRESETS),

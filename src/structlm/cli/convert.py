@@ -1,19 +1,19 @@
 """``structlm convert MODEL``: change a pretrained model's product, heal it, and compare
-it with equal-MAC baselines (:mod:`structlm.convert.experiment`)."""
+it with equal-MAC baselines (:mod:`structlm.experiments.convert.experiment`)."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from ..config import read_yaml
-from .args import positive_int
-from .dataclass_flags import add_dataclass_flags
+from structlm.cli.args import positive_int
+from structlm.cli.dataclass_flags import add_dataclass_flags
+from structlm.config import read_yaml
 
 
 def convert_config(args: argparse.Namespace) -> Any:
     """The ConvertExperimentConfig of ``structlm convert``: the YAML, then the flags."""
-    from ..convert.experiment import ConvertExperimentConfig
+    from structlm.experiments.convert.experiment import ConvertExperimentConfig
 
     raw = {**read_yaml(args.config), "model": args.model, **args.flags.values(args)}
     if args.heal_flags.values(args):
@@ -24,7 +24,7 @@ def convert_config(args: argparse.Namespace) -> Any:
 def _cmd_convert(args: argparse.Namespace) -> int:
     import torch
 
-    from ..convert.experiment import run_convert_experiment
+    from structlm.experiments.convert.experiment import run_convert_experiment
 
     cfg = convert_config(args)
     torch.set_num_threads(args.threads)
@@ -35,8 +35,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 def add_convert_commands(sub: Any) -> None:
     """Register ``convert`` on the top-level subparsers."""
-    from ..convert.experiment import ConvertExperimentConfig
-    from ..share.compress.finetune import FinetuneConfig
+    from structlm.experiments.convert.experiment import ConvertExperimentConfig
+    from structlm.hf.finetune import FinetuneConfig
 
     cv = sub.add_parser("convert", help="change a pretrained model's product (algebra "
                         "layers, parameters kept), heal it, compare equal-MAC baselines")

@@ -27,7 +27,7 @@ from collections import abc
 from collections.abc import Callable, Iterable
 from typing import Any, Union
 
-from ..config import ConfigError, coerce
+from structlm.config import ConfigError, coerce
 
 __all__ = ["FlagSet", "add_dataclass_flags", "field_docs"]
 

@@ -8,13 +8,13 @@ import os
 from fractions import Fraction
 from typing import Any
 
-from .args import positive_int, prompt, temperature, top_p
-from .dataclass_flags import add_dataclass_flags
+from structlm.cli.args import positive_int, prompt, temperature, top_p
+from structlm.cli.dataclass_flags import add_dataclass_flags
 
 
 def _cmd_cost(args: argparse.Namespace) -> int:
-    from ..models import config_from_preset
-    from ..models.cost import model_cost
+    from structlm.models import config_from_preset
+    from structlm.models.cost import model_cost
 
     overrides = {"type_schedule": args.schedule} if args.schedule else {}
     cost = model_cost(config_from_preset(args.preset, args.algebra,
@@ -48,7 +48,7 @@ def _cmd_cost(args: argparse.Namespace) -> int:
 
 def _check_gpt2_preset(preset: str) -> None:
     """Commands that tokenise with GPT-2 need a preset with its 50,257-token vocabulary."""
-    from ..models.presets import PRESETS
+    from structlm.models.presets import PRESETS
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}: expected one of {sorted(PRESETS)}")
@@ -63,8 +63,8 @@ def _check_gpt2_preset(preset: str) -> None:
 def _cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from ..data import gpt2_tokenizer
-    from ..models import StructLMForCausalLM, config_from_preset
+    from structlm.data import gpt2_tokenizer
+    from structlm.models import StructLMForCausalLM, config_from_preset
 
     torch.set_num_threads(args.threads)
     tok = gpt2_tokenizer()
@@ -105,8 +105,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from ..train import load_config, train
-    from ..train.plot import plot_loss_curves
+    from structlm.train import load_config, train
+    from structlm.train.plot import plot_loss_curves
 
     runs = []
     for path in args.configs:
@@ -122,8 +122,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_study(args: argparse.Namespace) -> int:
-    from ..train.study import run_study
-    from ..train.study_config import load_study_config
+    from structlm.experiments.study.config import load_study_config
+    from structlm.experiments.study.run import run_study
 
     cfg = load_study_config(args.config, out_dir=args.out, max_steps=args.max_steps,
                             threads=args.threads)
@@ -134,7 +134,7 @@ def _cmd_study(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from ..demo import run_demo
+    from structlm.experiments.demo import run_demo
 
     run_demo(args.out, steps=args.steps, algebra=args.algebra, share=not args.no_share)
     return 0
@@ -145,7 +145,7 @@ def add_lm_commands(sub: Any) -> None:
     tr = sub.add_parser("train", help="train (or resume) from YAML configs")
     tr.add_argument("configs", nargs="+", help="YAML files (see configs/)")
     tr.add_argument("--plot", default=None, help="combined loss plot when several configs")
-    from ..train.loop import TrainConfig
+    from structlm.train.loop import TrainConfig
 
     tr.set_defaults(func=_cmd_train, flags=add_dataclass_flags(
         tr, TrainConfig, title="TrainConfig fields (override every given YAML)"))

@@ -8,17 +8,17 @@ import argparse
 import json
 from typing import Any
 
-from ..config import dataclass_from_dict, read_yaml
-from .args import layer_list, positive_int
-from .dataclass_flags import add_dataclass_flags
+from structlm.cli.args import layer_list, positive_int
+from structlm.cli.dataclass_flags import add_dataclass_flags
+from structlm.config import dataclass_from_dict, read_yaml
 
 
 def _cmd_eval_ppl(args: argparse.Namespace) -> int:
     import torch
 
-    from ..share.loading import load_model
-    from ..share.perplexity import perplexity
-    from ..share.text import (
+    from structlm.hf.loading import load_model
+    from structlm.hf.perplexity import perplexity
+    from structlm.hf.text import (
         sample_windows,
         split_corpus,
         token_stream,
@@ -66,7 +66,7 @@ def _cmd_eval_ppl(args: argparse.Namespace) -> int:
 def _cmd_share_analyze(args: argparse.Namespace) -> int:
     import torch
 
-    from ..share.analysis.analyze import AnalysisConfig, run_analysis
+    from structlm.share.analysis.analyze import AnalysisConfig, run_analysis
 
     torch.set_num_threads(args.threads)
     raw = {**read_yaml(args.config), "model": args.model, **args.flags.values(args)}
@@ -79,9 +79,9 @@ def _cmd_share_analyze(args: argparse.Namespace) -> int:
 def _cmd_share_compress(args: argparse.Namespace) -> int:
     import torch
 
-    from ..share.compress import CompressionConfig
-    from ..share.compress.finetune import FinetuneConfig
-    from ..share.compress.run import run_compress
+    from structlm.hf.finetune import FinetuneConfig
+    from structlm.share.compress import CompressionConfig
+    from structlm.share.compress.run import run_compress
 
     torch.set_num_threads(args.threads)
     raw = read_yaml(args.config)
@@ -104,7 +104,7 @@ def _cmd_share_compress(args: argparse.Namespace) -> int:
 def _cmd_share_experiment(args: argparse.Namespace) -> int:
     import torch
 
-    from ..share.compress.experiment import run_experiment
+    from structlm.experiments.share.experiment import run_experiment
 
     torch.set_num_threads(args.threads)
     cfg = experiment_config(args)
@@ -116,7 +116,7 @@ def _cmd_share_experiment(args: argparse.Namespace) -> int:
 def experiment_config(args: argparse.Namespace) -> Any:
     """The ExperimentConfig of ``share experiment``: the YAML, then the flags given (the
     ``--finetune-*`` / ``--seed-finetune-*`` flags override keys of the nested mappings)."""
-    from ..share.compress.experiment import ExperimentConfig
+    from structlm.experiments.share.experiment import ExperimentConfig
 
     raw = {**read_yaml(args.config), "model": args.model, **args.flags.values(args)}
     for key, flags in (("finetune", args.ft_flags), ("seed_finetune", args.seed_ft_flags)):
@@ -126,7 +126,7 @@ def experiment_config(args: argparse.Namespace) -> Any:
 
 
 def _cmd_bench_share(args: argparse.Namespace) -> int:
-    from ..bench.share import ShareBenchConfig, run_share_bench
+    from structlm.bench.share import ShareBenchConfig, run_share_bench
 
     cfg = dataclass_from_dict(ShareBenchConfig, {"model": args.model,
                                                  **args.flags.values(args)})
@@ -146,7 +146,7 @@ def add_share_commands(sub: Any, bench: Any) -> None:
     ev = sub.add_parser("eval", help="evaluate pretrained models").add_subparsers(
         dest="eval_command", required=True)
     ppl = ev.add_parser("ppl", help="perplexity under the documented protocol "
-                        "(structlm.share.perplexity)")
+                        "(structlm.hf.perplexity)")
     ppl.add_argument("model", help="smollm2 (built in), a local folder, or a hub id")
     ppl.add_argument("--corpus", default="austen", help="austen, shakespeare, bible, a path")
     ppl.add_argument("--split", default="evaluation", choices=["evaluation", "calibration", "all"])
@@ -169,11 +169,11 @@ def add_share_commands(sub: Any, bench: Any) -> None:
 
     share = sub.add_parser("share", help="shared functional bases (Part B)").add_subparsers(
         dest="share_command", required=True)
-    from ..bench.share import ShareBenchConfig
-    from ..share.analysis.analyze import AnalysisConfig
-    from ..share.compress import CompressionConfig
-    from ..share.compress.experiment import ExperimentConfig
-    from ..share.compress.finetune import FinetuneConfig
+    from structlm.bench.share import ShareBenchConfig
+    from structlm.experiments.share.experiment import ExperimentConfig
+    from structlm.hf.finetune import FinetuneConfig
+    from structlm.share.analysis.analyze import AnalysisConfig
+    from structlm.share.compress import CompressionConfig
 
     an = share.add_parser("analyze", help="tests 1-3 with null controls + role classifier")
     an.add_argument("model", help="smollm2 (built in), a local folder, or a hub id")

@@ -6,7 +6,7 @@ The chosen projections (default: the FFN's) become :class:`TypedAlgebraLinear` s
 the same weight and bias tensors' values under the same names; they read their position
 types from the model's own position ids (see :mod:`.typed_linear`). Nothing of the
 Hugging Face modelling code is edited: the model family's adapter
-(:mod:`structlm.share.adapters`) names the modules and the position source. The
+(:mod:`structlm.hf.adapters`) names the modules and the position source. The
 conversion is recorded in ``model.config.structlm_conversion`` so a saved model can be
 restored with :func:`load_converted`.
 
@@ -23,11 +23,11 @@ from typing import Any
 
 from torch import nn
 
-from ..algebra import Algebra, AlgebraError, get_algebra, support_of
-from ..config import ConfigError
-from ..nn.schedules import TypeSchedule, get_schedule
-from ..share.adapters import LinearSite, get_adapter, parse_types
-from .typed_linear import PositionTypes, TypedAlgebraLinear, dense_from
+from structlm.algebra import Algebra, AlgebraError, get_algebra, support_of
+from structlm.config import ConfigError
+from structlm.convert.typed_linear import PositionTypes, TypedAlgebraLinear, dense_from
+from structlm.hf.adapters import LinearSite, get_adapter, parse_types
+from structlm.nn.schedules import TypeSchedule, get_schedule
 
 __all__ = ["AlgebraConfig", "conversion_info", "convert_", "load_converted", "unconvert_"]
 

@@ -3,7 +3,7 @@ sits in, so it can replace an ``nn.Linear`` whose caller passes only ``x``.
 
 A converted model holds one :class:`PositionTypes` source. A forward pre-hook on the
 module that receives the model's own position ids (the adapter's
-:class:`~structlm.share.adapters.PositionSource`: LLaMA's rotary embedding, GPT-2's and
+:class:`~structlm.hf.adapters.PositionSource`: LLaMA's rotary embedding, GPT-2's and
 StructLM's ``wpe``) stores them at the start of every forward — as the model computed
 them, so KV-cache offsets, chunked prefill and left padding (``generate()`` gives padded
 rows positions from the attention mask) reach every converted layer. Each
@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..nn import AlgebraLinear
-from ..nn.schedules import TypeSchedule
-from ..ops.partition import TypePartition
+from structlm.nn import AlgebraLinear
+from structlm.nn.schedules import TypeSchedule
+from structlm.ops.partition import TypePartition
 
 __all__ = ["PositionTypes", "TypedAlgebraLinear"]
 

@@ -2,6 +2,6 @@
 corpus loader (``corpora.load_corpus``), decontamination checks, and packed,
 memory-mapped token files (``tokens``)."""
 
-from .tokenizer import GPT2_TIKTOKEN, gpt2_encoding, gpt2_tokenizer, load_tokenizer
+from structlm.data.tokenizer import GPT2_TIKTOKEN, gpt2_encoding, gpt2_tokenizer, load_tokenizer
 
 __all__ = ["GPT2_TIKTOKEN", "gpt2_encoding", "gpt2_tokenizer", "load_tokenizer"]

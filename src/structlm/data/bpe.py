@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .tokenizer import EOT
+from structlm.data.tokenizer import EOT
 
 __all__ = ["load_bpe", "parse_tokenizer_spec", "train_bpe"]
 

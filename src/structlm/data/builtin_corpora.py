@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from structlm.settings import cache_dir
+
 __all__ = ["AUSTEN_TITLES", "BUILTIN_CORPORA", "Document"]
 
 
@@ -52,8 +54,7 @@ class Document:
 
 
 def _cache() -> Path:
-    root = os.environ.get("STRUCTLM_CACHE", os.path.join(Path.home(), ".cache", "structlm"))
-    return Path(root) / "corpora"
+    return cache_dir("corpora")
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

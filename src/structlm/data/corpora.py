@@ -28,7 +28,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from .builtin_corpora import BUILTIN_CORPORA, Document
+from structlm.data.builtin_corpora import BUILTIN_CORPORA, Document
 
 __all__ = ["BUILTIN_CORPORA", "HF_BUILDERS", "Document", "load_corpus"]
 

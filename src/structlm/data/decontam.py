@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .corpora import Document
+from structlm.data.corpora import Document
 
 __all__ = ["DecontamReport", "decontaminate", "jaccard", "shingles"]
 

@@ -16,6 +16,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from structlm.settings import cache_dir
+
 __all__ = ["GPT2_TIKTOKEN", "gpt2_encoding", "gpt2_tokenizer", "load_tokenizer"]
 
 GPT2_TIKTOKEN = Path(__file__).with_name("assets") / "gpt2.tiktoken"
@@ -39,8 +41,7 @@ def gpt2_encoding() -> Any:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("STRUCTLM_CACHE", os.path.join(Path.home(), ".cache", "structlm"))
-    return Path(root) / "gpt2-tokenizer"
+    return cache_dir("gpt2-tokenizer")
 
 
 @cache

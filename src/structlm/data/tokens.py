@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..atomic import atomic_write_json
-from .bpe import parse_tokenizer_spec
-from .corpora import Document, load_corpus
-from .tokenizer import gpt2_encoding
+from structlm.atomic import atomic_write_json
+from structlm.data.bpe import parse_tokenizer_spec
+from structlm.data.corpora import Document, load_corpus
+from structlm.data.tokenizer import gpt2_encoding
 
 __all__ = ["TokenDataset", "build_token_dataset", "corpus_fingerprint", "dedup_exact",
            "split_documents"]
@@ -79,7 +79,7 @@ def _encoder(tokenizer_dir: Path | None) -> tuple[Any, int]:
     if tokenizer_dir is None:
         enc = gpt2_encoding()
         return enc.encode_ordinary_batch, enc.eot_token
-    from .bpe import load_bpe
+    from structlm.data.bpe import load_bpe
 
     tok = load_bpe(tokenizer_dir)
 
@@ -140,13 +140,13 @@ def build_token_dataset(corpus: str, out_dir: str | os.PathLike[str], val_fracti
     train, val = split_documents(docs, val_fraction, seed)
     contaminated: list[tuple[str, int, float]] = []
     if heldout:
-        from .decontam import decontaminate
+        from structlm.data.decontam import decontaminate
 
         train, report = decontaminate(train, [d.text for d in load_corpus(heldout)])
         contaminated = report.removed
     tok_dir = None
     if bpe_vocab is not None:
-        from .bpe import train_bpe
+        from structlm.data.bpe import train_bpe
 
         tok_dir = out / "tokenizer"
         train_bpe([d.text for d in train], bpe_vocab, tok_dir)
@@ -188,10 +188,10 @@ class TokenDataset:
     def tokenizer(self) -> Any:
         """The Hugging Face tokenizer of the dataset (GPT-2 or its trained BPE)."""
         if (self.root / "tokenizer").exists():
-            from .bpe import load_bpe
+            from structlm.data.bpe import load_bpe
 
             return load_bpe(self.root / "tokenizer")
-        from .tokenizer import gpt2_tokenizer
+        from structlm.data.tokenizer import gpt2_tokenizer
 
         return gpt2_tokenizer()
 

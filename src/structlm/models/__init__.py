@@ -5,9 +5,9 @@ Needs ``transformers`` (the ``lm`` extra); imported lazily by the rest of the pa
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from .configuration_structlm import StructLMConfig
-from .modeling_structlm import StructLMForCausalLM, StructLMModel
-from .presets import PRESETS, config_from_preset
+from structlm.models.configuration_structlm import StructLMConfig
+from structlm.models.modeling_structlm import StructLMForCausalLM, StructLMModel
+from structlm.models.presets import PRESETS, config_from_preset
 
 AutoConfig.register("structlm", StructLMConfig, exist_ok=True)
 AutoModelForCausalLM.register(StructLMConfig, StructLMForCausalLM, exist_ok=True)

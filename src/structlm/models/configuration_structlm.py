@@ -65,7 +65,7 @@ class StructLMConfig(PretrainedConfig):
         self.algebra = algebra
         self.type_schedule = type_schedule
         self.structured_scores = bool(structured_scores)
-        from ..algebra import is_dense, num_types
+        from structlm.algebra import is_dense, num_types
 
         q = num_types(algebra)
         bad = {k: v for k, v in (("hidden_size", hidden_size),

@@ -13,13 +13,13 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Any
 
-from ..algebra.cost import (
+from structlm.algebra.cost import (
     algebra_rho,
     attention_speedup_bounds,
     decode_macs,
     decode_projection_ratio,
 )
-from .configuration_structlm import StructLMConfig
+from structlm.models.configuration_structlm import StructLMConfig
 
 __all__ = ["model_cost", "parameter_count", "score_cost"]
 
@@ -49,9 +49,9 @@ def score_cost(cfg: StructLMConfig, context: int | None = None) -> dict[str, str
         return None
     import torch
 
-    from ..algebra import get_algebra, support_of
-    from ..nn import get_schedule
-    from ..nn.structured_scores import score_groups, structured_rho
+    from structlm.algebra import get_algebra, support_of
+    from structlm.nn import get_schedule
+    from structlm.nn.structured_scores import score_groups, structured_rho
 
     groups = score_groups(support_of(get_algebra(cfg.algebra)).mask)
     q = groups.shape[0]

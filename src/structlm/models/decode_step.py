@@ -17,7 +17,7 @@ It applies to unpadded decode steps (the attention mask is ``None``) of at most
 the modules the kernel re-implements (:func:`_block_ready`, the one gate): layer norms,
 an ``nn.Linear`` qkv and output projection with biases and the expected shapes, and the
 SwiGLU MLP with bias-free ``nn.Linear`` or ``AlgebraLinear`` projections. A block whose
-matrices were replaced (``structlm.share.adapters``: a ``ConcatProjection`` qkv, a
+matrices were replaced (``structlm.hf.adapters``: a ``ConcatProjection`` qkv, a
 factorised output projection, a ``GatedMLP``) sends the whole model to the modules'
 forward, like everything else the kernel does not cover; the tests compare the two.
 """
@@ -35,13 +35,13 @@ from torch.nn.modules.module import (
     register_module_parameter_registration_hook,
 )
 
-from ..nn import AlgebraLinear
-from ..ops import cpu_kernels
-from ..ops.blocked import FUSED_ROWS_MAX_ROWS, forced_layout
-from .kv_cache import GrowingKVLayer
+from structlm.models.kv_cache import GrowingKVLayer
+from structlm.nn import AlgebraLinear
+from structlm.ops import cpu_kernels
+from structlm.ops.blocked import FUSED_ROWS_MAX_ROWS, forced_layout
 
 if TYPE_CHECKING:
-    from .modeling_structlm import StructLMBlock, StructLMModel
+    from structlm.models.modeling_structlm import StructLMBlock, StructLMModel
 
 __all__ = ["decode_stack", "fused_decode_applies", "fused_decode_blocks",
            "registration_stamp"]
@@ -179,7 +179,12 @@ def _block_ready(block: StructLMBlock, model: StructLMModel, x: torch.Tensor) ->
     ``LowRankLinear`` ...), a ``GatedMLP``, a bias-free projection — is not what the kernel
     computes, so the modules' forward runs instead. Only called when the plan is rebuilt.
     """
-    from .modeling_structlm import LINEAR_KINDS, StructLMAttention, StructLMBlock, StructLMMLP
+    from structlm.models.modeling_structlm import (
+        LINEAR_KINDS,
+        StructLMAttention,
+        StructLMBlock,
+        StructLMMLP,
+    )
 
     if type(block) is not StructLMBlock:
         return False

@@ -21,15 +21,19 @@ from torch import nn
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from ..algebra import get_algebra, is_dense, num_types, support_of
-from ..nn import AlgebraLinear, DecodeLinear, get_schedule
-from ..nn.structured_scores import score_groups, structured_attention
-from ..ops import cpu_kernels
-from ..ops.blocked import FUSED_ROWS_MAX_ROWS
-from ..ops.partition import TypePartition
-from .configuration_structlm import StructLMConfig
-from .decode_step import fused_decode_applies, fused_decode_blocks, registration_stamp
-from .kv_cache import GrowingKVCache, use_growing_layers
+from structlm.algebra import get_algebra, is_dense, num_types, support_of
+from structlm.models.configuration_structlm import StructLMConfig
+from structlm.models.decode_step import (
+    fused_decode_applies,
+    fused_decode_blocks,
+    registration_stamp,
+)
+from structlm.models.kv_cache import GrowingKVCache, use_growing_layers
+from structlm.nn import AlgebraLinear, DecodeLinear, get_schedule
+from structlm.nn.structured_scores import score_groups, structured_attention
+from structlm.ops import cpu_kernels
+from structlm.ops.blocked import FUSED_ROWS_MAX_ROWS
+from structlm.ops.partition import TypePartition
 
 __all__ = ["StructLMForCausalLM", "StructLMModel", "StructLMPreTrainedModel"]
 

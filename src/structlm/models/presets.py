@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .configuration_structlm import StructLMConfig
+from structlm.models.configuration_structlm import StructLMConfig
 
 __all__ = ["PRESETS", "config_from_preset"]
 

@@ -1,8 +1,19 @@
 """Modules: AlgebraLinear, DecodeLinear and position-type schedules."""
 
-from .algebra_linear import AlgebraLinear
-from .decode_linear import DENSE_ROWS_MAX_ROWS, DecodeLinear, dense_rows_applies, fast_linear
-from .schedules import BlockSchedule, CyclicSchedule, TableSchedule, TypeSchedule, get_schedule
+from structlm.nn.algebra_linear import AlgebraLinear
+from structlm.nn.decode_linear import (
+    DENSE_ROWS_MAX_ROWS,
+    DecodeLinear,
+    dense_rows_applies,
+    fast_linear,
+)
+from structlm.nn.schedules import (
+    BlockSchedule,
+    CyclicSchedule,
+    TableSchedule,
+    TypeSchedule,
+    get_schedule,
+)
 
 __all__ = [
     "DENSE_ROWS_MAX_ROWS",

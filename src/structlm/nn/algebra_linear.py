@@ -10,18 +10,18 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..algebra import Algebra, AlgebraError, get_algebra, split_widths, support_of
-from ..ops import cpu_kernels, cpu_ops
-from ..ops.blocked import (
+from structlm.algebra import Algebra, AlgebraError, get_algebra, split_widths, support_of
+from structlm.ops import cpu_kernels, cpu_ops
+from structlm.ops.blocked import (
     FUSED_ROWS_MAX_ROWS,
     blocked_linear,
     forced_layout,
     fused_rows_applies,
 )
-from ..ops.dispatch import Backend, auto_overridden, parse_backend, resolve_backend
-from ..ops.partition import TypePartition, check_types
-from ..ops.plan import make_plan
-from ..ops.reference import effective_weight, element_mask, reference_linear
+from structlm.ops.dispatch import Backend, auto_overridden, parse_backend, resolve_backend
+from structlm.ops.partition import TypePartition, check_types
+from structlm.ops.plan import make_plan
+from structlm.ops.reference import effective_weight, element_mask, reference_linear
 
 __all__ = ["AlgebraLinear"]
 
@@ -308,7 +308,7 @@ class AlgebraLinear(nn.Module):
     def _forward_triton(self, x2: torch.Tensor, types: torch.Tensor | TypePartition,
                         lead: torch.Size) -> torch.Tensor:
         """``(M, K) -> (M, N)`` with the Triton kernels; no host synchronisation on CUDA."""
-        from ..ops.triton import build_tables, register_tables, triton_linear
+        from structlm.ops.triton import build_tables, register_tables, triton_linear
 
         if isinstance(types, TypePartition):
             flat = types.types

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import cpu_kernels, cpu_ops
+from structlm.ops import cpu_kernels, cpu_ops
 
 __all__ = ["DENSE_ROWS_MAX_ROWS", "DecodeLinear", "dense_rows_applies", "fast_linear"]
 

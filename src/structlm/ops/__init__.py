@@ -3,11 +3,11 @@
 (``cpu_kernels``, registered as custom ops in ``cpu_ops``) and the Triton GPU kernels
 (``triton/``, imported lazily); ``dispatch`` resolves the backend of a call."""
 
-from .blocked import blocked_linear
-from .dispatch import Backend, force_backend, register_backend, resolve_backend
-from .partition import TypePartition
-from .plan import BlockPlan, make_plan
-from .reference import effective_weight, reference_linear
+from structlm.ops.blocked import blocked_linear
+from structlm.ops.dispatch import Backend, force_backend, register_backend, resolve_backend
+from structlm.ops.partition import TypePartition
+from structlm.ops.plan import BlockPlan, make_plan
+from structlm.ops.reference import effective_weight, reference_linear
 
 __all__ = [
     "Backend",

@@ -39,9 +39,9 @@ from typing import Any
 
 import torch
 
-from . import cpu_kernels
-from .partition import RowSet, TypePartition
-from .plan import BlockPlan, Run
+from structlm.ops import cpu_kernels
+from structlm.ops.partition import RowSet, TypePartition
+from structlm.ops.plan import BlockPlan, Run
 
 __all__ = [
     "FUSED_ROWS_LAYOUT_MAX_ROWS_PER_TYPE",

@@ -41,21 +41,18 @@ once).
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import os
-import time
-import warnings
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import cpu_ops
-from .partition import TypePartition
-from .plan import BlockPlan
+from structlm.ops import cpu_ops
+from structlm.ops.cpu_extension import extension
+from structlm.ops.partition import TypePartition
+from structlm.ops.plan import BlockPlan
+from structlm.settings import decode_copy_default
 
 __all__ = [
     "DECODE_COPIES",
@@ -87,63 +84,9 @@ __all__ = [
 DECODE_COPIES = ("typed", "blocks")
 #: dtypes the kernel is compiled for (others fall back to the PyTorch layouts).
 FUSED_ROWS_DTYPES = (torch.float32, torch.float64)
-_CSRC = Path(__file__).parent / "csrc"
-_SOURCES = (_CSRC / "fused_rows.cpp", _CSRC / "decode_block.cpp")
-_HEADERS = (_CSRC / "rows_kernel.h", _CSRC / "dot.h", _CSRC / "panel.h")
-#: -fopenmp matters: without it ATen's parallel_for runs serially inside an extension
-_FLAGS = ["-O3", "-march=native", "-fopenmp"]
-_STATE: dict[str, ModuleType | None] = {}
-#: a build lock older than this is left over from an interrupted build
-_STALE_LOCK_S = 900
-
-
-def _build_directory(name: str) -> Path:
-    """``$TORCH_EXTENSIONS_DIR/structlm/NAME`` (default ``~/.cache/torch_extensions``),
-    with a stale lock from an interrupted build removed (torch would wait on it forever)."""
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR")
-                or Path.home() / ".cache" / "torch_extensions")
-    path = root / "structlm" / name
-    path.mkdir(parents=True, exist_ok=True)
-    lock = path / "lock"
-    if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
-        lock.unlink(missing_ok=True)
-    return path
-
-
-def _build() -> ModuleType | None:
-    if os.environ.get("STRUCTLM_CPU_KERNELS", "1") == "0":
-        return None
-    from torch.utils import cpp_extension
-
-    text = b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))
-    digest = hashlib.sha1(text + " ".join(_FLAGS).encode()).hexdigest()[:10]
-    name = f"structlm_fused_rows_{digest}"
-    try:
-        return cpp_extension.load(
-            name=name, sources=[str(p) for p in _SOURCES], extra_cflags=_FLAGS,
-            extra_ldflags=["-fopenmp"], verbose=False,
-            build_directory=str(_build_directory(name)),
-        )
-    except Exception as exc:  # no compiler, no ninja, unsupported flags: fall back
-        warnings.warn(
-            f"structlm: could not build the CPU fused-rows kernel ({type(exc).__name__}: "
-            f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}); decode "
-            "uses the pure-PyTorch layouts instead. Set STRUCTLM_CPU_KERNELS=0 to skip "
-            "the build.",
-            RuntimeWarning, stacklevel=3,
-        )
-        return None
-
-
-def _module() -> ModuleType | None:
-    if "mod" not in _STATE:
-        _STATE["mod"] = _build()
-    return _STATE["mod"]
-
-
 def fused_rows_available() -> bool:
     """Whether the compiled kernel is usable (builds it on the first call)."""
-    return _module() is not None
+    return extension() is not None
 
 
 def rows_kernel_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -259,7 +202,7 @@ def typed_weight(w: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
     return _cached_copy(_TYPED, w, plan, pack_types)
 
 
-_DECODE_COPY = [os.environ.get("STRUCTLM_DECODE_COPY", "typed")]
+_DECODE_COPY = [decode_copy_default()]
 
 
 @contextlib.contextmanager
@@ -300,7 +243,7 @@ def fused_rows_macs(plan: BlockPlan, part: TypePartition) -> int:
 
 def kernel_for(x: torch.Tensor, w: torch.Tensor) -> ModuleType:
     """The compiled module, after the checks every entry point shares."""
-    mod = _module()
+    mod = extension()
     if mod is None:
         raise RuntimeError("the CPU fused-rows kernel is not available (see the warning above)")
     if x.dtype != w.dtype:

@@ -30,14 +30,14 @@ from __future__ import annotations
 
 import torch
 
+from structlm.ops.cpu_extension import extension
+
 __all__ = ["cpu_dense_rows", "cpu_rows_linear", "cpu_swiglu_rows", "dense_rows",
            "rows_linear", "swiglu_rows", "tracing"]
 
 
 def _kernel():
-    from .cpu_kernels import _module
-
-    mod = _module()
+    mod = extension()
     if mod is None:
         raise RuntimeError("the CPU fused-rows kernel is not available (see the warning above)")
     return mod

@@ -12,10 +12,11 @@ from __future__ import annotations
 import contextlib
 import enum
 import importlib
-import os
 from collections.abc import Callable, Iterator
 
 import torch
+
+from structlm.settings import backend_override
 
 __all__ = [
     "Backend",
@@ -87,8 +88,8 @@ def resolve_backend(requested: str | Backend, device: torch.device,
     if req is Backend.AUTO:
         if _FORCED:
             req = _FORCED[-1]
-        elif os.environ.get("STRUCTLM_BACKEND"):
-            req = parse_backend(os.environ["STRUCTLM_BACKEND"])
+        elif backend_override():
+            req = parse_backend(backend_override())
     if req is Backend.AUTO:
         if device.type == "cuda" and dtype != torch.float64:
             _try_import_triton_backend()
@@ -108,7 +109,7 @@ def resolve_backend(requested: str | Backend, device: torch.device,
 def auto_overridden() -> bool:
     """Whether ``Backend.AUTO`` is overridden now (:func:`force_backend` or
     ``STRUCTLM_BACKEND``): the layers' bound decode calls then take the general path."""
-    return bool(_FORCED) or "STRUCTLM_BACKEND" in os.environ
+    return bool(_FORCED) or backend_override() is not None
 
 
 @contextlib.contextmanager

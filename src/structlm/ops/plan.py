@@ -20,7 +20,7 @@ from functools import cached_property
 
 import numpy as np
 
-from ..algebra.support import LayerSupport
+from structlm.algebra.support import LayerSupport
 
 __all__ = ["BlockPlan", "Rect", "Run", "SharedRun", "make_plan"]
 

@@ -1,5 +1,5 @@
 """Training: typed config, the loop (accumulation, schedule, clipping, checkpoints)."""
 
-from .loop import TrainConfig, load_config, train
+from structlm.train.loop import TrainConfig, load_config, train
 
 __all__ = ["TrainConfig", "load_config", "train"]

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
-from ..config import RunError
+from structlm.config import RunError
 
 __all__ = ["COMPLETE", "recover_checkpoint", "run_folder_lock", "write_checkpoint"]
 

@@ -19,11 +19,12 @@ the files and broadcasts), so a run can resume under any engine and world size.
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any, Literal
 
 import torch
 from torch import nn
+
+from structlm.settings import local_rank, world_size
 
 __all__ = ["PARALLEL_MODES", "Engine", "autocast", "check_parallel", "init_distributed",
            "load_model", "load_optimizer", "no_sync", "optimizer_state", "resolve_engine",
@@ -47,11 +48,11 @@ def init_distributed() -> tuple[int, int]:
     gloo on CPU) and, on GPU, selects the local device."""
     import torch.distributed as dist
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size()
     if world <= 1:
         return 0, 1
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local_rank())
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     return dist.get_rank(), world

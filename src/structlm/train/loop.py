@@ -24,12 +24,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ..atomic import atomic_write_json
-from ..config import RunError
-from ..data.bpe import parse_tokenizer_spec
-from ..nn.schedules import auto_schedule, check_type_coverage, get_schedule, type_counts
-from . import distributed as D
-from .checkpoint import recover_checkpoint, run_folder_lock, write_checkpoint
+from structlm.atomic import atomic_write_json
+from structlm.config import RunError
+from structlm.data.bpe import parse_tokenizer_spec
+from structlm.nn.schedules import auto_schedule, check_type_coverage, get_schedule, type_counts
+from structlm.settings import local_rank
+from structlm.train import distributed as D
+from structlm.train.checkpoint import recover_checkpoint, run_folder_lock, write_checkpoint
 
 __all__ = ["TrainConfig", "load_config", "train"]
 
@@ -130,7 +131,7 @@ class TrainConfig:
     @property
     def q(self) -> int:
         """Number of position types of the FFN algebra (1 for dense)."""
-        from ..algebra import num_types
+        from structlm.algebra import num_types
 
         return num_types(self.algebra)
 
@@ -139,7 +140,7 @@ class TrainConfig:
         ``model_overrides``; with a trained tokenizer and its token ``data``, the vocabulary
         and BOS/EOS ids follow the tokenizer (without ``data``: the preset's, for
         accounting)."""
-        from ..models import config_from_preset
+        from structlm.models import config_from_preset
 
         vocab: dict[str, int] = {}
         if self.trained_tokenizer and data is not None:
@@ -175,7 +176,7 @@ def _check_model_overrides(overrides: dict[str, Any]) -> None:
     """``model_overrides`` may set only fields of ``StructLMConfig``."""
     import inspect
 
-    from ..models.configuration_structlm import StructLMConfig
+    from structlm.models.configuration_structlm import StructLMConfig
 
     known = set(inspect.signature(StructLMConfig.__init__).parameters) - {"self", "kwargs"}
     known |= {"pad_token_id"}
@@ -212,7 +213,7 @@ def _same_run(saved: str, cfg: TrainConfig) -> bool:
 def load_config(path: str, **overrides: Any) -> TrainConfig:
     """A :class:`TrainConfig` from YAML: unknown keys and values of the wrong type are
     errors naming them (``lr: 3e-4``, a string to PyYAML, is read as a float)."""
-    from ..config import dataclass_from_dict, read_yaml
+    from structlm.config import dataclass_from_dict, read_yaml
 
     raw = read_yaml(path)
     raw.update({k: v for k, v in overrides.items() if v is not None})
@@ -230,7 +231,7 @@ def _lr_factor(step: int, cfg: TrainConfig) -> float:
 def _build_model(cfg: TrainConfig, data: Any = None) -> Any:
     """The model of ``cfg``; with a BPE tokenizer its vocabulary and BOS/EOS come from
     the token ``data``."""
-    from ..models import StructLMForCausalLM
+    from structlm.models import StructLMForCausalLM
 
     if cfg.trained_tokenizer and data is None:
         raise ValueError("a BPE-tokenised run needs its token data to size the vocabulary")
@@ -329,14 +330,14 @@ def _train(cfg: TrainConfig, rank: int, world: int, stop_after: int | None, prog
     """:func:`train` inside the run folder's lock (rank 0)."""
     import torch.distributed as dist
 
-    from ..data.tokens import TokenDataset, build_token_dataset
+    from structlm.data.tokens import TokenDataset, build_token_dataset
 
     engine = D.resolve_engine(cfg.parallel, world)
     if cfg.batch_size % world:
         raise ValueError(f"batch_size={cfg.batch_size} is not divisible by the "
                          f"{world} processes")
     per_rank = cfg.batch_size // world
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    device = torch.device(f"cuda:{local_rank()}"
                           if torch.cuda.is_available() else "cpu")
     out = Path(cfg.out_dir)
     cfg_path = out / "config.json"
@@ -440,7 +441,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, stop_after: int | None, prog
             break
     bar.close()
     if step >= cfg.max_steps:
-        from .plot import plot_loss_curves
+        from structlm.train.plot import plot_loss_curves
 
         full = D.unsharded(model, engine, rank)  # collective under FSDP
         if full is not None:  # rank 0

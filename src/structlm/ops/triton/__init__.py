@@ -6,13 +6,12 @@ Available on CUDA devices, and on the CPU under the Triton interpreter
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from ..dispatch import Backend, register_backend
-from .op import algebra_linear, register_tables, triton_linear
-from .tables import SupportTables, build_tables
+from structlm.ops.dispatch import Backend, register_backend
+from structlm.ops.triton.op import algebra_linear, register_tables, triton_linear
+from structlm.ops.triton.tables import SupportTables, build_tables
+from structlm.settings import triton_interpret
 
 __all__ = [
     "SupportTables",
@@ -28,7 +27,7 @@ def is_available(device: torch.device) -> bool:
     """Triton runs on CUDA, or on the CPU under its interpreter."""
     if device.type == "cuda":
         return torch.cuda.is_available()
-    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    return device.type == "cpu" and triton_interpret()
 
 
 register_backend(Backend.TRITON, is_available)

@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import triton
 
-from .kernels import (
+from structlm.ops.triton.kernels import (
     next_power_of_2,
     support_decode_kernel,
     support_dw_kernel,
     support_matmul_kernel,
 )
-from .tables import SupportTables
+from structlm.ops.triton.tables import SupportTables
+from structlm.settings import triton_interpret
 
 __all__ = [
     "DECODE_MAX_ROWS",
@@ -32,7 +32,7 @@ DECODE_MAX_ROWS = 4
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return triton_interpret()
 
 
 @dataclass(frozen=True)

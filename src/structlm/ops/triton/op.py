@@ -10,13 +10,13 @@ never needs a host synchronisation.
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import torch
 
-from .launch import DECODE_MAX_ROWS, launch_dw, launch_dx, launch_forward
-from .tables import SupportTables
+from structlm.ops.triton.launch import DECODE_MAX_ROWS, launch_dw, launch_dx, launch_forward
+from structlm.ops.triton.tables import SupportTables
+from structlm.settings import triton_dispatch_path
 
 __all__ = ["algebra_linear", "load_dispatch", "register_tables", "triton_linear"]
 
@@ -49,8 +49,8 @@ def load_dispatch(path: str) -> int:
     return len(table)
 
 
-if os.environ.get("STRUCTLM_TRITON_DISPATCH"):
-    load_dispatch(os.environ["STRUCTLM_TRITON_DISPATCH"])
+if triton_dispatch_path():
+    load_dispatch(triton_dispatch_path())
 
 
 def forward_mode(m: int, q: int, k: int, n: int) -> str:

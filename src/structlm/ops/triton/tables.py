@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..plan import BlockPlan
+from structlm.ops.plan import BlockPlan
 
 __all__ = ["SupportTables", "build_tables"]
 

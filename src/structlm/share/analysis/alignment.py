@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from ..linalg import singular_values
+from structlm.hf.linalg import singular_values
 
 __all__ = ["DROP_PARTS", "MOVES", "align", "drop_split"]
 

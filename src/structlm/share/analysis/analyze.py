@@ -3,7 +3,7 @@ the base model's perplexity, on one pretrained model — one report folder.
 
 Test 3 runs on three input covariances (:data:`FUNCTIONAL_VARIANTS`): the calibration's
 uncentred ``E[x xᵀ]`` (primary), the centred one, and one without the attention-sink
-positions (a second pass over the calibration windows, :mod:`structlm.share.sinks`).
+positions (a second pass over the calibration windows, :mod:`structlm.share.analysis.sinks`).
 
 Thresholds are part of :class:`AnalysisConfig` and are written into the report before
 any test runs (``config.json``), so verdicts are decided by numbers fixed in advance.
@@ -23,21 +23,21 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..adapters import MATRIX_TYPES, SITE_OF, MatrixType, ModelAdapter, parse_types
-from ..calibration import Calibration
-from ..configs import dataclass_from_dict
-from ..linalg import psd_sqrt, random_like_spectrum, thin_svd
-from ..pipeline import Prepared, check_layers, evaluate_all, prepare
-from ..sinks import calibration_windows, sink_excluded_second_moments
-from .alignment import DROP_PARTS, MOVES, align, drop_split
-from .roles import (
+from structlm.config import dataclass_from_dict
+from structlm.hf.adapters import MATRIX_TYPES, SITE_OF, MatrixType, ModelAdapter, parse_types
+from structlm.hf.calibration import Calibration
+from structlm.hf.linalg import psd_sqrt, random_like_spectrum, thin_svd
+from structlm.hf.pipeline import Prepared, check_layers, evaluate_all, prepare
+from structlm.share.analysis.alignment import DROP_PARTS, MOVES, align, drop_split
+from structlm.share.analysis.roles import (
     FEATURE_NAMES,
     SHAPE_FEATURE_NAMES,
     role_features,
     shape_features,
     transfer_test,
 )
-from .subspaces import functional_matrices, per_side_k, subspace_scores
+from structlm.share.analysis.sinks import calibration_windows, sink_excluded_second_moments
+from structlm.share.analysis.subspaces import functional_matrices, per_side_k, subspace_scores
 
 __all__ = ["FUNCTIONAL_PRIMARY", "FUNCTIONAL_VARIANTS", "AnalysisConfig", "Thresholds",
            "run_analysis"]
@@ -293,7 +293,7 @@ def run_analysis(cfg: AnalysisConfig, out_dir: str | Path, progress: bool = True
                  ) -> dict[str, Any]:
     """Run the analysis and write ``results.json``, ``report.md`` and plots to
     ``out_dir``; returns the results."""
-    from .report import write_report
+    from structlm.share.analysis.report import write_report
 
     t0 = time.time()
     out = Path(out_dir)

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ...atomic import atomic_write_text, clean_json
+from structlm.atomic import atomic_write_text, clean_json
 
 __all__ = ["verdict_table", "write_report"]
 

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..linalg import singular_values
+from structlm.hf.linalg import singular_values
 
 __all__ = ["FEATURE_NAMES", "SHAPE_FEATURE_NAMES", "role_features", "shape_features",
            "transfer_test"]

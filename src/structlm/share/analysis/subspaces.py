@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ..linalg import (
+from structlm.hf.linalg import (
     captured_energy,
     energy_weighted_basis,
     random_orthonormal,

@@ -1,11 +1,22 @@
 """Compression with shared bases (tests 4–9): methods, modules, accounting, save/load."""
 
-from .apply import CompressionConfig, TypePlan, build_modules, compress_model, plan_types
-from .basis_sharing import factorize_basis_sharing, update_coefficients
-from .factorize import TypeFactors, best_rectangular_ranks, factorize_shared, factorize_svd
-from .io import load_compressed, save_compressed
-from .modules import LowRankLinear, OneSidedLinear, SharedBasis, SharedBasisLinear
-from .ranks import (
+from structlm.nn.factorized import LowRankLinear, OneSidedLinear, SharedBasis, SharedBasisLinear
+from structlm.share.compress.apply import (
+    CompressionConfig,
+    TypePlan,
+    build_modules,
+    compress_model,
+    plan_types,
+)
+from structlm.share.compress.basis_sharing import factorize_basis_sharing, update_coefficients
+from structlm.share.compress.factorize import (
+    TypeFactors,
+    best_rectangular_ranks,
+    factorize_shared,
+    factorize_svd,
+)
+from structlm.share.compress.io import load_compressed, save_compressed
+from structlm.share.compress.ranks import (
     BASIS_SHARING,
     METHODS,
     TypeRanks,

@@ -10,13 +10,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..adapters import ConcatProjection, MatrixType, ModelAdapter, parse_types
-from ..calibration import Calibration
-from ..configs import dataclass_from_dict
-from .basis_sharing import factorize_basis_sharing
-from .factorize import RootCache, TypeFactors, factorize_shared, factorize_svd
-from .modules import LowRankLinear, OneSidedLinear, SharedBasis, SharedBasisLinear
-from .ranks import (
+from structlm.config import dataclass_from_dict
+from structlm.hf.adapters import ConcatProjection, MatrixType, ModelAdapter, parse_types
+from structlm.hf.calibration import Calibration
+from structlm.nn.factorized import LowRankLinear, OneSidedLinear, SharedBasis, SharedBasisLinear
+from structlm.share.compress.basis_sharing import factorize_basis_sharing
+from structlm.share.compress.factorize import (
+    RootCache,
+    TypeFactors,
+    factorize_shared,
+    factorize_svd,
+)
+from structlm.share.compress.ranks import (
     BASIS_SHARING,
     METHODS,
     TypeRanks,
@@ -277,8 +282,8 @@ def _update(adapter: ModelAdapter, cal: Calibration, plans: list[TypePlan],
             originals: dict[MatrixType, list[torch.Tensor]], tokens: torch.Tensor | None,
             cfg: CompressionConfig) -> dict[str, Any]:
     """Basis Sharing's update: calibrate the compressed model, refit the coefficients."""
-    from ..calibration import calibrate
-    from .basis_sharing import update_coefficients
+    from structlm.hf.calibration import calibrate
+    from structlm.share.compress.basis_sharing import update_coefficients
 
     assert tokens is not None
     seq_len = int(cal.meta.get("seq_len", 512))

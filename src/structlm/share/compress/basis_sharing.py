@@ -40,9 +40,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..linalg import energy_weighted_basis, psd_inv_sqrt, psd_roots, psd_sqrt
-from .factorize import RootCache, TypeFactors, kept_energy
-from .ranks import TypeRanks, max_basis_rank
+from structlm.hf.linalg import energy_weighted_basis, psd_inv_sqrt, psd_roots, psd_sqrt
+from structlm.share.compress.factorize import RootCache, TypeFactors, kept_energy
+from structlm.share.compress.ranks import TypeRanks, max_basis_rank
 
 __all__ = ["factorize_basis_sharing", "update_coefficients"]
 
@@ -111,11 +111,11 @@ def update_coefficients(modules: list[nn.Module], originals: list[torch.Tensor],
     (:class:`~.modules.OneSidedLinear` ``D``, or the output factor ``B`` of a private
     :class:`~.modules.LowRankLinear`) to the original weights ``originals`` under the
     compressed model's inputs ``new_Cs`` (summed over the group, as the paper's code
-    does). ``modules``: one per layer (a :class:`~structlm.share.adapters.ConcatProjection`
+    does). ``modules``: one per layer (a :class:`~structlm.hf.adapters.ConcatProjection`
     of ``parts`` such modules for a gated MLP-in). Returns the whitened error before and
     after, per layer."""
-    from ..adapters import ConcatProjection
-    from .modules import LowRankLinear, OneSidedLinear
+    from structlm.hf.adapters import ConcatProjection
+    from structlm.nn.factorized import LowRankLinear, OneSidedLinear
 
     def pieces(m: nn.Module) -> list[nn.Module]:
         return list(m.parts) if isinstance(m, ConcatProjection) else [m]

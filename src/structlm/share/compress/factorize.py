@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from ..linalg import energy_weighted_basis, psd_roots, thin_svd
-from .ranks import TypeRanks
+from structlm.hf.linalg import energy_weighted_basis, psd_roots, thin_svd
+from structlm.share.compress.ranks import TypeRanks
 
 __all__ = ["RootCache", "TypeFactors", "best_rectangular_ranks", "factorize_shared",
            "factorize_svd", "kept_energy"]

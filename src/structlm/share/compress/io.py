@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from ..adapters import MatrixType, get_adapter
-from ..loading import LoadedModel, load_model
-from .apply import CompressionConfig, build_modules
-from .factorize import TypeFactors
-from .ranks import TypeRanks
+from structlm.hf.adapters import MatrixType, get_adapter
+from structlm.hf.loading import LoadedModel, load_model, register_folder_format
+from structlm.share.compress.apply import CompressionConfig, build_modules
+from structlm.share.compress.factorize import TypeFactors
+from structlm.share.compress.ranks import TypeRanks
 
 __all__ = ["MANIFEST", "load_compressed", "save_compressed"]
 
@@ -143,3 +143,6 @@ def load_compressed(folder: str | Path) -> LoadedModel:
     loaded.model_id = str(folder)
     loaded.source = str(folder)
     return loaded
+
+
+register_folder_format(MANIFEST, load_compressed)

@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
-from ...atomic import atomic_write_text, clean_json
-from ..pipeline import evaluate_all, prepare, spread_windows
-from .apply import CompressionConfig, compress_model
-from .finetune import FinetuneConfig, finetune
-from .io import save_compressed
+from structlm.atomic import atomic_write_text, clean_json
+from structlm.hf.finetune import FinetuneConfig, finetune
+from structlm.hf.pipeline import evaluate_all, prepare, spread_windows
+from structlm.share.compress.apply import CompressionConfig, compress_model
+from structlm.share.compress.io import save_compressed
 
 __all__ = ["run_compress"]
 

@@ -1,0 +1,315 @@
+"""``structlm convert MODEL``: change the product of a pretrained model, heal it, and
+compare it with equal-MAC baselines healed the same way.
+
+For every target (``mlp``: the FFN projections; ``attn``: the attention projections)
+and every algebra, the arms are:
+
+* ``<algebra>`` — :func:`~structlm.convert.convert_` (parameters kept, product changed);
+* ``prune`` (FFN only) — :func:`~structlm.experiments.convert.baselines.prune_ffn_width_` to the
+  width whose projection MACs equal the algebra's;
+* ``svd`` — per-layer whitened low-rank factorisation of the target matrices
+  (``share.compress`` method ``svd``) at the same projection MACs;
+* ``dense`` (once per target) — the original model healed the same way: the control
+  that separates repair from domain adaptation (healing on in-domain text improves an
+  unchanged model too).
+
+Every arm starts from a fresh copy of the loaded model, is evaluated right after the
+change (``changed``) and after healing (``healed``): the same :class:`FinetuneConfig`
+(steps, rates, batches of calibration text, seed), training the parameters of the
+changed modules (the same modules for the dense control). Projection MACs per token are
+asserted equal to the algebra arm's within ``mac_tolerance``. Perplexity uses the share
+pipeline's protocol (≥ ``eval_tokens`` scored tokens per text, windows drawn across all
+held-out documents, float64 sums), in-domain and on the other-domain text. Finished arms
+are kept in ``arms.json`` (a killed run resumes; a healing run in progress keeps its
+state every 10 steps).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import itertools
+import json
+import time
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from structlm.atomic import atomic_write_text, clean_json
+from structlm.config import ConfigError, dataclass_from_dict
+from structlm.convert.convert import AlgebraConfig, convert_
+from structlm.convert.typed_linear import TypedAlgebraLinear
+from structlm.experiments.convert.baselines import prune_ffn_width_
+from structlm.experiments.plot_throttle import PlotThrottle
+from structlm.hf.adapters import MatrixType, get_adapter, parse_types
+from structlm.hf.finetune import FinetuneConfig, finetune, trainable_parameters
+from structlm.hf.macs import projection_macs, projection_parameters
+from structlm.hf.pipeline import Prepared, evaluate_all, prepare, spread_windows
+from structlm.share.compress import CompressionConfig, compress_model
+
+__all__ = ["ConvertExperimentConfig", "planned_runs", "run_convert_experiment"]
+
+BASELINES = ("prune", "svd")
+
+
+def _heal_default() -> FinetuneConfig:
+    return FinetuneConfig(steps=100, warmup=5, eval_every=25)
+
+
+@dataclass
+class ConvertExperimentConfig:
+    """The conversion experiment (every field settable from YAML or the CLI)."""
+
+    model: str = "smollm2"
+    corpus: str = "austen"
+    """Calibration and healing text; its held-out documents are the in-domain text."""
+    second_corpus: str = "shakespeare"
+    """Other-domain evaluation text."""
+    calib_tokens: int = 32768
+    """Calibration tokens (windows across all calibration documents, seeded)."""
+    eval_tokens: int = 16384
+    """Scored tokens per evaluation text (windows across all held-out documents)."""
+    algebras: list[str] = field(default_factory=lambda: ["Q2^2", "Q4"])
+    """Algebras the projections are converted to (each sets one MAC budget)."""
+    targets: list[str] = field(default_factory=lambda: ["mlp", "attn"])
+    """Projection groups converted: mlp (FFN) and/or attn."""
+    schedule: str = "cyclic"
+    """Position-type schedule of the converted layers."""
+    baselines: list[str] = field(default_factory=lambda: list(BASELINES))
+    """Equal-MAC baselines: prune (FFN width; mlp only) and/or svd (low rank)."""
+    dense_control: bool = True
+    """Also heal the unchanged model the same way (the domain-adaptation control)."""
+    heal: FinetuneConfig = field(default_factory=_heal_default)
+    """Healing of every arm (the same for all; only the trained modules differ)."""
+    seeds: list[int] = field(default_factory=lambda: [0])
+    """Healing seeds (batch order)."""
+    seed_targets: list[str] | None = None
+    """Targets whose algebra and baseline arms are healed with every seed (the verdict
+    rule needs at least two per arm); every other arm, the dense controls included, with
+    ``seeds[0]`` only. ``None``: every arm with every seed."""
+    mac_tolerance: float = 0.01
+    """Baselines' projection MACs must lie within this fraction below the algebra's."""
+
+    def __post_init__(self) -> None:
+        for name in self.algebras:
+            AlgebraConfig(name, self.schedule)  # raises naming a bad algebra or schedule
+        for t in self.targets:
+            if t not in ("mlp", "attn"):
+                raise ConfigError(f"targets: {t!r} is not mlp or attn")
+        bad_seed_targets = [t for t in self.seed_targets or [] if t not in self.targets]
+        if bad_seed_targets:
+            raise ConfigError(f"seed_targets {bad_seed_targets}: expected some of the "
+                              f"targets {self.targets}")
+        bad = [b for b in self.baselines if b not in BASELINES]
+        if bad:
+            raise ConfigError(f"baselines {bad}: expected some of {list(BASELINES)}")
+        if not self.seeds:
+            raise ConfigError("seeds must not be empty")
+        if self.heal.steps < 1:
+            raise ConfigError(f"heal.steps must be >= 1, got {self.heal.steps}")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ConvertExperimentConfig:
+        return dataclass_from_dict(cls, raw, {"heal": FinetuneConfig})
+
+
+@dataclass(frozen=True)
+class _Arm:
+    kind: str  # algebra | prune | svd | dense
+    target: str
+    budget: str  # the algebra whose MACs the arm matches ("" for the dense control)
+
+    @property
+    def name(self) -> str:
+        return {"algebra": self.budget, "prune": f"prune to {self.budget} MACs",
+                "svd": f"svd at {self.budget} MACs", "dense": "dense (control)"}[self.kind]
+
+
+def _arms(cfg: ConvertExperimentConfig) -> list[_Arm]:
+    arms = []
+    for target in cfg.targets:
+        if cfg.dense_control:
+            arms.append(_Arm("dense", target, ""))
+        for alg in cfg.algebras:
+            arms.append(_Arm("algebra", target, alg))
+            arms += [_Arm(b, target, alg) for b in cfg.baselines
+                     if not (b == "prune" and target != "mlp")]
+    return arms
+
+
+def planned_runs(cfg: ConvertExperimentConfig) -> list[tuple[_Arm, int]]:
+    """Every (arm, seed) the experiment runs, seed by seed: every arm with ``seeds[0]``
+    first (an interrupted run still has every row of the table once), then the further
+    seeds of the arms in ``seed_targets`` (``None``: every arm with every seed)."""
+    runs = []
+    for i, seed in enumerate(cfg.seeds):
+        for arm in _arms(cfg):
+            every_seed = cfg.seed_targets is None or (
+                arm.kind != "dense" and arm.target in cfg.seed_targets)
+            if i == 0 or every_seed:
+                runs.append((arm, seed))
+    return runs
+
+
+def _target_types(target: str) -> set[MatrixType]:
+    return set(parse_types(target))
+
+
+def _site_parameters(model: nn.Module, target: str) -> list[nn.Parameter]:
+    """Parameters of the target projections (the modules at the adapter's sites)."""
+    types = _target_types(target)
+    return [p for layer in get_adapter(model).layers for site in layer.linear_sites()
+            if types & set(site.types) for p in site.module.parameters()]
+
+
+def _change(model: nn.Module, arm: _Arm, prep: Prepared, cfg: ConvertExperimentConfig
+            ) -> list[nn.Parameter]:
+    """Apply ``arm`` to ``model`` in place; returns the parameters healing trains."""
+    if arm.kind == "dense":
+        return _site_parameters(model, arm.target)
+    rho = AlgebraConfig(arm.budget, cfg.schedule, arm.target)
+    if arm.kind == "algebra":
+        convert_(model, rho)
+        return [p for m in model.modules() if isinstance(m, TypedAlgebraLinear)
+                for p in m.parameters()]
+    ratio = _mac_ratio(rho)
+    assert prep.calibration is not None
+    if arm.kind == "prune":
+        f = get_adapter(model).layers[0].weight(MatrixType.MLP_OUT).shape[1]
+        keep = int(ratio * f)  # floor: never above the algebra's MACs
+        prune_ffn_width_(model, prep.calibration, keep)
+        return _site_parameters(model, "mlp")
+    compress_model(get_adapter(model), prep.calibration,
+                   CompressionConfig(method="svd", types=arm.target,
+                                     target_reduction=float(1 - ratio)),
+                   calib_tokens=prep.calib_ids)
+    return trainable_parameters(model)
+
+
+def _mac_ratio(cfg: AlgebraConfig) -> Fraction:
+    from structlm.algebra import support_of
+
+    support = support_of(cfg.algebra_object())
+    return support.mac_ratio((1,) * support.q, (1,) * support.q)  # balanced type mix
+
+
+def _ppl(model: nn.Module, prep: Prepared) -> dict[str, float]:
+    return {k: v["ppl"] for k, v in evaluate_all(model, prep.eval_ids, progress=False).items()}
+
+
+def _run_arm(arm: _Arm, seed: int, prep: Prepared, cfg: ConvertExperimentConfig,
+             state_path: Path, progress: bool) -> dict[str, Any]:
+    t0 = time.time()
+    model = copy.deepcopy(prep.loaded.model)
+    params = _change(model, arm, prep, cfg)
+    if arm.kind in BASELINES:  # before hours of healing, and before anything is recorded
+        _check_budget(arm, float(projection_macs(model)), prep, cfg)
+    out: dict[str, Any] = {
+        "arm": arm.name, "kind": arm.kind, "target": arm.target, "budget": arm.budget,
+        "seed": seed, "projection_macs": float(projection_macs(model)),
+        "projection_parameters": projection_parameters(model),
+        "trained_parameters": sum(p.numel() for p in params),
+        "ppl_changed": _ppl(model, prep)}
+    torch.manual_seed(seed)
+    in_domain = next(iter(prep.eval_ids.values()))
+    heal = dataclasses.replace(cfg.heal, seed=seed)
+    out["curve"] = finetune(model, prep.train_ids, spread_windows(in_domain, heal.eval_tokens),
+                            heal, progress, state_path=state_path, params=params)
+    out["heal"] = dataclasses.asdict(heal)
+    out["ppl_healed"] = _ppl(model, prep)
+    out["seconds"] = time.time() - t0
+    return out
+
+
+def _check_budget(arm: _Arm, macs: float, prep: Prepared,
+                  cfg: ConvertExperimentConfig) -> None:
+    """A baseline's projection MACs within ``mac_tolerance`` below the algebra's,
+    computed from the original model: ``original − (1 − rho) · target MACs``."""
+    original = prep.loaded.model
+    types = _target_types(arm.target)
+    target = sum(site.module.weight.numel() for layer in get_adapter(original).layers
+                 for site in layer.linear_sites() if types & set(site.types))
+    rho = _mac_ratio(AlgebraConfig(arm.budget, cfg.schedule, arm.target))
+    budget = float(projection_macs(original) - (1 - rho) * target)
+    dev = macs / budget - 1
+    if not -cfg.mac_tolerance <= dev <= 1e-9:
+        raise AssertionError(f"{arm.name} on {arm.target}: projection MACs {macs:,.0f} vs the "
+                             f"{arm.budget} budget {budget:,.0f} ({dev:+.2%}; allowed "
+                             f"−{cfg.mac_tolerance:.0%}..0)")
+
+
+def _check_macs(arms: list[dict[str, Any]], tol: float) -> None:
+    """Every baseline within ``tol`` below its algebra arm's projection MACs."""
+    ref = {(a["target"], a["budget"], a["seed"]): a["projection_macs"] for a in arms
+           if a["kind"] == "algebra"}
+    for a in arms:
+        key = (a["target"], a["budget"], a["seed"])
+        if a["kind"] in BASELINES and key in ref:
+            dev = a["projection_macs"] / ref[key] - 1
+            if not -tol <= dev <= 1e-9:
+                raise AssertionError(f"{a['arm']} on {a['target']}: projection MACs "
+                                     f"{a['projection_macs']:,.0f} vs the algebra's "
+                                     f"{ref[key]:,.0f} ({dev:+.2%}; allowed −{tol:.0%}..0)")
+
+
+def run_convert_experiment(cfg: ConvertExperimentConfig, out_dir: str | Path,
+                           progress: bool = True) -> dict[str, Any]:
+    """Run every arm and seed (resuming from ``out_dir/arms.json``); writes
+    ``results.json``, ``report.md`` and plots. Returns the results."""
+    from structlm.experiments.convert.report import write_convert_report
+
+    t0 = time.time()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=1))
+    prep = prepare(cfg.model, cfg.corpus, cfg.second_corpus, calib_tokens=cfg.calib_tokens,
+                   eval_tokens=cfg.eval_tokens, progress=progress)
+    arms_path = out / "arms.json"
+    done: dict[str, Any] = json.loads(arms_path.read_text()) if arms_path.exists() else {}
+    base = {"model": prep.loaded.model_id, "corpus": cfg.corpus,
+            "second_corpus": cfg.second_corpus, "calib_tokens": cfg.calib_tokens,
+            "eval_tokens": cfg.eval_tokens, "schedule": cfg.schedule,
+            "heal": dataclasses.asdict(cfg.heal)}
+    original = projection_macs(prep.loaded.model)
+    res: dict[str, Any] = {
+        "model": prep.loaded.model_id, "model_note": prep.loaded.note,
+        "split": prep.split.describe(), "text": prep.text, "eval_texts": list(prep.eval_ids),
+        "original": {"projection_macs": float(original),
+                     "projection_parameters": projection_parameters(prep.loaded.model),
+                     "ppl": _ppl(prep.loaded.model, prep)}}
+    def key_of(arm: _Arm, seed: int) -> str:
+        return json.dumps({**base, **dataclasses.asdict(arm), "seed": seed}, sort_keys=True)
+
+    runs = [(arm, seed, key_of(arm, seed)) for arm, seed in planned_runs(cfg)]
+    # results and report list the runs seed by seed in arm order, whatever order they ran in
+    order = {key_of(arm, seed): i
+             for i, (seed, arm) in enumerate(itertools.product(cfg.seeds, _arms(cfg)))}
+    report_keys = sorted((key for _, _, key in runs), key=order.__getitem__)
+    throttle = PlotThrottle()
+
+    def write(final: bool = False) -> None:
+        """Results and report from every planned run finished so far (in arm order)."""
+        results = [done[key] for key in report_keys if key in done]
+        _check_macs(results, cfg.mac_tolerance)
+        res["arms"] = results
+        res["seconds"] = time.time() - t0
+        atomic_write_text(out / "results.json", json.dumps(clean_json(res), indent=1))
+        write_convert_report(res, cfg, out, plots=throttle.due(final))
+
+    write()
+    for arm, seed, key in runs:
+        if key in done:
+            continue
+        if progress:
+            print(f"[arm] {arm.name} on {arm.target}, seed {seed}", flush=True)
+        state = out / "heal-state" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".pt")
+        done[key] = clean_json(_run_arm(arm, seed, prep, cfg, state, progress))
+        atomic_write_text(arms_path, json.dumps(done))
+        state.unlink(missing_ok=True)
+        write(final=all(k in done for _, _, k in runs))
+    return res

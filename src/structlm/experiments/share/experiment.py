@@ -1,0 +1,414 @@
+"""``structlm share experiment``: the seed's tests 4–9 end to end on one model, in two
+budget regimes.
+
+Every arm starts from a fresh copy of the same loaded model, uses the same calibration
+windows, the same evaluation windows and the same perplexity function; every fine-tuned
+arm gets the same fine-tuning config (only its seed differs):
+
+* **whole-model compression** (tests 4–6, the regime of the Basis Sharing and SVD-LLM
+  tables): each method removes 20/30/40/50% of *every* decoder linear type's parameters
+  (attention and MLP); the arms' stored parameters are asserted equal to the budget
+  within ``budget_tolerance``; analytic perplexity, then fine-tuning over seeds;
+* **the seed's regime** (tests 4–6 as the seed states them): Q only, the shared method at
+  ``k = d/4``, every other method at the storage that leaves (the closest it can reach
+  without exceeding it), fine-tuned long enough to plateau;
+* **test 7 / 9** — shared and hybrid on attention only, MLP only, all, at one reduction
+  per type (so the scopes are compared at equal compression ratios);
+* **test 8** — a second model, if one is given.
+
+Fine-tuning's recovery is reported per text: the share of the log-perplexity damage
+undone, in-domain and on the other-domain text (fine-tuning on in-domain text can be
+domain adaptation rather than repair).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from structlm.atomic import atomic_write_text, clean_json
+from structlm.config import dataclass_from_dict
+from structlm.experiments.plot_throttle import PlotThrottle
+from structlm.hf.adapters import MatrixType, get_adapter
+from structlm.hf.finetune import FinetuneConfig, finetune
+from structlm.hf.pipeline import Prepared, evaluate_all, prepare, spread_windows
+from structlm.share.compress.apply import CompressionConfig, compress_model, plan_types
+from structlm.share.compress.ranks import METHODS, TypeRanks, token_macs
+
+__all__ = ["ExperimentConfig", "run_experiment"]
+
+
+def _long_finetune() -> FinetuneConfig:
+    return FinetuneConfig(steps=300, warmup=15, eval_every=50)
+
+
+def _whole_finetune() -> FinetuneConfig:
+    return FinetuneConfig(steps=100, warmup=5, eval_every=25)
+
+
+@dataclass
+class ExperimentConfig:
+    """Budgets of the experiment (SmolLM2 on 2 cores: several hours with the defaults;
+    every finished arm is kept in ``arms.json``, so an interrupted run resumes)."""
+
+    model: str = "smollm2"
+    corpus: str = "austen"
+    """Calibration and fine-tuning corpus; its held-out documents are the in-domain text."""
+    second_corpus: str = "shakespeare"
+    """Other-domain evaluation text."""
+    second_model: str = ""
+    """Test 8's second model ("" = not run)."""
+    calib_tokens: int = 32768
+    """Calibration tokens (windows across all calibration documents, seeded)."""
+    eval_tokens: int = 16384
+    """Scored tokens per evaluation text (windows drawn across all held-out documents)."""
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    """Methods of the whole-model regime (see share/compress/ranks.py)."""
+    reductions: list[float] = field(default_factory=lambda: [0.2, 0.3, 0.4, 0.5])
+    """Whole-model regime: fraction of every compressed type's parameters removed."""
+    types: str = "all"
+    """Matrix types of the whole-model regime."""
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    """Fine-tuning seeds."""
+    multi_seed_reductions: list[float] = field(default_factory=lambda: [0.2, 0.4])
+    """Reductions fine-tuned with every seed; the others with ``seeds[0]`` only."""
+    residual_rank: int = 32
+    """Rank of the hybrid's per-layer residual."""
+    group_size: int = 2
+    """``basis-sharing``: consecutive layers per basis (the paper's LLaMA configs: 2)."""
+    update: bool = False
+    """``basis-sharing``: the paper's optional closed-form update step."""
+    finetune: FinetuneConfig = field(default_factory=_whole_finetune)
+    """Fine-tuning of every whole-model and scope arm (the same for every method)."""
+    seed_finetune: FinetuneConfig = field(default_factory=_long_finetune)
+    """Fine-tuning of the seed regime's arms (long enough to plateau: ≥ 300 steps)."""
+    seed_regime: bool = True
+    """Run the seed's regime (Q only at k = d/4 and equal-storage baselines)."""
+    seed_types: str = "q"
+    """Matrix types of the seed regime."""
+    seed_k_fraction: float = 0.25
+    """The seed regime's k as a fraction of the hidden size (the seed's d/4)."""
+    seed_methods: list[str] = field(default_factory=lambda: ["shared", "svd", "basis-sharing"])
+    """Methods of the seed regime."""
+    scope: bool = True
+    """Run tests 7/9: attention only vs MLP only at scope_reduction."""
+    scope_reduction: float = 0.4
+    """Reduction of every type for tests 7 and 9."""
+    budget_tolerance: float = 0.005
+    """Whole-model arms must store within this fraction of the budget."""
+
+    def __post_init__(self) -> None:
+        bad = [m for m in [*self.methods, *self.seed_methods] if m not in METHODS]
+        if bad:
+            raise ValueError(f"unknown methods {bad}: expected some of {METHODS}")
+        if not self.seeds:
+            raise ValueError("seeds must not be empty")
+        if any(not 0 < r < 1 for r in self.reductions):
+            raise ValueError(f"reductions must be in (0, 1), got {self.reductions}")
+        if self.eval_tokens < 2 or self.calib_tokens < 512:
+            raise ValueError(f"eval_tokens >= 2 and calib_tokens >= 512 needed, got "
+                             f"{self.eval_tokens}, {self.calib_tokens}")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ExperimentConfig:
+        return dataclass_from_dict(cls, raw, {"finetune": FinetuneConfig,
+                                              "seed_finetune": FinetuneConfig})
+
+
+def _ppl(model: Any, prep: Prepared) -> dict[str, float]:
+    return {k: v["ppl"] for k, v in evaluate_all(model, prep.eval_ids, progress=False).items()}
+
+
+def _compress(prep: Prepared, ccfg: CompressionConfig) -> tuple[Any, dict[str, Any]]:
+    """A fresh copy of the model, compressed (deterministic: no seed involved)."""
+    model = copy.deepcopy(prep.loaded.model)
+    assert prep.calibration is not None
+    rep = compress_model(get_adapter(model), prep.calibration, ccfg,
+                         calib_tokens=prep.calib_ids)
+    return model, rep
+
+
+def _analytic(prep: Prepared, ccfg: CompressionConfig) -> dict[str, Any]:
+    """Compress a fresh copy and evaluate it before any training."""
+    t0 = time.time()
+    model, rep = _compress(prep, ccfg)
+    out: dict[str, Any] = {
+        "method": ccfg.method, "types": ccfg.types, "reduction": ccfg.target_reduction,
+        "ratio": rep["ratio"], "stored_parameters": rep["stored_parameters"],
+        "original_parameters": rep["original_parameters"],
+        "energy_kept": {t: d["mean_energy_kept"] for t, d in rep["types"].items()},
+        "ranks": {t: {"k_out": d["k_out"], "k_in": d["k_in"], "r": d["r"],
+                      "method": d["method"], "groups": len(d["group_sizes"])}
+                  for t, d in rep["types"].items()},
+        "stored_by_type": {t: [d["stored_parameters"], d["original_parameters"]]
+                           for t, d in rep["types"].items()},
+        "residual_share_of_basis_error": {
+            t: sum(d["residual_share_of_basis_error"]) / len(d["residual_share_of_basis_error"])
+            for t, d in rep["types"].items() if "residual_share_of_basis_error" in d},
+        "ppl_analytic": _ppl(model, prep), "analytic_seconds": time.time() - t0}
+    if "update" in rep:
+        out["update"] = rep["update"]
+    return out
+
+
+def token_macs_ratio(prep: Prepared, ccfg: CompressionConfig, arm: dict[str, Any]) -> float:
+    """Decoder projection MACs per token of the compressed model (one row, the modules'
+    own order) over the original's, from the arm's recorded ranks: every linear type of
+    every layer counted, the uncompressed ones at ``out·in``."""
+    ad = prep.adapter
+    L = ad.num_layers
+    dense = {t: L * ad.layers[0].weight(t).numel() for t in MatrixType}
+    now = dict(dense)
+    for plan in plan_types(ad, ccfg):
+        r = arm["ranks"][plan.type.value]
+        out, inn = plan.shape
+        now[plan.type] = token_macs(r["method"], out, inn, TypeRanks(r["k_out"], r["k_in"],
+                                                                     r["r"]),
+                                    [len(g) for g in plan.groups], plan.parts)
+    return sum(now.values()) / sum(dense.values())
+
+
+def _tuned(prep: Prepared, ccfg: CompressionConfig, ft: FinetuneConfig, seed: int,
+           progress: bool, state_path: Path | None = None) -> dict[str, Any]:
+    """Compress a fresh copy, fine-tune it with ``seed`` (resuming from ``state_path``
+    if a killed run left one), evaluate."""
+    t0 = time.time()
+    model, _ = _compress(prep, ccfg)
+    torch.manual_seed(seed)
+    in_domain = next(iter(prep.eval_ids.values()))
+    ftc = dataclasses.replace(ft, seed=seed)
+    curve = finetune(model, prep.train_ids, spread_windows(in_domain, ft.eval_tokens), ftc,
+                     progress, state_path=state_path)
+    return {"seed": seed, "finetune": dataclasses.asdict(ftc), "curve": curve,
+            "ppl_finetuned": _ppl(model, prep), "finetune_seconds": time.time() - t0}
+
+
+class _ArmCache:
+    """Finished arms in ``arms.json`` next to the report, written atomically after each
+    one, so a killed experiment resumes where it stopped. The analytic part of an arm is
+    keyed by the compression config (it does not depend on the seed); a fine-tuned part by
+    the compression config, the fine-tuning config and the seed. A fine-tuning run in
+    progress keeps its state in ``finetune-state/<hash of its key>.pt`` beside
+    ``arms.json`` (every few steps), so a kill mid-run loses minutes, not the run."""
+
+    def __init__(self, path: Path, cfg: ExperimentConfig) -> None:
+        self.path = path
+        self.base = {"calib_tokens": cfg.calib_tokens, "eval_tokens": cfg.eval_tokens,
+                     "corpus": cfg.corpus, "second_corpus": cfg.second_corpus,
+                     "protocol": "windows across documents"}
+        self.done: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+
+    def _key(self, prep: Prepared, ccfg: CompressionConfig, **extra: Any) -> str:
+        return json.dumps({**self.base, "model": prep.loaded.model_id,
+                           "compression": dataclasses.asdict(ccfg), **extra}, sort_keys=True)
+
+    def state_path(self, key: str) -> Path:
+        """Where the fine-tuning run of ``key`` keeps its resumable state."""
+        return self.path.parent / "finetune-state" / (
+            hashlib.sha1(key.encode()).hexdigest()[:16] + ".pt")
+
+    def _get(self, key: str, make: Any, label: str, progress: bool) -> dict[str, Any]:
+        if key not in self.done:
+            if progress:
+                print(f"[arm] {label}", flush=True)
+            self.done[key] = clean_json(make())
+            atomic_write_text(self.path, json.dumps(self.done))
+            self.state_path(key).unlink(missing_ok=True)  # recorded: the state is spent
+        return self.done[key]
+
+    def analytic(self, prep: Prepared, ccfg: CompressionConfig,
+                 progress: bool) -> dict[str, Any]:
+        label = f"{ccfg.method} on {ccfg.types} at {ccfg.target_reduction or ccfg.k_fraction}"
+        return self._get(self._key(prep, ccfg, part="analytic"),
+                         lambda: _analytic(prep, ccfg), label + " (analytic)", progress)
+
+    def tuned(self, prep: Prepared, ccfg: CompressionConfig, ft: FinetuneConfig, seed: int,
+              progress: bool) -> dict[str, Any] | None:
+        """The fine-tuned part (``None`` if it is not done and ``run`` is False)."""
+        key = self.tuned_key(prep, ccfg, ft, seed)
+        label = (f"{ccfg.method} on {ccfg.types} at "
+                 f"{ccfg.target_reduction or ccfg.k_fraction}, fine-tuned, seed {seed}")
+        return self._get(key, lambda: _tuned(prep, ccfg, ft, seed, progress,
+                                             self.state_path(key)), label, progress)
+
+    def tuned_key(self, prep: Prepared, ccfg: CompressionConfig, ft: FinetuneConfig,
+                  seed: int) -> str:
+        """The key of one fine-tuning run in ``arms.json``."""
+        return self._key(prep, ccfg, part="finetuned", seed=seed,
+                         finetune=dataclasses.asdict(ft))
+
+    def has_tuned(self, prep: Prepared, ccfg: CompressionConfig, ft: FinetuneConfig,
+                  seed: int) -> bool:
+        return self.tuned_key(prep, ccfg, ft, seed) in self.done
+
+
+def _summary(arms: list[dict[str, Any]], key: str, name: str) -> dict[str, float]:
+    vals = [a[key][name] for a in arms if key in a]
+    if not vals:
+        return {}
+    return {"mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1
+            else 0.0, "min": min(vals), "max": max(vals), "n": len(vals)}
+
+
+def _check_budget(arm: dict[str, Any], target: float, tol: float) -> None:
+    dev = arm["stored_parameters"] / target - 1
+    if not -tol <= dev <= 1e-12:
+        raise AssertionError(f"{arm['method']} at {arm['reduction']}: stored "
+                             f"{arm['stored_parameters']:,} vs budget {target:,.0f} "
+                             f"({dev:+.2%}; allowed −{tol:.1%}..0)")
+
+
+@dataclass
+class _Cell:
+    """One compression setting of a section and the seeds it is fine-tuned with."""
+
+    section: str
+    ccfg: CompressionConfig
+    ft: FinetuneConfig
+    seeds: list[int]
+    priority: list[int]
+    """Per seed: its place in the fine-tuning order (lower first)."""
+
+
+def _cells(cfg: ExperimentConfig, prep: Prepared, cache: _ArmCache,
+           progress: bool) -> tuple[list[_Cell], dict[str, Any]]:
+    """Every setting (the analytic phase runs as they are made: the seed regime's other
+    methods need the shared arm's storage)."""
+    cells: list[_Cell] = []
+    info: dict[str, Any] = {}
+    n_s = len(cfg.seeds)
+    if cfg.seed_regime and cfg.seed_methods:
+        if cfg.seed_methods[0] != "shared":
+            raise ValueError(f"seed_methods must start with 'shared' (it sets the storage), "
+                             f"got {cfg.seed_methods}")
+        ref = CompressionConfig(method="shared", types=cfg.seed_types,
+                                k_fraction=cfg.seed_k_fraction)
+        a = cache.analytic(prep, ref, progress)
+        budget = 1 - a["stored_parameters"] / a["original_parameters"]
+        info = {"k": round(cfg.seed_k_fraction * prep.adapter.hidden_size),
+                "types": cfg.seed_types, "reduction_of_shared": budget}
+        for method in cfg.seed_methods:
+            ccfg = ref if method == "shared" else CompressionConfig(
+                method=method, types=cfg.seed_types, target_reduction=budget,
+                group_size=cfg.group_size, residual_rank=cfg.residual_rank)
+            cells.append(_Cell("seed", ccfg, cfg.seed_finetune, cfg.seeds,
+                               [10 + 100 * i for i in range(n_s)]))
+    for j, red in enumerate(cfg.reductions):
+        multi = red in cfg.multi_seed_reductions
+        seeds = cfg.seeds if multi else cfg.seeds[:1]
+        for method in cfg.methods:
+            ccfg = CompressionConfig(method=method, types=cfg.types, target_reduction=red,
+                                     residual_rank=cfg.residual_rank,
+                                     group_size=cfg.group_size,
+                                     update=cfg.update and method == "basis-sharing")
+            first = 0 if multi else 5  # seed 0 of the multi-seed budgets first
+            cells.append(_Cell("whole", ccfg, cfg.finetune, seeds,
+                               [first + j + 100 * i for i in range(len(seeds))]))
+    if cfg.scope:
+        for method in ("shared", "hybrid"):
+            for types in ("attn", "mlp", "all"):
+                ccfg = CompressionConfig(method=method, types=types,
+                                         target_reduction=cfg.scope_reduction,
+                                         residual_rank=cfg.residual_rank)
+                cells.append(_Cell("scope", ccfg, cfg.finetune, cfg.seeds[:1], [50]))
+    for c in cells:
+        a = cache.analytic(prep, c.ccfg, progress)
+        if c.section == "whole":
+            _check_budget(a, (1 - c.ccfg.target_reduction) * a["original_parameters"],
+                          cfg.budget_tolerance)
+    return cells, info
+
+
+def _assemble(cfg: ExperimentConfig, prep: Prepared, cache: _ArmCache, cells: list[_Cell],
+              info: dict[str, Any], texts: list[str]) -> dict[str, Any]:
+    """Sections of the results from whatever the cache holds now."""
+    out: dict[str, Any] = {"whole_model": [], "scope": []}
+    seed_entries = []
+    for c in cells:
+        a = cache.analytic(prep, c.ccfg, False)
+        a = {**a, "token_macs_ratio": token_macs_ratio(prep, c.ccfg, a)}
+        arms = [{**a, **cache.tuned(prep, c.ccfg, c.ft, s, False)}
+                for s in c.seeds if cache.has_tuned(prep, c.ccfg, c.ft, s)]
+        entry = {"method": c.ccfg.method, "reduction": c.ccfg.target_reduction,
+                 "arms": arms or [a], "analytic": a["ppl_analytic"],
+                 "finetuned": {t: _summary(arms, "ppl_finetuned", t) for t in texts},
+                 "seeds_planned": c.seeds}
+        if c.section == "whole":
+            out["whole_model"].append(entry)
+        elif c.section == "seed":
+            seed_entries.append(entry)
+        else:
+            out["scope"].append(entry["arms"][0])
+    if seed_entries:
+        out["seed_regime"] = {**info, "entries": seed_entries}
+    return out
+
+
+def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, progress: bool = True,
+                   analytic_only: bool = False) -> dict[str, Any]:
+    """Run the regimes: first every arm's compression and analytic evaluation, then the
+    fine-tuning runs in priority order (seed 0 of every whole-model budget first), the
+    report rewritten after each; ``analytic_only`` stops after the first phase. Writes
+    ``experiment.json``, ``report.md`` and plots."""
+    from structlm.experiments.share.report import write_experiment_report
+
+    t0 = time.time()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=1))
+    cache = _ArmCache(out / "arms.json", cfg)
+    prep = prepare(cfg.model, cfg.corpus, cfg.second_corpus, calib_tokens=cfg.calib_tokens,
+                   eval_tokens=cfg.eval_tokens, progress=progress)
+    texts = list(prep.eval_ids)
+    res: dict[str, Any] = {"model": prep.loaded.model_id, "model_note": prep.loaded.note,
+                           "split": prep.split.describe(), "eval_texts": texts,
+                           "text": prep.text,
+                           "calibration": dict(prep.calibration.meta if prep.calibration
+                                               else {})}
+    res["ppl_original"] = _ppl(prep.loaded.model, prep)
+    cells, info = _cells(cfg, prep, cache, progress)
+
+    throttle = PlotThrottle()
+
+    def write(final: bool = False) -> dict[str, Any]:
+        res.update(_assemble(cfg, prep, cache, cells, info, texts))
+        # distinct runs: the scope's "all" arms are whole-model arms already
+        runs = {cache.tuned_key(prep, c.ccfg, c.ft, s) for c in cells for s in c.seeds}
+        res["finetuned_runs"] = {"done": len(runs & cache.done.keys()),
+                                 "planned": len(runs)}
+        res["seconds"] = time.time() - t0
+        atomic_write_text(out / "experiment.json", json.dumps(clean_json(res), indent=1))
+        write_experiment_report(res, cfg, out, plots=throttle.due(final))
+        return res
+
+    if cfg.second_model:
+        p2 = prepare(cfg.second_model, cfg.corpus, cfg.second_corpus,
+                     calib_tokens=cfg.calib_tokens, eval_tokens=cfg.eval_tokens,
+                     progress=progress)
+        ccfg = CompressionConfig(method="shared", types="attn",
+                                 target_reduction=cfg.scope_reduction)
+        res["second_model"] = {"model": p2.loaded.model_id, "ppl_original": _ppl(
+            p2.loaded.model, p2), "arm": cache.analytic(p2, ccfg, progress)}
+    else:
+        res["second_model"] = {"skipped": "no second model given (none is obtainable offline "
+                                          "here); pass --second-model, e.g. gpt2-medium"}
+    write(final=analytic_only)
+    if analytic_only:
+        return res
+    queue = sorted(((p, i, s) for i, c in enumerate(cells)
+                    for s, p in zip(c.seeds, c.priority, strict=True)), key=lambda x: (x[0], x[1]))
+    for _, i, s in queue:
+        c = cells[i]
+        if c.ft.steps > 0 and not cache.has_tuned(prep, c.ccfg, c.ft, s):
+            cache.tuned(prep, c.ccfg, c.ft, s, progress)
+            write()
+    return write(final=True)

@@ -1,0 +1,364 @@
+"""Report of ``structlm share experiment``: per text, every arm's numbers and the
+verdicts of the rules fixed in advance; plots of perplexity against the budget, of
+energy against perplexity, and of the fine-tuning curves.
+
+Rules (fixed before any run, applied per text whatever they say):
+
+* **winner at a budget**: among the methods fine-tuned with ≥ 2 seeds, the one with the
+  lowest mean wins only if its whole seed range lies below every other method's range;
+  otherwise "ranges overlap" (the best mean is named, no winner is called). With one
+  seed, or before fine-tuning (deterministic), only the ordering is reported;
+* **test 5** (fine-tuning repairs): lives if fine-tuning undoes ≥ 50% of the
+  log-perplexity damage, ``(log p_analytic − log p_tuned) / (log p_analytic − log p_orig)``;
+* **tests 7/9**: a compressed model is usable within 2× the original perplexity;
+* **plateau** (the seed regime's "long enough to converge"): a fine-tuning run has
+  plateaued if its last evaluation interval changed the held-out subset's perplexity
+  by less than 2% (mean over seeds). Beside it (added after the first whole-model
+  run that diverged, hybrid at −30%; a flag, no arm is excluded by it): the seeds whose
+  last evaluation ends more than 2% above their own best evaluation — the run got worse
+  while training, so its fine-tuned number is not what the method can reach.
+
+Budgets are stored parameters (the papers' convention); the MACs / token column gives
+the decoder projections' multiply-adds per token over the original's, at one row in the
+modules' own order: a shared basis is applied in every layer, so equal storage is not
+equal compute (the two-sided ``shared`` costs more than the dense model at mild budgets).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from structlm.atomic import atomic_write_text
+
+__all__ = ["plateau_rows", "recovered", "verdict", "write_experiment_report"]
+
+PLATEAU_CHANGE = 0.02
+"""The plateau rule: a last evaluation interval changing perplexity by less than this."""
+
+
+def _f(x: float | None, nd: int = 2) -> str:
+    return "n/a" if x is None or not math.isfinite(x) else f"{x:.{nd}f}"
+
+
+def _pct(x: float) -> str:
+    """A share as a percentage; "—" before the fine-tuning that gives it has run."""
+    return "—" if not math.isfinite(x) else f"{100 * x:.0f}%"
+
+
+def _ft(s: dict[str, float]) -> str:
+    if not s:
+        return "—"
+    rng = f" [{s['min']:.2f}–{s['max']:.2f}]" if s["n"] > 1 else ""
+    return f"{s['mean']:.2f} ± {s['std']:.2f}{rng} (n={s['n']})"
+
+
+def recovered(orig: float, analytic: float, tuned: float) -> float:
+    """Share of the compression's log-perplexity damage undone by fine-tuning (NaN when
+    compression did no damage)."""
+    gap = math.log(analytic) - math.log(orig)
+    return (math.log(analytic) - math.log(tuned)) / gap if gap > 1e-9 else float("nan")
+
+
+def verdict(stats: dict[str, dict[str, float]]) -> str:
+    """The pre-set winner rule over ``method → {mean, min, max, n}``."""
+    multi = {m: s for m, s in stats.items() if s and s["n"] >= 2}
+    if len(multi) < 2:
+        best = min((m for m in stats if stats[m]), key=lambda m: stats[m]["mean"], default=None)
+        return f"one seed: ordering only (best {best})" if best else "—"
+    best = min(multi, key=lambda m: multi[m]["mean"])
+    others = [m for m in multi if m != best]
+    if all(multi[best]["max"] < multi[m]["min"] for m in others):
+        return f"**{best} wins** (range below every other)"
+    close = [m for m in others if multi[m]["min"] <= multi[best]["max"]]
+    return f"ranges overlap: best mean {best}, not separated from {', '.join(close)}"
+
+
+def _whole_table(res: dict[str, Any], text: str) -> list[str]:
+    orig = res["ppl_original"][text]
+    texts = res["eval_texts"]
+    lines = [f"| reduction | method | stored / original | MACs / token | energy kept | "
+             f"analytic ppl | fine-tuned ppl | recovered here | recovered on "
+             f"{_other(texts, text)} |", "|---|---|---|---|---|---|---|---|---|",
+             f"| 0% | original | 1 | 1 | 1 | {_f(orig)} | — | — | — |"]
+    for e in res["whole_model"]:
+        a0 = e["arms"][0]
+        energy = sum(a0["energy_kept"].values()) / len(a0["energy_kept"])
+        ft = e["finetuned"].get(text, {})
+        other = _other(texts, text)
+        rec = _rec(res, e, text)
+        rec_o = _rec(res, e, other) if other else float("nan")
+        lines.append(f"| {e['reduction']:.0%} | {e['method']} | "
+                     f"{a0['stored_parameters'] / a0['original_parameters']:.4f} | "
+                     f"{_macs(a0)} | {energy:.3f} | {_f(e['analytic'][text])} | {_ft(ft)} | "
+                     f"{_pct(rec)} | {_pct(rec_o)} |")
+    return lines
+
+
+def _macs(arm: dict[str, Any]) -> str:
+    """Decoder projection MACs per token over the original's (one-row order)."""
+    r = arm.get("token_macs_ratio")
+    return "—" if r is None else f"{r:.3f}"
+
+
+def _other(texts: list[str], text: str) -> str:
+    rest = [t for t in texts if t != text]
+    return rest[0] if rest else ""
+
+
+def _rec(res: dict[str, Any], e: dict[str, Any], text: str) -> float:
+    ft = e["finetuned"].get(text)
+    if not ft:
+        return float("nan")
+    return recovered(res["ppl_original"][text], e["analytic"][text], ft["mean"])
+
+
+def _verdicts(entries: list[dict[str, Any]], text: str) -> list[str]:
+    rows = []
+    for red in sorted({e["reduction"] for e in entries}):
+        at = [e for e in entries if e["reduction"] == red]
+        analytic = min(at, key=lambda e: e["analytic"][text])
+        tuned = {e["method"]: e["finetuned"].get(text, {}) for e in at}
+        rows.append(f"| −{red:.0%} | {analytic['method']} "
+                    f"({_f(analytic['analytic'][text])}) | {verdict(tuned)} |")
+    return rows
+
+
+def _seed_section(res: dict[str, Any], text: str) -> list[str]:
+    sr = res.get("seed_regime")
+    if not sr:
+        return []
+    orig = res["ppl_original"][text]
+    lines = [f"### The seed's regime: {sr['types']} only, shared at k = {sr['k']} "
+             f"(removes {sr['reduction_of_shared']:.1%} of it); the others at the storage "
+             "that leaves (the closest each can reach without exceeding it)", "",
+             "| method | stored / original | MACs / token | energy kept | analytic ppl | "
+             "fine-tuned ppl | recovered | test 5 |", "|---|---|---|---|---|---|---|---|"]
+    stats = {}
+    for e in sr["entries"]:
+        a0 = e["arms"][0]
+        ft = e["finetuned"].get(text, {})
+        rec = _rec(res, e, text)
+        stats[e["method"]] = ft
+        energy = sum(a0["energy_kept"].values()) / len(a0["energy_kept"])
+        lines.append(f"| {e['method']} | {a0['stored_parameters'] / a0['original_parameters']:.4f}"
+                     f" | {_macs(a0)} | {energy:.3f} | "
+                     f"{_f(e['analytic'][text])} | {_ft(ft)} | {_pct(rec)} | "
+                     f"{_test5(ft, rec)} |")
+    lines += ["", f"Original {_f(orig)}. Test 6 (same budget, fine-tuned): {verdict(stats)}.",
+              ""]
+    return lines
+
+
+def _test5(ft: dict[str, float], rec: float) -> str:
+    """Test 5's verdict, only once the arm is fine-tuned."""
+    if not ft:
+        return "not fine-tuned yet"
+    if not math.isfinite(rec):
+        return "no damage to repair"
+    return "lives" if rec >= 0.5 else "fails"
+
+
+def _scope_rows(res: dict[str, Any], text: str) -> list[str]:
+    orig = res["ppl_original"][text]
+    rows = []
+    for arm in res["scope"]:
+        tuned = arm.get("ppl_finetuned", {}).get(text)
+        extra = ""
+        if arm["residual_share_of_basis_error"]:
+            cover = sum(arm["residual_share_of_basis_error"].values()) / len(
+                arm["residual_share_of_basis_error"])
+            extra = f"; residual covers {cover:.0%} of the basis error"
+        test = 9 if arm["method"] == "hybrid" else 7
+        usable = ("not fine-tuned yet" if tuned is None else
+                  "usable (≤ 2× original)" if tuned <= 2 * orig else "not usable")
+        rows.append(f"| {test} | {arm['method']} on {arm['types']} | {arm['ratio']:.2f}× | "
+                    f"{_macs(arm)} | "
+                    f"{_f(arm['ppl_analytic'][text])} | {_f(tuned)}{extra} | {usable} |")
+    return rows
+
+
+def _evals(arm: dict[str, Any]) -> list[tuple[int, float]]:
+    """``(step, held-out subset perplexity)`` at every evaluation of a fine-tuning run."""
+    return [(c["step"], c["eval_ppl"]) for c in arm.get("curve") or []
+            if c.get("eval_ppl") is not None]
+
+
+def plateau_rows(res: dict[str, Any]) -> list[str]:
+    """Had fine-tuning plateaued? Per fine-tuned setting: the subset perplexity at the
+    last two evaluations (mean over the seeds done), the change, the plateau rule."""
+    groups = [("seed regime", e) for e in (res.get("seed_regime") or {}).get("entries", [])]
+    groups += [("whole model", e) for e in res["whole_model"]]
+    rows = []
+    for regime, e in groups:
+        pts = [_evals(a) for a in e["arms"] if "ppl_finetuned" in a]
+        if not pts or any(len(p) < 2 for p in pts):
+            continue
+        a = statistics.fmean(p[-2][1] for p in pts)
+        b = statistics.fmean(p[-1][1] for p in pts)
+        where = regime if regime == "seed regime" else f"{regime} −{e['reduction']:.0%}"
+        rule = "plateaued" if abs(b / a - 1) < PLATEAU_CHANGE else "still moving"
+        rows.append(f"| {where} | {e['method']} | {len(pts)} | {pts[0][-2][0]} → "
+                    f"{pts[0][-1][0]} | {a:,.2f} | {b:,.2f} | {b / a - 1:+.1%} | {rule} | "
+                    f"{_above_best(pts)} |")
+    return rows
+
+
+def _above_best(pts: list[list[tuple[int, float]]]) -> str:
+    """Seeds whose last evaluation ends above their best by more than the plateau
+    change, with the largest excess ("—" when none)."""
+    excess = [p[-1][1] / min(v for _, v in p) - 1 for p in pts]
+    worse = [x for x in excess if x > PLATEAU_CHANGE]
+    return f"{len(worse)} of {len(pts)} (up to +{max(worse):.0%})" if worse else "—"
+
+
+def _plateau_lines(res: dict[str, Any], text: str) -> list[str]:
+    rows = plateau_rows(res)
+    if not rows:
+        return []
+    return ["## Had fine-tuning plateaued?", "",
+            f"Perplexity on the fine-tuning run's own held-out subset ({text}; fewer tokens "
+            "than the tables', so not comparable with them) at the last two evaluations, "
+            f"mean over seeds; the rule: a change under {PLATEAU_CHANGE:.0%} is a plateau. "
+            f"*Ended above best*: seeds whose last evaluation is more than "
+            f"{PLATEAU_CHANGE:.0%} above their own best (training made them worse: unstable).",
+            "", "| setting | method | seeds | steps | before | last | change | rule | "
+            "ended above best |", "|---|---|---:|---|---:|---:|---:|---|---|", *rows, ""]
+
+
+def _plots(res: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    texts = res["eval_texts"]
+    fig, axes = plt.subplots(1, len(texts), figsize=(6 * len(texts), 4.5), squeeze=False)
+    methods = list(dict.fromkeys(e["method"] for e in res["whole_model"]))
+    for ax, text in zip(axes[0], texts, strict=True):
+        for i, m in enumerate(methods):
+            es = sorted((e for e in res["whole_model"] if e["method"] == m),
+                        key=lambda e: e["reduction"])
+            x = [100 * e["reduction"] for e in es]
+            color = f"C{i}"
+            ax.plot(x, [e["analytic"][text] for e in es], "--", color=color, lw=0.8,
+                    marker="x", label=f"{m} analytic")
+            tuned = [(100 * e["reduction"], e["finetuned"][text]) for e in es
+                     if e["finetuned"].get(text)]
+            if tuned:
+                ax.errorbar([t[0] for t in tuned], [t[1]["mean"] for t in tuned],
+                            yerr=[[t[1]["mean"] - t[1]["min"] for t in tuned],
+                                  [t[1]["max"] - t[1]["mean"] for t in tuned]],
+                            color=color, marker="o", ms=3, capsize=3, label=f"{m} fine-tuned")
+        ax.axhline(res["ppl_original"][text], color="k", lw=0.8, ls=":", label="original")
+        ax.set_yscale("log")
+        ax.set_xlabel("% of every decoder linear type's parameters removed")
+        ax.set_ylabel("perplexity")
+        ax.set_title(text)
+        ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out / "ppl_vs_budget.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    text = texts[0]
+    for e in res["whole_model"]:
+        a = e["arms"][0]
+        en = sum(a["energy_kept"].values()) / len(a["energy_kept"])
+        ax.scatter(en, a["ppl_analytic"][text], color=f"C{methods.index(e['method'])}",
+                   label=e["method"] if e["reduction"] == res["whole_model"][0]["reduction"]
+                   else None)
+    ax.axhline(res["ppl_original"][text], color="k", lw=0.8, ls="--", label="original")
+    ax.set_yscale("log")
+    ax.set_xlabel("functional energy kept (mean over types)")
+    ax.set_ylabel(f"perplexity before fine-tuning ({text})")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "energy_vs_ppl.png", dpi=110)
+    plt.close(fig)
+
+    groups = [("whole model", res["whole_model"])]
+    if res.get("seed_regime"):
+        groups.append(("seed regime", res["seed_regime"]["entries"]))
+    fig, axes = plt.subplots(1, len(groups), figsize=(6.5 * len(groups), 4.5), squeeze=False)
+    for ax, (title, entries) in zip(axes[0], groups, strict=True):
+        for j, e in enumerate(entries):
+            for arm in e["arms"]:
+                ev = _evals(arm)
+                lbl = (f"{e['method']} −{e['reduction']:.0%}" if e["reduction"] is not None
+                       else e["method"]) if arm is e["arms"][0] else None
+                ax.plot([st for st, _ in ev], [p for _, p in ev], "o-", ms=2,
+                        lw=0.7, color=f"C{j % 10}", label=lbl)
+        ax.set_yscale("log")
+        ax.set_xlabel("fine-tuning step")
+        ax.set_ylabel(f"held-out perplexity ({texts[0]}, subset)")
+        ax.set_title(f"{title}: every seed")
+        ax.legend(fontsize=5, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out / "finetune_curves.png", dpi=110)
+    plt.close(fig)
+
+
+def _text_lines(res: dict[str, Any]) -> list[str]:
+    lines = ["## Text", ""]
+    for name, d in res["text"].items():
+        docs = ", ".join(f"{k} ({v})" for k, v in d["windows_per_document"].items())
+        lines.append(f"- **{name}**: {d['windows']} windows × {d['window']} tokens "
+                     f"({d['tokens']:,} tokens; seed {d['seed']}) drawn across documents — "
+                     f"{docs}.")
+    return [*lines, "- Evaluation scores every window's tokens after its first "
+            "(`structlm.hf.perplexity`); fine-tuning draws random windows from the whole "
+            "calibration documents.", ""]
+
+
+def write_experiment_report(res: dict[str, Any], cfg: Any, out: Path,
+                            plots: bool = True) -> None:
+    """``report.md``, and the plots when ``plots``."""
+    if plots:
+        _plots(res, out)
+    ft, sft = cfg.finetune, cfg.seed_finetune
+
+    def ft_text(f: Any) -> str:
+        return (f"{f.steps} steps × {f.batch_size} × {f.seq_len} tokens, lr {f.lr} "
+                f"({f.lr_scaling}), warm-up {f.warmup}, cosine to {f.min_lr_ratio}×")
+
+    lines = [f"# Shared functional bases — tests 4–9 on {res['model']}", ""]
+    if res.get("model_note"):
+        lines += [f"**Note:** {res['model_note']}.", ""]
+    runs = res.get("finetuned_runs", {})
+    if runs and runs["done"] < runs["planned"]:
+        lines += [f"**Partial:** {runs['done']} of {runs['planned']} fine-tuning runs done "
+                  "so far (every arm's analytic numbers are complete); a rerun of the same "
+                  "command resumes from arms.json.", ""]
+    lines += [f"Whole-model regime: {cfg.reductions} of every decoder linear type's "
+              f"parameters ({cfg.types}) removed by each method, stored parameters equal to "
+              f"the budget within {cfg.budget_tolerance:.1%} (asserted). Every whole-model "
+              f"and scope arm is fine-tuned the same way: {ft_text(ft)}; the seed regime's "
+              f"arms: {ft_text(sft)}. Seeds {cfg.seeds} at {cfg.multi_seed_reductions} and "
+              f"in the seed regime, seed {cfg.seeds[0]} elsewhere. `basis-sharing`: groups of "
+              f"{cfg.group_size} consecutive layers, update step "
+              f"{'on' if cfg.update else 'off'}.", "",
+              "Rules" + (__doc__ or "Rules").split("Rules", 1)[1].rstrip(), ""]
+    lines += _text_lines(res)
+    for text in res["eval_texts"]:
+        lines += [f"## {text}", "", *_seed_section(res, text),
+                  "### Whole-model compression", "", *_whole_table(res, text), "",
+                  "| budget | best before fine-tuning | after fine-tuning (pre-set rule) |",
+                  "|---|---|---|", *_verdicts(res["whole_model"], text), ""]
+        if res["scope"]:
+            lines += ["### Tests 7 and 9: where sharing works (one seed, equal per-type "
+                      "reduction)", "", "| test | arm | ratio | MACs / token | analytic | "
+                      "fine-tuned | verdict |", "|---|---|---|---|---|---|---|",
+                      *_scope_rows(res, text), ""]
+    lines += _plateau_lines(res, res["eval_texts"][0])
+    sm = res["second_model"]
+    lines += ["## Test 8: a second model", "",
+              sm["skipped"] if "skipped" in sm else f"{sm['model']}: see experiment.json", ""]
+    lines += ["![perplexity vs budget](ppl_vs_budget.png)", "",
+              "![energy vs perplexity](energy_vs_ppl.png)", "",
+              "![fine-tuning curves](finetune_curves.png)", "",
+              f"Total time {res['seconds'] / 60:.1f} min (arms reused from arms.json are not "
+              "re-timed; each arm's own time is in experiment.json).", ""]
+    atomic_write_text(out / "report.md", "\n".join(lines))

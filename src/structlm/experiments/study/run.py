@@ -1,0 +1,164 @@
+"""``structlm study CONFIG.yaml``: train every arm of a study, evaluate, report.
+
+Runs go in a fixed order (the first seed of every arm, then the further seeds); each run
+is an ordinary resumable :func:`~structlm.train.loop.train` run in
+``OUT/runs/<arm>/seed<k>``, and a finished run's whole-split validation loss is kept in
+its ``final.json``, so an interrupted study restarted with the same command continues
+where it stopped (a run mid-way resumes from its last checkpoint). One process writes a
+study folder at a time (a lock file). The report is rewritten after every run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from structlm.atomic import atomic_write_json
+from structlm.experiments.study.config import ArmSpec, StudyConfig, run_summary
+from structlm.train.checkpoint import run_folder_lock
+
+__all__ = ["run_study", "run_summary"]
+
+
+def _check_same_study(out: Path, cfg: StudyConfig) -> None:
+    """A folder holds one study: the shared settings must match (arms may be added)."""
+    path = out / "study_config.json"
+    mine = dataclasses.asdict(cfg)
+    shared = {k: v for k, v in mine.items() if k not in ("arms", "out_dir")}
+    shared["train"] = {k: v for k, v in cfg.train.items() if k != "threads"}  # runtime only
+    if path.exists():
+        old = json.loads(path.read_text())
+        old_shared = {k: v for k, v in old.items() if k not in ("arms", "out_dir")}
+        old_shared["train"] = {k: v for k, v in old_shared.get("train", {}).items()
+                               if k != "threads"}
+        if old_shared != json.loads(json.dumps(shared)):
+            changed = sorted(k for k in shared if old_shared.get(k) != json.loads(
+                json.dumps(shared[k])))
+            raise ValueError(f"{out} holds a study with other shared settings ({changed}); "
+                             "use another out_dir")
+        old_arms = {a["name"]: a for a in old["arms"]}
+        for arm in mine["arms"]:
+            prev = old_arms.get(arm["name"])
+            if prev is not None and {k: v for k, v in prev.items() if k != "seeds"} != {
+                    k: v for k, v in json.loads(json.dumps(arm)).items() if k != "seeds"}:
+                raise ValueError(f"arm {arm['name']!r} changed since {out} was started; give "
+                                 "the new variant another name")
+    atomic_write_json(path, mine)
+
+
+def _train_seconds(metrics: Path) -> float:
+    """Training wall time of a run, summed over resumed segments (``seconds`` restarts
+    from 0 when a run resumes)."""
+    import csv
+
+    total, last = 0.0, 0.0
+    with metrics.open(newline="") as fh:
+        for row in csv.DictReader(fh):
+            sec = float(row["seconds"])
+            if sec < last:
+                total += last
+            last = sec
+    return total + last
+
+
+def _finish_run(cfg: StudyConfig, arm: ArmSpec, seed: int, data: Any, progress: bool
+                ) -> dict[str, Any]:
+    """Whole-split validation loss and the run's facts, written to ``final.json``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from structlm.models.cost import model_cost, parameter_count
+    from structlm.train.evaluate import split_loss
+
+    rc = cfg.run_config(arm, seed)
+    run = Path(rc.out_dir)
+    torch.set_num_threads(rc.threads)
+    model = AutoModelForCausalLM.from_pretrained(run / "model").eval()
+    t0 = time.perf_counter()
+    ev = split_loss(model, data.tokens("val"), rc.seq_len, cfg.eval_batch_size, progress)
+    mcfg = model.config
+    cost = model_cost(mcfg)
+    dec = cost["decode_macs_per_token"]
+    d, n = mcfg.hidden_size, mcfg.num_hidden_layers
+    ffn = cost["training_macs_per_token"]["ffn"]["algebra"] // 3
+    attn_proj = cost["training_macs_per_token"]["attention_projections"]["algebra"] // 3
+    train_tokens = rc.max_steps * rc.batch_size * rc.seq_len * rc.grad_accum
+    seconds = _train_seconds(run / "metrics.csv")
+    summary = {
+        "arm": arm.name, "seed": seed, "algebra": arm.algebra,
+        "ffn_width": mcfg.intermediate_size, "type_schedule": rc.model_schedule(),
+        "structured_scores": arm.structured_scores,
+        "val_loss": ev["loss"], "val_tokens": ev["tokens"], "val_windows": ev["windows"],
+        "eval_seconds": round(time.perf_counter() - t0, 1),
+        "train_tokens": train_tokens, "train_seconds": round(seconds, 1),
+        "train_tokens_per_s": round(train_tokens / seconds, 1) if seconds else None,
+        "parameters": parameter_count(mcfg),
+        "non_embedding_parameters": parameter_count(mcfg) - mcfg.vocab_size * d
+        - mcfg.n_positions * d,
+        "projection_macs_per_token": int(ffn + attn_proj),
+        "ffn_macs_per_token": int(ffn),
+        "decode_macs_per_token": int(dec["algebra"]),
+        "training_macs_per_token": int(cost["training_macs_per_token"]["total"]["algebra"]),
+        "type_tokens_per_window": rc.type_counts(),
+        "layers": n,
+    }
+    atomic_write_json(run / "final.json", summary)
+    return summary
+
+
+def _generation(cfg: StudyConfig, out: Path, progress: bool) -> None:
+    """Fixed-length generation throughput of the first dense-reference run against the
+    first run of the first algebra arm (batch 1, the existing decode kernels)."""
+    from structlm.bench.generate import GenerateBenchConfig, run_generate_bench
+
+    if (out / "generate.csv").exists():
+        return
+    dense = next((a for a in cfg.arms if a.is_dense and a.ffn == "preset"), None)
+    alg = next((a for a in cfg.arms if not a.is_dense), None)
+    if dense is None or alg is None:
+        return
+    paths = {a.name: Path(cfg.run_config(a, a.seeds[0]).out_dir) / "model" for a in (dense, alg)}
+    if not all(p.exists() for p in paths.values()):
+        return
+    bench = GenerateBenchConfig(preset=cfg.preset, algebra=alg.algebra,
+                                dense_model=str(paths[dense.name]),
+                                algebra_model=str(paths[alg.name]),
+                                prompts=("ROMEO:\nWhat light", "KING HENRY:\nOnce more",
+                                         "HAMLET:\nTo be", "First Citizen:\nWe are"),
+                                modes=("fixed",), max_new_tokens=cfg.generation_tokens,
+                                runs=cfg.generation_runs, tokenizer=str(paths[dense.name]))
+    run_generate_bench(bench, str(out / "generate"), progress)
+
+
+def run_study(cfg: StudyConfig, progress: bool = True) -> Path:
+    """Train, evaluate and report every run of ``cfg`` (resuming); returns ``report.md``."""
+    from structlm.data.tokens import build_token_dataset
+    from structlm.experiments.study.report import write_report
+    from structlm.train.loop import train
+
+    out = Path(cfg.out_dir)
+    with run_folder_lock(out, "study"):
+        _check_same_study(out, cfg)
+        first = cfg.run_config(*cfg.runs()[0])
+        data = build_token_dataset(cfg.corpus, first.data_dir, first.val_fraction,
+                                   cfg.data_seed, "", cfg.tokenizer)
+        val = int(data.meta["val_tokens"])
+        if val < cfg.min_val_tokens:
+            raise ValueError(f"the validation split has {val:,} tokens, fewer than "
+                             f"min_val_tokens={cfg.min_val_tokens:,}: raise val_fraction or "
+                             "use a larger corpus")
+        runs = cfg.runs()
+        for i, (arm, seed) in enumerate(runs, 1):
+            if run_summary(cfg, arm, seed) is not None:
+                continue
+            print(f"[study] run {i}/{len(runs)}: {arm.name} seed {seed}", flush=True)
+            train(cfg.run_config(arm, seed), progress=progress)
+            s = _finish_run(cfg, arm, seed, data, progress)
+            print(f"[study] {arm.name} seed {seed}: validation loss {s['val_loss']:.4f} on "
+                  f"{s['val_tokens']:,} tokens ({s['train_tokens_per_s']} tokens/s)", flush=True)
+            write_report(cfg, data)
+        _generation(cfg, out, progress)
+        return write_report(cfg, data)

@@ -1,0 +1,195 @@
+"""Input statistics of every matrix: float64 second moments, streamed through hooks.
+
+``calibrate`` runs calibration tokens through the model once with a forward pre-hook on
+one module per (layer, input site) — Q, K and V read the same site — and accumulates
+``sum x x^T`` and ``sum x`` in float64 without keeping activations. ``C_l`` below is the
+*uncentred* second moment ``E[x x^T]``: a linear layer's output energy is
+``E||W x||^2 = tr(W C W^T)``; the mean is stored too. Results are saved as safetensors
+with the model id, corpus, token count and seed in the metadata, and reused when those
+match (:func:`load_or_calibrate`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from structlm.hf.adapters import SITE_OF, MatrixType, ModelAdapter
+
+__all__ = ["Calibration", "CovarianceAccumulator", "NonFiniteActivationError", "calibrate",
+           "calibration_windows",
+           "load_or_calibrate"]
+
+SITES = ("attn_in", "attn_out", "mlp_in", "mlp_out")
+
+
+class NonFiniteActivationError(RuntimeError):
+    """A calibration activation was NaN or infinite."""
+
+
+class CovarianceAccumulator:
+    """Streaming float64 ``sum x x^T``, ``sum x`` and row count of ``(..., d)`` inputs."""
+
+    def __init__(self, d: int) -> None:
+        self.xx = torch.zeros(d, d, dtype=torch.float64)
+        self.x = torch.zeros(d, dtype=torch.float64)
+        self.n = 0
+
+    def update(self, x: torch.Tensor) -> None:
+        """Add the rows of ``x`` ``(..., d)``; raises on non-finite values."""
+        rows = x.detach().reshape(-1, x.shape[-1]).to("cpu", torch.float64)  # (R, d)
+        if not torch.isfinite(rows).all():
+            raise NonFiniteActivationError(f"non-finite activation in a ({rows.shape[0]}, "
+                                           f"{rows.shape[1]}) batch")
+        self.xx.addmm_(rows.T, rows)
+        self.x += rows.sum(0)
+        self.n += rows.shape[0]
+
+    def second_moment(self) -> torch.Tensor:
+        """``E[x x^T]`` ``(d, d)`` float64."""
+        if self.n == 0:
+            raise ValueError("no rows accumulated")
+        return self.xx / self.n
+
+    def mean(self) -> torch.Tensor:
+        return self.x / max(self.n, 1)
+
+
+@dataclass
+class Calibration:
+    """Second moments ``C[(layer, site)]`` (float64) and the run that produced them."""
+
+    meta: dict[str, Any]
+    second_moments: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    means: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+
+    def C(self, layer: int, t: MatrixType) -> torch.Tensor:
+        """Input second moment of matrix ``t`` in ``layer``."""
+        key = (layer, SITE_OF[t])
+        if key not in self.second_moments:
+            raise KeyError(f"no calibration for layer {layer}, site {key[1]} (calibrated "
+                           f"layers: {sorted({k[0] for k in self.second_moments})})")
+        return self.second_moments[key]
+
+    def save(self, path: str | Path) -> None:
+        """Write atomically as safetensors (metadata holds the run description)."""
+        from safetensors.torch import save_file
+
+        tensors = {}
+        for (layer, site), c in self.second_moments.items():
+            tensors[f"{layer}.{site}.second_moment"] = c.contiguous()
+            tensors[f"{layer}.{site}.mean"] = self.means[(layer, site)].contiguous()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".safetensors")
+        os.close(fd)
+        try:
+            save_file(tensors, tmp, metadata={"structlm": json.dumps(self.meta)})
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Calibration:
+        from safetensors import safe_open
+
+        cal = cls(meta={})
+        with safe_open(str(path), framework="pt") as fh:
+            cal.meta = json.loads((fh.metadata() or {}).get("structlm", "{}"))
+            for key in fh.keys():
+                layer, site, kind = key.split(".")
+                target = cal.second_moments if kind == "second_moment" else cal.means
+                target[(int(layer), site)] = fh.get_tensor(key)
+        return cal
+
+
+def calibration_windows(tokens: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The ``(n, w)`` windows the calibration runs: ``tokens`` itself when it is already
+    ``(n, w)`` windows, else ``(N,)`` ids cut into ``N // seq_len`` windows of
+    ``seq_len`` (the remainder dropped)."""
+    if tokens.dim() == 2:
+        seq_len = tokens.shape[1]
+    n_seq = tokens.numel() // seq_len
+    if n_seq == 0:
+        raise ValueError(f"{tokens.numel()} tokens are fewer than one window of {seq_len}")
+    return tokens.reshape(-1)[: n_seq * seq_len].view(n_seq, seq_len)
+
+
+def calibrate(adapter: ModelAdapter, tokens: torch.Tensor, seq_len: int = 512,
+              batch_size: int = 4, layers: list[int] | None = None,
+              sites: tuple[str, ...] = SITES, meta: dict[str, Any] | None = None,
+              progress: bool = True, skip_positions: int = 0,
+              desc: str = "calibration") -> Calibration:
+    """Accumulate input second moments of ``sites`` in ``layers`` over ``tokens``
+    (``(n, w)`` windows, one sequence each, or ``(N,)`` ids cut into ``N // seq_len``
+    sequences; the remainder is dropped). ``skip_positions``: leave out the first positions
+    of every window (the attention-sink positions, :mod:`structlm.share.analysis.sinks`)."""
+    seqs = calibration_windows(tokens, seq_len)
+    n_seq, seq_len = seqs.shape
+    layers = list(range(adapter.num_layers)) if layers is None else list(layers)
+    bad = [s for s in sites if s not in SITES]
+    if bad:
+        raise ValueError(f"unknown sites {bad}: expected some of {SITES}")
+    accs: dict[tuple[int, str], CovarianceAccumulator] = {}
+    handles = []
+
+    def hook_for(key: tuple[int, str]) -> Callable[..., None]:
+        def hook(_module: torch.nn.Module, args: tuple[Any, ...], *_: Any) -> None:
+            x = args[0]
+            if skip_positions:
+                if x.dim() < 3:
+                    raise ValueError(f"site {key[1]} of layer {key[0]} gets a {x.dim()}-dim "
+                                     "input: positions cannot be told apart")
+                x = x[:, skip_positions:]  # (batch, positions, d)
+            if key not in accs:
+                accs[key] = CovarianceAccumulator(x.shape[-1])
+            accs[key].update(x)
+        return hook
+
+    for i in layers:
+        for site in sites:
+            mod = adapter.layers[i].site_module(site)
+            handles.append(mod.register_forward_pre_hook(hook_for((i, site))))
+    model = adapter.model
+    device = next(model.parameters()).device
+    try:
+        with torch.no_grad():
+            for start in tqdm(range(0, n_seq, batch_size), desc=desc, unit="batch",
+                              disable=not progress):
+                model(input_ids=seqs[start:start + batch_size].to(device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    cal = Calibration(meta={**(meta or {}), "tokens_used": n_seq * seq_len, "seq_len": seq_len,
+                            "layers": layers, "sites": list(sites), "version": 1})
+    for key, acc in accs.items():
+        cal.second_moments[key] = acc.second_moment()
+        cal.means[key] = acc.mean()
+    return cal
+
+
+def load_or_calibrate(path: str | Path, adapter: ModelAdapter, tokens: torch.Tensor,
+                      meta: dict[str, Any], **kwargs: Any) -> Calibration:
+    """The saved calibration at ``path`` if its metadata matches ``meta`` (model id,
+    corpus, token count, seed, ...) and covers the requested layers; else a new one,
+    saved there."""
+    path = Path(path)
+    want_layers = kwargs.get("layers") or list(range(adapter.num_layers))
+    if path.exists():
+        old = Calibration.load(path)
+        if all(old.meta.get(k) == v for k, v in meta.items()) \
+                and set(want_layers) <= set(old.meta.get("layers", [])) \
+                and old.meta.get("seq_len") == kwargs.get("seq_len", 512):
+            return old
+    cal = calibrate(adapter, tokens, meta=meta, **kwargs)
+    cal.save(path)
+    return cal

@@ -1,0 +1,223 @@
+"""Fine-tune only the per-layer parts of a compressed model (tests 5, 6, 9).
+
+Everything is frozen except: the cores ``A_l`` of :class:`SharedBasisLinear` (plus the
+residual factors ``B_l, C_l`` for the hybrid), both factors of :class:`LowRankLinear`
+(the free-factor control) and the coefficients ``D_l`` of :class:`OneSidedLinear`.
+AdamW, linear warm-up, cosine to ``min_lr_ratio``, gradient clipping; the LM loss on
+random windows of the calibration split; perplexity of the evaluation split at
+intervals (same protocol as everywhere). A non-finite loss stops with an error.
+
+Resumable at any step: with ``state_path`` the trained tensors, the optimiser, the
+schedule, the batch generator and the curve are saved atomically every ``save_every``
+steps (and when training ends); a later call with the same path and the same config
+continues from the saved step and gives the same result as an uninterrupted run.
+
+Learning rates are *relative* by default (``lr_scaling="relative"``): each trained tensor
+gets ``lr × RMS(tensor at the start)``. Adam moves every element by about ``lr`` per step
+whatever its size, and the factors here differ in scale by three orders of magnitude
+(SmolLM2 attention at −40%: V/O cores RMS 0.02, whitened-SVD input factors up to 12), so
+one absolute rate is either too large for the small tensors (measured: shared cores at
+absolute lr 1e-3, 2 warm-up steps, jumped from loss 5.6 to 8.2 and never recovered) or too
+small for the large ones. ``lr_scaling="absolute"`` gives plain AdamW.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from structlm.hf.perplexity import perplexity
+from structlm.nn.factorized import LowRankLinear, OneSidedLinear, SharedBasisLinear
+
+__all__ = ["FinetuneConfig", "finetune", "load_state", "train_only", "trainable_parameters"]
+
+
+@dataclass
+class FinetuneConfig:
+    """A fine-tuning budget."""
+
+    steps: int = 60
+    """Optimiser steps (0 = no fine-tuning where that is allowed)."""
+    lr: float = 2e-3
+    """Peak rate; with ``lr_scaling="relative"`` a fraction of each tensor's RMS."""
+    lr_scaling: str = "relative"
+    """``relative`` (per tensor ``lr × RMS``) or ``absolute`` (plain AdamW)."""
+    warmup: int = 6
+    """Linear warm-up steps, then cosine decay to min_lr_ratio x lr."""
+    min_lr_ratio: float = 0.1
+    """Final rate as a fraction of the peak."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Gradient-norm clip."""
+    batch_size: int = 2
+    """Windows per step."""
+    seq_len: int = 256
+    """Tokens per window."""
+    eval_every: int = 20
+    """Steps between evaluations of the curve."""
+    eval_tokens: int = 2048
+    """In-domain tokens scored at each evaluation of the curve."""
+    eval_window: int = 512
+    """Window of those evaluations."""
+    seed: int = 0
+    """Seed of the batch order (the experiment sets it per arm)."""
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Freeze ``model`` except the per-layer factors of its compressed modules."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    params: list[torch.nn.Parameter] = []
+    for m in model.modules():
+        if isinstance(m, SharedBasisLinear):
+            params += [m.core] + ([m.res_b, m.res_c] if m.res_b is not None else [])
+        elif isinstance(m, LowRankLinear):
+            params += [m.B, m.C]
+        elif isinstance(m, OneSidedLinear):
+            params += [m.D]
+    if not params:
+        raise ValueError("the model has no compressed modules to fine-tune")
+    for p in params:
+        p.requires_grad_(True)
+    return params
+
+
+def _save_state(path: Path, cfg: FinetuneConfig, step: int, params: list[torch.nn.Parameter],
+                opt: torch.optim.Optimizer, sched: Any, gen: torch.Generator,
+                curve: list[dict[str, Any]]) -> None:
+    """Write the resumable state of a fine-tuning run atomically (temporary + replace)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    torch.save({"config": dataclasses.asdict(cfg), "step": step,
+                "params": [p.detach().clone() for p in params], "opt": opt.state_dict(),
+                "sched": sched.state_dict(), "gen": gen.get_state(), "curve": curve}, tmp)
+    os.replace(tmp, path)
+
+
+def load_state(path: Path, cfg: FinetuneConfig) -> dict[str, Any] | None:
+    """The saved state at ``path`` (``None`` if there is none). A state saved under a
+    different config is refused: it would mix two runs."""
+    if not path.exists():
+        return None
+    try:
+        state = torch.load(path, weights_only=False)
+    except Exception as e:
+        raise RuntimeError(f"fine-tuning state {path} cannot be read ({e}); delete it to "
+                           f"restart this run from step 0") from e
+    if state.get("config") != dataclasses.asdict(cfg):
+        raise RuntimeError(f"fine-tuning state {path} was saved with config "
+                           f"{state.get('config')}, not {dataclasses.asdict(cfg)}; delete it "
+                           f"or use another state path")
+    return state
+
+
+def train_only(model: torch.nn.Module, params: list[torch.nn.Parameter]
+               ) -> list[torch.nn.Parameter]:
+    """Freeze every parameter of ``model`` except ``params`` (which must be its own)."""
+    if not params:
+        raise ValueError("no parameters to train")
+    own = {id(p) for p in model.parameters()}
+    if any(id(p) not in own for p in params):
+        raise ValueError("params must be parameters of the model")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+    return params
+
+
+def finetune(model: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.Tensor,
+             cfg: FinetuneConfig, progress: bool = True, state_path: Path | None = None,
+             save_every: int = 10, params: list[torch.nn.Parameter] | None = None
+             ) -> list[dict[str, Any]]:
+    """Train the per-layer factors (or ``params``, everything else frozen); returns the
+    curve (step, loss, lr, eval ppl).
+
+    With ``state_path``, the run saves its state every ``save_every`` steps and resumes
+    from it (see the module docstring); the file is left in place for the caller to
+    delete once the result is recorded."""
+    if save_every < 1:
+        raise ValueError(f"save_every must be >= 1, got {save_every}")
+    params = trainable_parameters(model) if params is None else train_only(model, params)
+    n_windows = train_ids.numel() - cfg.seq_len - 1
+    if n_windows < 1:
+        raise ValueError(f"{train_ids.numel()} training tokens are fewer than one window of "
+                         f"{cfg.seq_len + 1}")
+    if cfg.lr_scaling == "relative":
+        rms = [float(p.detach().pow(2).mean().sqrt()) for p in params]
+        groups = [{"params": [p], "lr": cfg.lr * (r if r > 0 else 1.0)}  # all-zero: absolute
+                  for p, r in zip(params, rms, strict=True)]
+    elif cfg.lr_scaling == "absolute":
+        groups = [{"params": params, "lr": cfg.lr}]
+    else:
+        raise ValueError(f"lr_scaling must be 'relative' or 'absolute', got {cfg.lr_scaling!r}")
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup:
+            return (step + 1) / cfg.warmup
+        t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    device = next(model.parameters()).device
+    curve: list[dict[str, Any]] = []
+
+    def evaluate(step: int, loss: float | None) -> None:
+        model.eval()
+        ppl = perplexity(model, eval_ids, window=cfg.eval_window, progress=False).ppl
+        curve.append({"step": step, "loss": loss, "lr": cfg.lr * sched.get_last_lr()[0]
+                      / opt.param_groups[0]["initial_lr"], "eval_ppl": ppl})
+
+    start = 1
+    state = load_state(Path(state_path), cfg) if state_path is not None else None
+    if state is not None:
+        if len(state["params"]) != len(params) or any(
+                a.shape != b.shape for a, b in zip(state["params"], params, strict=True)):
+            raise RuntimeError(f"fine-tuning state {state_path} holds tensors of other "
+                               f"shapes than this model's trainable factors")
+        with torch.no_grad():
+            for p, saved in zip(params, state["params"], strict=True):
+                p.copy_(saved)
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        gen.set_state(state["gen"])
+        curve.extend(state["curve"])
+        start = state["step"] + 1
+    else:
+        evaluate(0, None)
+    bar = tqdm(range(start, cfg.steps + 1), desc="fine-tune", unit="step",
+               disable=not progress, initial=start - 1, total=cfg.steps)
+    for step in bar:
+        model.train()
+        starts = torch.randint(0, n_windows, (cfg.batch_size,), generator=gen)
+        batch = torch.stack([train_ids[s:s + cfg.seq_len + 1] for s in starts]).to(device)
+        out = model(input_ids=batch, labels=batch, use_cache=False)
+        loss = out.loss  # HF shifts the labels: position t predicts token t + 1
+        lv = loss.item()
+        if not math.isfinite(lv):
+            raise FloatingPointError(f"non-finite loss {lv} at fine-tuning step {step}")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        sched.step()
+        bar.set_postfix(loss=f"{lv:.3f}")
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            evaluate(step, lv)
+        else:
+            curve.append({"step": step, "loss": lv, "lr": cfg.lr * sched.get_last_lr()[0]
+                          / opt.param_groups[0]["initial_lr"], "eval_ppl": None})
+        if state_path is not None and (step % save_every == 0 or step == cfg.steps):
+            _save_state(Path(state_path), cfg, step, params, opt, sched, gen, curve)
+    model.eval()
+    return curve

@@ -1,0 +1,130 @@
+"""Shared steps of the Part B commands: load a model, split its text, tokenise the
+evaluation streams, calibrate (cached), and evaluate perplexity on every stream with
+the one protocol."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from structlm.hf.adapters import ModelAdapter, get_adapter
+from structlm.hf.calibration import Calibration, load_or_calibrate
+from structlm.hf.loading import LoadedModel, load_model
+from structlm.hf.perplexity import perplexity
+from structlm.hf.text import (
+    CorpusSplit,
+    sample_windows,
+    split_corpus,
+    tokenize_documents,
+    windows_for_scored_tokens,
+)
+from structlm.settings import cache_dir
+
+__all__ = ["Prepared", "evaluate_all", "prepare", "spread_windows"]
+
+
+@dataclass
+class Prepared:
+    """A loaded model with its text streams and calibration."""
+
+    loaded: LoadedModel
+    adapter: ModelAdapter
+    split: CorpusSplit
+    calib_ids: torch.Tensor
+    """Calibration windows ``(n, seq_len)`` drawn across all calibration documents."""
+    train_ids: torch.Tensor
+    """Every calibration document's tokens as one stream (fine-tuning draws from it)."""
+    eval_ids: dict[str, torch.Tensor] = field(default_factory=dict)
+    """``in_domain:<corpus>`` / ``other_domain:<corpus>`` → windows ``(n, seq_len)`` drawn
+    across all evaluation documents of that corpus."""
+    calibration: Calibration | None = None
+    text: dict[str, Any] = field(default_factory=dict)
+    """Exactly which text was used: per stream, the windows drawn from each document."""
+
+
+def _cache_dir() -> Path:
+    return cache_dir("calibration")
+
+
+def check_layers(layers: list[int], num_layers: int | None = None) -> None:
+    """Refuse repeated or out-of-range layer indices (a layer compared with itself, or
+    an index error deep inside calibration)."""
+    from collections import Counter
+
+    dup = sorted(i for i, n in Counter(layers).items() if n > 1)
+    if dup:
+        raise ValueError(f"layers {list(layers)} repeat {dup}: every compared layer must be "
+                         "distinct")
+    bad = [i for i in layers if i < 0 or (num_layers is not None and i >= num_layers)]
+    if bad:
+        where = f"[0, {num_layers})" if num_layers is not None else ">= 0"
+        raise ValueError(f"layers {bad} are out of range: expected indices in {where}")
+
+
+def prepare(model: str, corpus: str, second_corpus: str = "", eval_fraction: float = 0.25,
+            calib_tokens: int = 32768, eval_tokens: int = 8192, seq_len: int = 512,
+            batch_size: int = 4, seed: int = 0, layers: list[int] | None = None,
+            calibrate: bool = True, progress: bool = True) -> Prepared:
+    """Load ``model``, split ``corpus`` by document, draw ``calib_tokens // seq_len``
+    calibration windows across all calibration documents and enough evaluation windows
+    to score ``eval_tokens`` tokens across all evaluation documents (in-domain and, if
+    given, ``second_corpus``'s evaluation part), seeded by ``seed``; calibrate ``layers``
+    (cached on disk by model, corpus, documents, windows and seed)."""
+    loaded = load_model(model)
+    if loaded.tokenizer is None:
+        raise ValueError(f"model {model!r} has no tokenizer: text experiments need one")
+    if calib_tokens < seq_len:
+        raise ValueError(f"calib_tokens={calib_tokens} is fewer than one window of "
+                         f"seq_len={seq_len}")
+    adapter = get_adapter(loaded.model)
+    if layers is not None:
+        check_layers(layers, adapter.num_layers)
+    split = split_corpus(corpus, eval_fraction, seed)
+    calib_tok = tokenize_documents(loaded.tokenizer, split.calibration)
+    calib = sample_windows(split.calibration, calib_tok, calib_tokens // seq_len, seq_len, seed)
+    prep = Prepared(loaded, adapter, split, calib.windows, torch.cat(calib_tok))
+    prep.text["calibration:" + corpus] = calib.describe()
+    if eval_tokens:
+        n_eval = windows_for_scored_tokens(eval_tokens, seq_len)
+        texts = [("in_domain:" + corpus, split.evaluation)]
+        if second_corpus:
+            texts.append(("other_domain:" + second_corpus,
+                          split_corpus(second_corpus, eval_fraction, seed).evaluation))
+        for name, docs in texts:
+            ev = sample_windows(docs, tokenize_documents(loaded.tokenizer, docs), n_eval,
+                                seq_len, seed + 1)
+            prep.eval_ids[name] = ev.windows
+            prep.text[name] = ev.describe()
+    if calibrate:
+        meta = {"model": loaded.model_id, "corpus": corpus, "calib_tokens": calib_tokens,
+                "seed": seed, "documents": [d.name for d in split.calibration],
+                "sampling": "windows across documents"}
+        key = hashlib.sha1(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:16]
+        path = _cache_dir() / f"{key}.safetensors"
+        prep.calibration = load_or_calibrate(path, adapter, prep.calib_ids, meta,
+                                             layers=layers, seq_len=seq_len,
+                                             batch_size=batch_size, progress=progress)
+        prep.calibration.meta["path"] = str(path)
+    return prep
+
+
+def evaluate_all(model: Any, eval_ids: dict[str, torch.Tensor], window: int = 512,
+                 batch_size: int = 4, progress: bool = True) -> dict[str, dict[str, Any]]:
+    """Perplexity of ``model`` on every stream (one protocol, float64 sums)."""
+    return {name: perplexity(model, ids, window=window, batch_size=batch_size,
+                             progress=progress).as_dict()
+            for name, ids in eval_ids.items()}
+
+
+def spread_windows(windows: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """Evenly spaced rows of ``windows`` ``(n, w)`` (ordered by document, so they span
+    the documents) that score at least ``n_tokens`` tokens; all rows if there are fewer
+    (the fine-tuning curves' quick evaluations)."""
+    n = windows.shape[0]
+    m = min(n, windows_for_scored_tokens(n_tokens, windows.shape[1]))
+    return windows[torch.linspace(0, n - 1, m).round().long()]
