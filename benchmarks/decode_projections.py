@@ -27,7 +27,7 @@ from structlm.bench.timing import environment, interleaved_medians, write_csv_at
 from structlm.models import config_from_preset
 from structlm.nn import AlgebraLinear
 from structlm.ops import cpu_extension, cpu_kernels
-from structlm.ops.blocked import force_layout
+from structlm.ops.route import force_layout
 
 
 def main(argv: list[str] | None = None) -> int:

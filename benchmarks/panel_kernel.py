@@ -13,8 +13,8 @@ Rows:
 
 ``--layouts``: instead, the layer at M rows of cyclic types (K = N = 4096, caches
 flushed) with the ``fused-rows`` layout forced against the best PyTorch layout
-(``choose_layout(kernel=False)``), up to and past ``16 q`` rows — the measurement behind
-``blocked.FUSED_ROWS_LAYOUT_MAX_ROWS_PER_TYPE``.
+(the route's choice without the kernel), up to and past ``16 q`` rows — the measurement
+behind ``kernel_max_rows_per_type`` in ``structlm.ops.route.THRESHOLDS``.
 
 GMAC/s counts the support's multiply-adds (``fused_rows_macs``). Interleaved rounds,
 medians (with ``--flush`` a 512 MiB read before each call, and the dense rows at
@@ -80,12 +80,13 @@ def algebra_rows(alg: str, k: int, n: int, m: int, trials: int, flush: CacheFlus
 
 def layout_rows(alg: str, m: int, trials: int, flush: CacheFlusher
                 ) -> list[dict[str, object]]:
-    from structlm.ops.blocked import choose_layout, force_layout
+    from structlm.ops.route import AlgebraCall, Backend, choose, force_layout
 
     layer = AlgebraLinear(4096, 4096, alg).requires_grad_(False)
     x = torch.randn(m, 4096)
     part = layer.partition(torch.arange(m) % layer.q)
-    best = choose_layout(layer.plan, part, x, layer.weight, kernel=False)
+    best = choose(AlgebraCall(x, layer.weight, layer.plan, part, Backend.BLOCKED,
+                              kernel=False)).route
     macs = cpu_kernels.fused_rows_macs(layer.plan, part)
 
     def forced(name: str):

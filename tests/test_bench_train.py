@@ -51,3 +51,38 @@ def test_bench_train_cli_and_bad_input(tmp_path, capsys) -> None:
     with pytest.raises(ValueError, match="seq_len"):
         TrainBenchConfig(seq_len=0)
     assert {"paper-110m", "study-cpu"} <= set(PRESETS)
+
+
+def test_training_step_grad_clip_zero_does_not_clip() -> None:
+    """``grad_clip = 0`` is no clipping (it once zeroed every gradient): the step equals
+    one under a clip that never binds, keeps non-zero gradients and moves every
+    parameter, those without weight decay too."""
+    import copy
+
+    import torch
+
+    from structlm.bench.train_step import training_step
+    from structlm.train import TrainConfig, build_model, build_optimizer
+
+    tc = TrainConfig(preset="study-tiny", algebra="Q2^2", seq_len=32, batch_size=2,
+                     grad_clip=0.0, warmup_steps=0, lr=1e-3)
+    model = build_model(tc).train()
+    init = copy.deepcopy(model.state_dict())
+    never = copy.deepcopy(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 33),
+                        generator=torch.Generator().manual_seed(0))
+    x, y = ids[:, :-1], ids[:, 1:]
+    loss = training_step(model, build_optimizer(model, tc)[0], x, y, tc.grad_clip)
+    ref = training_step(never, build_optimizer(never, tc)[0], x, y, 1e9)
+    assert loss == ref and loss > 0
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(bool(g.any()) for g in grads)
+    for (name, a), b in zip(model.state_dict().items(), never.state_dict().values(),
+                            strict=True):
+        assert torch.equal(a, b), name
+        assert not torch.equal(a, init[name]), f"{name} did not change"
+    # a clip that binds does clip: the global norm ends at the clip
+    training_step(model, build_optimizer(model, tc)[0], x, y, 1e-3)
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()
+                                                 if p.grad is not None]))
+    assert float(norm) == pytest.approx(1e-3, rel=1e-3)

@@ -9,7 +9,7 @@ import pytest
 
 from structlm.cli import build_parser
 from structlm.cli.dataclass_flags import add_dataclass_flags, field_docs
-from structlm.cli.share import experiment_config
+from structlm.cli.experiment import share_experiment_config
 
 
 @dataclasses.dataclass
@@ -80,10 +80,10 @@ def test_experiment_flags_override_the_yaml_and_its_nested_finetune(tmp_path) ->
     cfg_file = tmp_path / "e.yaml"
     cfg_file.write_text("seeds: [0, 1, 2]\nfinetune: {steps: 100, lr: 0.002}\n")
     args = build_parser().parse_args(
-        ["share", "experiment", "smollm2", "--config", str(cfg_file), "--seeds", "4,5",
+        ["experiment", "share", "smollm2", "--config", str(cfg_file), "--seeds", "4,5",
          "--reductions", "0.3", "--finetune-steps", "7", "--seed-finetune-warmup", "2",
          "--no-scope"])
-    cfg = experiment_config(args)
+    cfg = share_experiment_config(args)
     assert cfg.seeds == [4, 5] and cfg.reductions == [0.3] and cfg.scope is False
     assert (cfg.finetune.steps, cfg.finetune.lr) == (7, 0.002)  # the YAML's lr is kept
     assert cfg.seed_finetune.warmup == 2 and cfg.seed_finetune.steps == 300

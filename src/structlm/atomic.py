@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_save_figure", "atomic_write_json", "atomic_write_text", "clean_json"]
+__all__ = ["atomic_write_json", "atomic_write_text", "clean_json"]
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -19,18 +19,6 @@ def atomic_write_text(path: Path, text: str) -> None:
     with os.fdopen(fd, "w") as fh:
         fh.write(text)
     os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-
-
-def atomic_save_figure(fig: Any, path: Path, dpi: int = 110) -> None:
-    """Save a matplotlib figure to ``path`` through a temporary PNG and ``os.replace``,
-    then close it."""
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    tmp = path.with_name(".tmp-" + path.name)
-    fig.savefig(tmp, dpi=dpi, format="png")
-    plt.close(fig)
     os.replace(tmp, path)
 
 

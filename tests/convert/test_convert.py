@@ -149,12 +149,38 @@ def test_save_and_load_converted(family: str, tmp_path) -> None:
     torch.testing.assert_close(loaded(ids).logits, logits, rtol=0, atol=0)
     out = loaded.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 14)
-    # the folder is also a plain dense checkpoint of the same weights
+    # plain from_pretrained (structlm imported) restores the conversion too, never the
+    # dense function silently; unconvert_ of it is the dense model of the same weights
     from transformers import AutoModelForCausalLM
 
-    dense = AutoModelForCausalLM.from_pretrained(tmp_path)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert conversion_info(plain) == conversion_info(model)
+    torch.testing.assert_close(plain(ids).logits, logits, rtol=0, atol=0)
     unconvert_(model)
-    torch.testing.assert_close(dense(ids).logits, model(ids).logits, rtol=0, atol=0)
+    torch.testing.assert_close(unconvert_(plain)(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+def test_from_pretrained_warns_for_a_custom_algebra(tmp_path) -> None:
+    """A custom Algebra cannot be rebuilt from its name: from_pretrained gives the dense
+    model with a warning that says so (never silently)."""
+    from transformers import AutoModelForCausalLM
+
+    from structlm import get_algebra
+
+    custom = get_algebra("Q2^2")
+    model = convert_(FAMILIES["llama"](seed=4), AlgebraConfig(custom))
+    model.save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match="loaded as the DENSE model"):
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert conversion_info(plain) is None
+    with pytest.raises(ValueError, match="custom algebra"):
+        load_converted(str(tmp_path))
+
+
+def test_load_converted_refuses_a_plain_folder(tmp_path) -> None:
+    FAMILIES["llama"](seed=4).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="no 'structlm_conversion' record"):
+        load_converted(str(tmp_path))
 
 
 def test_bad_targets_are_refused_before_anything_changes() -> None:

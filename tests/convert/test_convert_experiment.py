@@ -13,7 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from structlm.cli import build_parser
-from structlm.cli.convert import convert_config
+from structlm.cli.experiment import convert_experiment_config
 from structlm.experiments.convert.experiment import ConvertExperimentConfig, run_convert_experiment
 from structlm.hf.finetune import FinetuneConfig
 from structlm.hf.loading import load_model
@@ -87,9 +87,9 @@ def test_reduced_convert_experiment(tmp_path) -> None:
 def test_cli_builds_the_config(tmp_path) -> None:
     yaml = tmp_path / "c.yaml"
     yaml.write_text("algebras: [Q4]\nheal: {steps: 50, lr: 0.001}\n")
-    args = build_parser().parse_args(["convert", "smollm2", "--config", str(yaml),
+    args = build_parser().parse_args(["experiment", "convert", "smollm2", "--config", str(yaml),
                                       "--targets", "mlp", "--heal-steps", "7"])
-    cfg = convert_config(args)
+    cfg = convert_experiment_config(args)
     assert cfg.algebras == ["Q4"] and cfg.targets == ["mlp"]
     assert (cfg.heal.steps, cfg.heal.lr, cfg.heal.warmup) == (7, 0.001, 5)
     with pytest.raises(Exception, match="targets: 'ffn' is not mlp or attn"):

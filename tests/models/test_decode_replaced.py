@@ -18,6 +18,7 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
+from route_helpers import on_stack
 from structlm.hf.adapters import (
     ConcatProjection,
     GatedMLP,
@@ -33,6 +34,7 @@ from structlm.nn.factorized import (
     SharedBasisLinear,
 )
 from structlm.ops import cpu_kernels
+from structlm.ops.route import Route
 
 D, F, N_HEAD, VOCAB = 32, 64, 4, 97
 ATTN = [MatrixType.Q, MatrixType.K, MatrixType.V, MatrixType.O]
@@ -149,12 +151,13 @@ class _CountKernel:
 
 
 def _fused_applies(model: StructLMForCausalLM) -> bool:
-    """``fused_decode_applies`` for a one-token step after a 5-token prefill."""
+    """Whether the route takes the decode stack for a one-token step after a 5-token
+    prefill."""
     cache = GrowingKVCache()
     with torch.no_grad():
         model(torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0)),
               cache=cache, use_cache=True)
-        return decode_step.fused_decode_applies(model.transformer, torch.randn(2, 1, D),
+        return on_stack(model.transformer, torch.randn(2, 1, D),
                                                 None, cache)
 
 
@@ -259,13 +262,13 @@ def test_replaced_model_with_padding_decodes() -> None:
 
 
 def test_mlp_kernel_kind_follows_the_projections() -> None:
-    """``StructLMMLP.kernel_kind`` (shared by the SwiGLU kernel and the fused step's gate):
+    """``StructLMMLP.kernel_kind`` (the structure fact of the FFN and decode-stack routes):
     the original projections only; a replaced or biased projection means the modules."""
     dense, algebra = _model("dense").transformer.h[0].mlp, _model("Q2^2").transformer.h[0].mlp
     assert dense.kernel_kind() == "dense" and algebra.kernel_kind() == "algebra"
     x = torch.randn(1, 1, D)
     with torch.no_grad():  # a decode-sized call on the kernel (its kind remembered)
-        assert (dense._decode_forward(x, None) is not None) == _kernels()
+        assert (dense._route(x, None) is Route.SWIGLU_KERNEL) == _kernels()
     algebra.down = nn.Linear(F, D, bias=False)  # mixed kinds
     assert algebra.kernel_kind() is None
     dense.up = nn.Linear(D, F, bias=True)  # the kernel has no FFN bias
@@ -275,20 +278,24 @@ def test_mlp_kernel_kind_follows_the_projections() -> None:
     dense.up = _low_rank(F, D, None, {}, torch.Generator().manual_seed(0))
     assert dense.kernel_kind() is None
     with torch.no_grad():  # after the replacement: the modules' forward, not the kernel
-        assert dense._decode_forward(x, None) is None
+        assert dense._route(x, None) is not Route.SWIGLU_KERNEL
         want = dense.down(torch.nn.functional.silu(dense.gate(x)) * dense.up(x))
         torch.testing.assert_close(dense(x, None), want)
 
 
-def test_import_installs_no_torch_wide_hooks() -> None:
-    """``import structlm`` leaves torch's global registration hooks alone; the decode
-    step installs its counter hooks when a model first asks for a plan."""
+def test_no_torch_wide_hooks() -> None:
+    """structlm installs no torch-wide module hooks, not even after a model has decoded
+    on the fused step (invalidation is explicit: ``structlm.nn.structure``)."""
     import subprocess
     import sys
 
-    code = ("import torch.nn.modules.module as m, structlm, structlm.models; "
+    code = ("import torch, torch.nn.modules.module as m, structlm, structlm.models as sm; "
+            "c = sm.StructLMConfig(vocab_size=50, n_positions=32, hidden_size=16, "
+            "num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, "
+            "algebra='Q2^2'); model = sm.StructLMForCausalLM(c).eval(); "
+            "model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, do_sample=False); "
             "print(len(m._global_module_registration_hooks), "
             "len(m._global_parameter_registration_hooks))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
-    assert out.stdout.split() == ["0", "0"], out.stdout + out.stderr
+    assert out.stdout.split()[-2:] == ["0", "0"], out.stdout + out.stderr

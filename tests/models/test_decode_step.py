@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import DynamicCache  # noqa: E402
 
+from route_helpers import on_stack  # noqa: E402
 from structlm.models import (  # noqa: E402
     StructLMConfig,
     StructLMForCausalLM,
@@ -146,18 +147,15 @@ def test_fused_decode_only_where_it_applies() -> None:
     cache = GrowingKVCache()
     with torch.no_grad():
         model(torch.randint(0, 97, (2, 5)), cache=cache, use_cache=True)
-        assert decode_step.fused_decode_applies(model.transformer, x, None, cache)
-        assert not decode_step.fused_decode_applies(model.transformer, x, None, None)
-        assert not decode_step.fused_decode_applies(model.transformer, x[:, :0], None, cache)
-        assert not decode_step.fused_decode_applies(
-            model.transformer, x, torch.ones(2, 1, 1, 6, dtype=torch.bool), cache)
-        assert not decode_step.fused_decode_applies(
-            model.transformer, torch.randn(5, 1, 56), None, cache)  # > 4 sequences
-        assert not decode_step.fused_decode_applies(
-            model.transformer, x.to(torch.bfloat16), None, cache)
-        assert not decode_step.fused_decode_applies(model.transformer, x, None, DynamicCache())
+        assert on_stack(model.transformer, x, None, cache)
+        assert not on_stack(model.transformer, x, None, None)
+        assert not on_stack(model.transformer, x[:, :0], None, cache)
+        assert not on_stack(model.transformer, x, torch.ones(2, 1, 1, 6, dtype=torch.bool), cache)
+        assert not on_stack(model.transformer, torch.randn(5, 1, 56), None, cache)  # > 4 sequences
+        assert not on_stack(model.transformer, x.to(torch.bfloat16), None, cache)
+        assert not on_stack(model.transformer, x, None, DynamicCache())
     # autograd recording: the modules' path (the kernel has no backward)
-    assert not decode_step.fused_decode_applies(model.transformer, x, None, cache)
+    assert not on_stack(model.transformer, x, None, cache)
 
 
 def test_generate_padded_and_unpadded_agree_with_the_modules() -> None:

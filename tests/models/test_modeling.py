@@ -68,9 +68,9 @@ def test_cpu_decode_runs_on_the_rows_kernel(algebra: str, fused: bool,
     monkeypatch.setattr(cpu_kernels, "swiglu_rows", count("swiglu"))
     monkeypatch.setattr(cpu_kernels, "dense_rows_linear", count("dense"))
     model = _model(algebra, "cyclic")
-    from structlm.nn import DENSE_ROWS_MAX_ROWS
+    from structlm.ops.route import DENSE_KERNEL_MAX_ROWS
 
-    n = DENSE_ROWS_MAX_ROWS + 1  # a prefill longer than the few-row kernels take
+    n = DENSE_KERNEL_MAX_ROWS + 1  # a prefill longer than the few-row kernels take
     ids = torch.randint(0, 512, (1, n + 1))
     with torch.no_grad():
         cache = GrowingKVCache() if fused else DynamicCache()

@@ -9,10 +9,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from route_helpers import layout_of
 from structlm import AlgebraError, AlgebraLinear, get_algebra
 from structlm.algebra import Algebra, complete_graph_algebra
 from structlm.ops import Backend, cpu_kernels
-from structlm.ops.blocked import choose_layout
 
 aten = torch.ops.aten
 
@@ -97,7 +97,7 @@ def test_blocked_flops_match_cost_model(algebra: str, m: int, kind: str) -> None
         y = layer(x, types)
     # a weight being trained never takes the compiled kernel (its copy would be rebuilt
     # after every step): training counts as PyTorch GEMMs
-    if choose_layout(layer.plan, layer.partition(types), x.detach(), layer.weight.detach(),
+    if layout_of(layer.plan, layer.partition(types), x.detach(), layer.weight.detach(),
                      kernel=not layer.weight.requires_grad) == "fused-rows":
         # one compiled call, invisible to the counter: its loop bounds are the segment
         # tables, whose MACs must be the cost model's (and no aten GEMM ran beside it)
@@ -116,7 +116,7 @@ def test_blocked_flops_match_cost_model(algebra: str, m: int, kind: str) -> None
 
 @pytest.mark.parametrize("layout", ["diag-first", "block-major"])
 def test_every_layout_does_the_cost_model_flops(layout: str) -> None:
-    from structlm.ops.blocked import force_layout
+    from structlm.ops.route import force_layout
 
     with force_layout(layout):
         test_blocked_flops_match_cost_model("Q2^2", 61, "random")
@@ -263,7 +263,7 @@ def test_kernel_loop_macs_match_cost_model(algebra: str, m: int) -> None:
     types = torch.arange(m) % q
     part = layer.partition(types)
     x = torch.randn(m, 12 * q)
-    assert choose_layout(layer.plan, part, x, layer.weight) == "fused-rows"
+    assert layout_of(layer.plan, part, x, layer.weight) == "fused-rows"
     with FlopCounterMode(display=False) as fwd:
         layer(x, part)
     assert fwd.get_total_flops() == 0

@@ -15,11 +15,16 @@ import torch
 import torch.nn.functional as F
 
 from structlm import AlgebraLinear, get_algebra, support_of
-from structlm.nn import DENSE_ROWS_MAX_ROWS, DecodeLinear
+from structlm.nn import DecodeLinear
 from structlm.ops import cpu_kernels, force_backend
-from structlm.ops.blocked import FUSED_ROWS_MAX_ROWS, force_layout
 from structlm.ops.partition import TypePartition
 from structlm.ops.reference import reference_linear
+from structlm.ops.route import (
+    DECODE_MAX_ROWS,
+    DENSE_IN_PLACE_MAX_ROWS,
+    DENSE_KERNEL_MAX_ROWS,
+    force_layout,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.fused_rows_available(),
                                 reason="no C++ compiler: the rows kernel cannot be built")
@@ -76,7 +81,7 @@ def _count_binding_calls(layer: torch.nn.Module) -> dict[str, int]:
 
 @pytest.mark.parametrize("algebra", ALGEBRAS)
 @pytest.mark.parametrize("shape", [(1, 7), (7, 1), (97, 33)])
-@pytest.mark.parametrize("lead", [(1,), (1, 1), (FUSED_ROWS_MAX_ROWS,), (2, 1)])
+@pytest.mark.parametrize("lead", [(1,), (1, 1), (DECODE_MAX_ROWS,), (2, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_bound_call_matches_the_reference(algebra: str, shape: tuple[int, int],
                                           lead: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -151,8 +156,8 @@ def test_binding_refuses_where_the_gate_refuses() -> None:
     binding = layer.__dict__["_rows_binding"]
     cases = {
         "mixed types": (torch.randn(2, layer.in_features), torch.tensor([0, 1]), False),
-        "too many rows": (torch.randn(FUSED_ROWS_MAX_ROWS + 1, layer.in_features),
-                          torch.zeros(FUSED_ROWS_MAX_ROWS + 1, dtype=torch.long), False),
+        "too many rows": (torch.randn(DECODE_MAX_ROWS + 1, layer.in_features),
+                          torch.zeros(DECODE_MAX_ROWS + 1, dtype=torch.long), False),
         "int32 types": (x1, torch.tensor([1], dtype=torch.int32), False),
     }
     for name, (x, types, _) in cases.items():
@@ -220,8 +225,8 @@ def test_copies_bind_their_own_weight(how: str) -> None:
 
 
 @pytest.mark.parametrize("k,n", [(1, 7), (97, 1025), (1025, 97)])
-@pytest.mark.parametrize("lead", [(1,), (3, 1), (cpu_kernels.DENSE_IN_PLACE_MAX_ROWS,),
-                                  (DENSE_ROWS_MAX_ROWS,)])
+@pytest.mark.parametrize("lead", [(1,), (3, 1), (DENSE_IN_PLACE_MAX_ROWS,),
+                                  (DENSE_KERNEL_MAX_ROWS,)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_decode_linear_bound_call_matches_f_linear(k: int, n: int, lead: tuple[int, ...],
                                                    dtype: torch.dtype) -> None:
@@ -236,7 +241,7 @@ def test_decode_linear_bound_call_matches_f_linear(k: int, n: int, lead: tuple[i
         counts = _count_binding_calls(layer)
         y = layer(x.to(dtype))
     rows = x.numel() // k
-    bound = rows <= cpu_kernels.DENSE_IN_PLACE_MAX_ROWS
+    bound = rows <= DENSE_IN_PLACE_MAX_ROWS
     assert counts == {"bound": int(bound), "refused": int(not bound)}
     assert y.shape == (*lead, n)
     exact = F.linear(x, layer.weight.double(), layer.bias.double())

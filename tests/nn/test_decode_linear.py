@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from structlm import AlgebraLinear
-from structlm.nn import DENSE_ROWS_MAX_ROWS, DecodeLinear
+from structlm.nn import DecodeLinear
 from structlm.ops import Backend, cpu_kernels
-from structlm.ops.blocked import FUSED_ROWS_MAX_ROWS, force_layout
+from structlm.ops.route import DECODE_MAX_ROWS, DENSE_KERNEL_MAX_ROWS, force_layout
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.fused_rows_available(),
                                 reason="no C++ compiler: the rows kernel cannot be built")
@@ -29,7 +29,7 @@ def _rule(fast: torch.Tensor, plain: torch.Tensor, exact: torch.Tensor, k: int) 
 
 
 @pytest.mark.parametrize("k,n", [(1, 7), (7, 1), (97, 1025), (1025, 97), (768, 2304)])
-@pytest.mark.parametrize("rows", [1, 3, FUSED_ROWS_MAX_ROWS, 5, 17, DENSE_ROWS_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 3, DECODE_MAX_ROWS, 5, 17, DENSE_KERNEL_MAX_ROWS])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_decode_linear_matches_f_linear(k: int, n: int, rows: int, bias: bool,
@@ -54,7 +54,7 @@ def test_decode_linear_other_calls_are_f_linear() -> None:
     """More rows, bf16, or a graph to record: exactly ``F.linear`` (and gradients flow)."""
     gen = torch.Generator().manual_seed(3)
     layer = DecodeLinear(33, 17, bias=True)
-    many = torch.randn(DENSE_ROWS_MAX_ROWS + 1, 33, generator=gen)
+    many = torch.randn(DENSE_KERNEL_MAX_ROWS + 1, 33, generator=gen)
     with torch.no_grad():
         assert torch.equal(layer(many), F.linear(many, layer.weight, layer.bias))
         half = layer.to(torch.bfloat16)
@@ -98,7 +98,7 @@ def test_algebra_decode_fast_path_with_bias(algebra: str, dtype: torch.dtype) ->
     exact = AlgebraLinear(layer.in_features, layer.out_features, algebra, bias=True,
                           dtype=torch.float64, backend="reference")
     exact.load_state_dict({k: v.double() for k, v in layer.state_dict().items()})
-    for rows in (1, 2, FUSED_ROWS_MAX_ROWS):
+    for rows in (1, 2, DECODE_MAX_ROWS):
         x = torch.randn(rows, 1, layer.in_features, generator=gen, dtype=torch.float64)
         types = torch.randint(0, layer.q, (rows, 1), generator=gen)
         part = layer.partition(types)
@@ -131,17 +131,18 @@ def test_algebra_fast_path_respects_forced_layout_and_backend() -> None:
 def test_dense_rows_gate_leaves_a_trained_or_strided_bias_to_f_linear() -> None:
     """A bias being trained keeps its gradient; a non-contiguous bias works as in
     ``F.linear``."""
-    from structlm.nn import dense_rows_applies, fast_linear
+    from route_helpers import dense_on_kernel
+    from structlm.nn import fast_linear
 
     gen = torch.Generator().manual_seed(9)
     w = torch.randn(6, 5, generator=gen)
     x = torch.randn(2, 5, generator=gen)
     b = torch.randn(6, generator=gen, requires_grad=True)
-    assert not dense_rows_applies(x, w, b)
+    assert not dense_on_kernel(x, w, b)
     fast_linear(x, w, b).sum().backward()
     torch.testing.assert_close(b.grad, torch.full((6,), 2.0))
     strided = torch.randn(12, generator=gen)[::2]
     with torch.no_grad():
-        assert not dense_rows_applies(x, w, strided)
+        assert not dense_on_kernel(x, w, strided)
         torch.testing.assert_close(fast_linear(x, w, strided), F.linear(x, w, strided))
-        assert dense_rows_applies(x, w, strided.contiguous())
+        assert dense_on_kernel(x, w, strided.contiguous())

@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from route_helpers import layout_of
 from structlm import AlgebraLinear, get_algebra, support_of
 from structlm.ops import Backend, cpu_kernels
-from structlm.ops.blocked import choose_layout, force_layout, use_gathered_layout
+from structlm.ops.route import force_layout, gathered_applies
 
 ALGEBRAS = ["Q1", "Q2", "Q4", "Q2^2", "Q8", "graph:3:0-1,1-2,2-0", "Q2xQ3", "graph:4:"]
 
@@ -111,7 +112,7 @@ def test_gathered_layout(q: int, rows_per_type: int) -> None:
     layer = AlgebraLinear(4 * q, 2 * q, f"Q{q}")
     m = q * rows_per_type
     for types in (torch.arange(m) % q, torch.randperm(m, generator=gen) % q):
-        assert use_gathered_layout(layer.plan, layer.partition(types))
+        assert gathered_applies(layer.plan, layer.partition(types))
         x = torch.randn(m, 4 * q, generator=gen)
         _check(layer, x, types, torch.float32, gen)
 
@@ -159,7 +160,7 @@ def test_every_layout_on_every_plan(layout: str, algebra: str, kind: str) -> Non
     if layout == "fused-rows" and not cpu_kernels.fused_rows_available():
         pytest.skip("no C++ compiler: the fused-rows kernel cannot be built")
     with force_layout(layout):
-        assert choose_layout(layer.plan, layer.partition(types), _x(layer, 97),
+        assert layout_of(layer.plan, layer.partition(types), _x(layer, 97),
                              layer.weight.detach()) == layout
         _check(layer, torch.randn(97, sum(in_w), generator=gen), types, torch.float64, gen)
 
@@ -175,7 +176,7 @@ def test_layout_choice() -> None:
 
     def choose(layer: AlgebraLinear, types: torch.Tensor, graph: bool = False) -> str:
         w = layer.weight if graph else layer.weight.detach()  # graph: no kernel
-        return choose_layout(layer.plan, layer.partition(types), _x(layer, len(types)), w)
+        return layout_of(layer.plan, layer.partition(types), _x(layer, len(types)), w)
 
     # up to 16 q rows (16 per type on average) the compiled kernel, where it applies
     assert choose(q4, cyc % 4) == ("fused-rows" if kernel else "gathered")

@@ -9,14 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from route_helpers import layout_of
 from structlm import AlgebraLinear, get_algebra, support_of
 from structlm.ops import Backend, cpu_extension, cpu_kernels
-from structlm.ops.blocked import (
-    FUSED_ROWS_LAYOUT_MAX_ROWS_PER_TYPE,
-    FUSED_ROWS_MAX_ROWS,
-    choose_layout,
-    force_layout,
-)
+from structlm.ops.route import DECODE_MAX_ROWS, THRESHOLDS, force_layout
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.fused_rows_available(),
                                 reason="no C++ compiler: the fused-rows kernel cannot be built")
@@ -93,10 +89,10 @@ def test_fused_rows_bf16_falls_back_to_rectangles() -> None:
 def test_fused_rows_is_chosen_for_cpu_decode_and_grads_flow() -> None:
     layer = AlgebraLinear(64, 32, "Q2^2")
     one = torch.tensor([3])
-    assert choose_layout(layer.plan, layer.partition(one), torch.randn(1, 64),
+    assert layout_of(layer.plan, layer.partition(one), torch.randn(1, 64),
                          layer.weight.detach()) == "fused-rows"
-    many = torch.arange(FUSED_ROWS_LAYOUT_MAX_ROWS_PER_TYPE * layer.q + 1) % 4
-    assert choose_layout(layer.plan, layer.partition(many), torch.randn(len(many), 64),
+    many = torch.arange(THRESHOLDS["kernel_max_rows_per_type"].value * layer.q + 1) % 4
+    assert layout_of(layer.plan, layer.partition(many), torch.randn(len(many), 64),
                          layer.weight.detach()) != "fused-rows"
     x = torch.randn(1, 64, requires_grad=True)  # training through it: diag-first backward
     layer(x, one).sum().backward()
@@ -191,7 +187,7 @@ def test_build_failure_warns_and_falls_back(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.warns(RuntimeWarning, match="no compiler here"):
         assert not cpu_kernels.fused_rows_available()
     layer = AlgebraLinear(8, 8, "Q2^2")
-    assert choose_layout(layer.plan, layer.partition(torch.tensor([1])), torch.randn(1, 8),
+    assert layout_of(layer.plan, layer.partition(torch.tensor([1])), torch.randn(1, 8),
                          layer.weight.detach()) == "output-major"
     monkeypatch.setattr(cpu_extension, "_STATE", {})
     monkeypatch.setenv("STRUCTLM_CPU_KERNELS", "0")
@@ -222,7 +218,7 @@ def test_swiglu_rows_matches_three_reference_layers(algebra: str, dtype: torch.d
     """The decode FFN in one call equals down(silu(gate(x)) * up(x)) on the reference."""
     gen = torch.Generator().manual_seed(len(algebra) + 17)
     d, f = 12 * 9, 12 * 23  # 108 -> 276: widths that are not multiples of the SIMD width
-    for rows in (1, 3, FUSED_ROWS_MAX_ROWS):
+    for rows in (1, 3, DECODE_MAX_ROWS):
         x = torch.randn(rows, d, generator=gen, dtype=torch.float64)
         if algebra == "dense":
             ws = [torch.randn(o, i, generator=gen, dtype=torch.float64) / i**0.5

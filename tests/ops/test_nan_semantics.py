@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from route_helpers import layout_of
 from structlm import AlgebraLinear, get_algebra, support_of
 from structlm.ops import Backend, cpu_kernels
-from structlm.ops.blocked import choose_layout, force_layout
+from structlm.ops.route import force_layout
 
 LAYOUTS = ["diag-first", "block-major", "output-major", "fused-rows", "gathered"]
 
@@ -49,7 +50,7 @@ def test_a_nan_group_reaches_exactly_the_outputs_the_support_says(algebra: str,
         pytest.skip("no C++ compiler: the fused-rows kernel cannot be built")
     layer.backend = Backend.BLOCKED
     with force_layout(layout):
-        if choose_layout(layer.plan, layer.partition(types), x.detach(),
+        if layout_of(layer.plan, layer.partition(types), x.detach(),
                          layer.weight.detach()) != layout:
             pytest.skip(f"{layout} does not apply to {algebra}")
         fast = layer(x, types)

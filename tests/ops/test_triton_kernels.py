@@ -160,16 +160,17 @@ def test_auto_prefers_blocked_on_cpu() -> None:
 def test_dispatch_table_loading(tmp_path) -> None:
     import json
 
-    from structlm.ops.triton.op import DISPATCH, forward_mode, load_dispatch
+    from structlm.ops.route import DISPATCH, load_dispatch
+    from structlm.ops.route import triton_route as forward_mode
 
     path = tmp_path / "dispatch.json"
     path.write_text(json.dumps({"8,4096,4096,2048": "two-stage"}))
     try:
         assert load_dispatch(str(path)) == 1
-        assert forward_mode(2048, 8, 4096, 4096) == "two-stage"
-        assert forward_mode(1500, 8, 4096, 4096) == "two-stage"  # same power-of-two bucket
-        assert forward_mode(512, 8, 4096, 4096) == "fused"
-        assert forward_mode(2, 8, 4096, 4096) == "decode"
+        assert forward_mode(2048, 8, 4096, 4096) == "triton-two-stage"
+        assert forward_mode(1500, 8, 4096, 4096) == "triton-two-stage"  # same M bucket
+        assert forward_mode(512, 8, 4096, 4096) == "triton-fused"
+        assert forward_mode(2, 8, 4096, 4096) == "triton-decode"
     finally:
         DISPATCH.clear()
     path.write_text(json.dumps({"8,1,1,1": "magic"}))

@@ -127,7 +127,7 @@ def test_decode_calls_take_the_few_row_kernel_and_match_dense(rows: int) -> None
     """At cached decode (few rows, no graph) the factor products run on the compiled
     few-row kernel (the path the original model's layers take in the benchmarks) and
     still equal the dense matrix; a NaN stays in its row."""
-    from structlm.nn import dense_rows_applies
+    from route_helpers import dense_on_kernel
     from structlm.ops import cpu_kernels
 
     if not cpu_kernels.fused_rows_available():
@@ -140,7 +140,7 @@ def test_decode_calls_take_the_few_row_kernel_and_match_dense(rows: int) -> None
         x = _r(rows, 1, inn)  # leading dims
         with torch.no_grad():
             first = mod.basis.P if hasattr(mod, "basis") else mod.C
-            assert dense_rows_applies(x, first)
+            assert dense_on_kernel(x, first)
             y = mod(x)
             torch.testing.assert_close(y.double(), _dense(mod, x), rtol=1e-4, atol=1e-3)
             x[0, 0, 1] = float("nan")

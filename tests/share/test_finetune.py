@@ -148,3 +148,24 @@ def test_recorded_arm_deletes_its_finetune_state(tmp_path) -> None:
         "ppl_finetuned": {"t": 1.5}}
     assert not state.exists() and key in _ArmCache(tmp_path / "arms.json",
                                                    ExperimentConfig()).done
+
+
+def test_grad_clip_zero_means_no_clipping() -> None:
+    """``grad_clip: 0`` is documented as no clipping: the factors move as with a huge
+    clip (clip_grad_norm_ with 0 would zero every gradient); a negative value is refused."""
+    ids = torch.randint(0, 89, (400,), generator=torch.Generator().manual_seed(4))
+    ends = []
+    for clip in (0.0, 1e9):
+        model = _compressed("svd")
+        before = [p.detach().clone() for p in trainable_parameters(model)]
+        finetune(model, ids, ids[:64], FinetuneConfig(steps=2, lr=1e-2, warmup=1, seq_len=16,
+                                                      batch_size=2, eval_every=2,
+                                                      eval_tokens=64, eval_window=32,
+                                                      grad_clip=clip), progress=False)
+        after = [p.detach() for p in trainable_parameters(model)]
+        assert all(not torch.equal(a, b) for a, b in zip(after, before, strict=True))
+        ends.append(after)
+    for a, b in zip(*ends, strict=True):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="grad_clip must be >= 0"):
+        FinetuneConfig(grad_clip=-1)

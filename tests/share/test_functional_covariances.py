@@ -11,7 +11,7 @@ import torch
 from structlm.hf.adapters import get_adapter
 from structlm.hf.calibration import Calibration, CovarianceAccumulator, calibrate
 from structlm.hf.linalg import effective_rank, psd_sqrt
-from structlm.share import sinks
+from structlm.share.analysis import sinks
 from structlm.share.analysis.analyze import (
     FUNCTIONAL_KEYS,
     AnalysisConfig,

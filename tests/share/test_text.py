@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from structlm.data.corpora import Document
-from structlm.share import text
+from structlm.hf import text
 
 
 def test_token_cache_hits_and_misses(tmp_path, monkeypatch) -> None:

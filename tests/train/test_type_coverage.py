@@ -14,8 +14,7 @@ pytest.importorskip("transformers")
 
 from structlm.nn import AlgebraLinear
 from structlm.nn.schedules import auto_schedule, get_schedule, type_counts
-from structlm.train import TrainConfig, load_config, train
-from structlm.train.loop import _build_model
+from structlm.train import TrainConfig, build_model, load_config, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -70,7 +69,7 @@ def test_the_demo_trains_every_type(tmp_path) -> None:
 def _block_grads(cfg: TrainConfig) -> list[torch.Tensor]:
     """Gradient norm of every weight block (beta, delta) of every FFN projection after one
     backward pass on a training window: ``(q, q)`` per projection."""
-    model = _build_model(cfg)
+    model = build_model(cfg)
     ids = torch.randint(0, model.config.vocab_size, (2, cfg.seq_len))
     model(ids).logits.float().logsumexp(-1).mean().backward()
     out = []

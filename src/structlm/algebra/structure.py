@@ -123,19 +123,6 @@ class Algebra:
         """Number of non-zero structure constants."""
         return int(self.entries.shape[0])
 
-    @property
-    def is_integral(self) -> bool:
-        """True when every constant is an integer (checks are then exact)."""
-        return bool(np.all(self.values == np.round(self.values)))
-
-    def dense_tensor(self) -> np.ndarray:
-        """The full ``(dim, dim, dim)`` tensor (small algebras only)."""
-        if self.dim > 256:
-            raise AlgebraError(f"dense tensor of dim {self.dim} is too large")
-        c = np.zeros((self.dim,) * 3)
-        c[self.entries[:, 0], self.entries[:, 1], self.entries[:, 2]] = self.values
-        return c
-
     def multiply(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         """``mu(x, w)`` for coordinate vectors ``x, w`` of shape ``(dim,)``."""
         x = np.asarray(x, dtype=np.float64)

@@ -250,10 +250,9 @@ def plot_generate_csv(csv_path: str, png_path: str) -> None:
     intervals, each algebra bar labelled with its speed-up and MAC ideal."""
     import csv
 
-    import matplotlib
+    from structlm.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     with open(csv_path) as fh:
         rows = list(csv.DictReader(fh))

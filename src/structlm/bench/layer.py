@@ -18,7 +18,7 @@ from __future__ import annotations
 import csv
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -36,7 +36,7 @@ from structlm.bench.timing import (
 )
 from structlm.nn import AlgebraLinear, DecodeLinear, get_schedule
 from structlm.ops import cpu_kernels
-from structlm.ops.blocked import choose_layout
+from structlm.ops.route import AlgebraCall, DenseCall, Route, choose, trace
 
 __all__ = ["PRESETS", "LayerBenchConfig", "markdown_from_csv", "plot_from_csv", "run_layer_bench"]
 
@@ -140,7 +140,8 @@ def _time_one(cfg: LayerBenchConfig, m: int, k: int, n: int, algebra: str, sched
     flushed = flusher is not None and m <= cfg.flush_max_m
     fns = {"F.linear": dense, "algebra": algebra_fn}
     wd = w.detach()
-    if mode == "fwd" and m <= DENSE_ARM_KERNEL_MAX_ROWS and cpu_kernels.rows_kernel_applies(x, wd):
+    if (mode == "fwd" and m <= DENSE_ARM_KERNEL_MAX_ROWS
+            and choose(DenseCall(x[:1], wd)).route is not Route.TORCH):
         def dense_rows() -> object:  # the project's dense few-row kernel (decode's GEMV)
             return cpu_kernels.dense_rows_linear(x, wd)
 
@@ -170,7 +171,7 @@ def _time_one(cfg: LayerBenchConfig, m: int, k: int, n: int, algebra: str, sched
         "speedup": round(speedup, 4), "ideal": round(1 / float(rho), 4),
         "frac_of_ideal": round(speedup * float(rho), 4), "rho": str(rho),
         "types_present": len(part.present), "flushed": flushed,
-        "layout": choose_layout(layer.plan, part, x, w.detach(), kernel=mode == "fwd"),
+        "layout": _route_taken(algebra_fn),
         "partition_us": round(partition_us, 1), "trials": cfg.trials,
     }
 
@@ -245,10 +246,9 @@ def markdown_from_csv(csv_path: str) -> str:
 
 def plot_from_csv(csv_path: str, png_path: str) -> None:
     """Measured vs ideal speed-up (log–log), one panel per mode, from the CSV."""
-    import matplotlib
+    from structlm.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = _read(csv_path)
     modes = sorted({r["mode"] for r in rows})
@@ -297,3 +297,11 @@ def config_from_args(preset: str, **overrides: object) -> LayerBenchConfig:
         raise ValueError(f"unknown preset {preset!r}: expected one of {sorted(PRESETS)}")
     kw = {k: v for k, v in overrides.items() if v is not None}
     return replace(PRESETS[preset], **kw)
+
+
+def _route_taken(fn: Callable[[], object]) -> str:
+    """The route the algebra layer's call in ``fn`` takes (recorded by the route itself)."""
+    with trace() as records:
+        fn()
+    routes = {r.decision.route.value for r in records if type(r.call) is AlgebraCall}
+    return "/".join(sorted(routes))

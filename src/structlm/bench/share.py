@@ -263,10 +263,9 @@ def markdown_from_csv(csv_path: str) -> str:
 
 def plot_from_csv(csv_path: str, png_path: str) -> None:
     """Two panels from the CSV: speed-up per phase × batch (line at 1.0) and memory bars."""
-    import matplotlib
+    from structlm.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = _read(csv_path)
     lat = [r for r in rows if r["phase"] in ("prefill", "decode")]

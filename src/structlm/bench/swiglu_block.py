@@ -24,7 +24,7 @@ from structlm.models import config_from_preset
 from structlm.models.modeling_structlm import StructLMMLP
 from structlm.nn import get_schedule
 from structlm.ops import cpu_kernels
-from structlm.ops.blocked import choose_layout
+from structlm.ops.route import AlgebraCall, DenseCall, FFNCall, Route, choose, trace
 
 __all__ = ["time_swiglu_block"]
 
@@ -48,7 +48,8 @@ def _dense_paths(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.
         paths: dict[str, Callable[[], object]] = {
             "F.linear x3": lambda: three(x, wg, wu, wd),
             "F.linear gate+up fused": lambda: fused(x, wgu, wd)}
-        if x.shape[0] <= DENSE_ARM_KERNEL_MAX_ROWS and cpu_kernels.rows_kernel_applies(x, wg):
+        if (x.shape[0] <= DENSE_ARM_KERNEL_MAX_ROWS
+                and choose(DenseCall(x[:1], wg)).route is not Route.TORCH):
             paths["swiglu kernel"] = lambda: cpu_kernels.swiglu_rows(x, wg, wu, wd)
             paths["dense-rows kernel x3"] = lambda: cpu_kernels.dense_rows_linear(
                 F.silu(cpu_kernels.dense_rows_linear(x, wg))
@@ -104,14 +105,14 @@ def time_swiglu_block(m: int, d: int, f: int, algebra: str, schedule: str, mode:
     rho_in, rho_out = mlp.gate.mac_ratio(types), mlp.down.mac_ratio(types)
     rho = (2 * rho_in + rho_out) / 3  # gate, up: (F, D); down: (D, F) — equal MACs each
     speedup = t_dense / t_alg
-    with torch.no_grad():
-        on_kernel = mode == "fwd" and mlp._decode_forward(x.unsqueeze(0), part) is not None
-    if on_kernel:
+    with torch.no_grad() if mode == "fwd" else torch.enable_grad(), trace() as records:
+        algebra_fn()
+    ffn = [r.decision.route for r in records if type(r.call) is FFNCall]
+    if ffn and ffn[0] is Route.SWIGLU_KERNEL:
         layout = "swiglu kernel"
-    elif mode == "fwd":
-        layout = choose_layout(mlp.gate.plan, part, x, weights[0])
-    else:  # the recorded call: a trained weight never takes the kernel
-        layout = choose_layout(mlp.gate.plan, part, x, weights[0], kernel=False)
+    else:  # the projections' routes (a trained weight never takes the kernel)
+        layout = "/".join(sorted({r.decision.route.value for r in records
+                                  if type(r.call) is AlgebraCall}))
     return {
         "kind": "swiglu", "algebra": algebra, "q": q, "schedule": schedule, "mode": mode,
         "M": m, "K": d, "N": f, "dtype": "float32", "dense_path": dense_path,

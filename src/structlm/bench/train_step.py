@@ -34,7 +34,7 @@ from structlm.bench.timing import (
 )
 
 __all__ = ["PRESETS", "TrainBenchConfig", "markdown_from_csv", "run_train_bench",
-           "training_step_macs"]
+           "training_step", "training_step_macs"]
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ PRESETS: dict[str, list[TrainBenchConfig]] = {
 
 
 def _train_config(cfg: TrainBenchConfig, algebra: str) -> Any:
-    from structlm.train.loop import TrainConfig
+    from structlm.train import TrainConfig
 
     overrides = {"structured_scores": True} if cfg.structured_scores and algebra != "dense" \
         else {}
@@ -112,39 +112,51 @@ def training_step_macs(model: Any, seq_len: int) -> Fraction:
     return 3 * fwd
 
 
+def training_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+                  y: torch.Tensor, grad_clip: float) -> float:
+    """One step of the training loop on token ids ``x`` and targets ``y`` (B, T): zero
+    the gradients, forward, cross-entropy, backward, clip the gradient norm to
+    ``grad_clip`` (``0``: no clipping, as ``TrainConfig.grad_clip``), an optimiser step.
+    Returns the loss."""
+    from structlm.train import clip_gradients
+
+    opt.zero_grad(set_to_none=True)
+    logits = model(x).logits  # (B, T, V)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+    if not torch.isfinite(loss):
+        raise FloatingPointError("non-finite loss in the training-step benchmark")
+    loss.backward()
+    clip_gradients(model.parameters(), grad_clip)
+    opt.step()
+    return float(loss.detach())
+
+
 def _one(cfg: TrainBenchConfig) -> dict[str, Any]:
-    from structlm.train.loop import _build_model, _build_optimizer
+    from structlm.train import build_model, build_optimizer
 
     torch.set_num_threads(cfg.threads)
     arms = {}
     for name, algebra in (("dense", "dense"), ("algebra", cfg.algebra)):
         tc = _train_config(cfg, algebra)
-        model = _build_model(tc).train()
-        opt, _ = _build_optimizer(model, tc)
-        arms[name] = (tc, model, opt)
+        model = build_model(tc).train()
+        opt, _ = build_optimizer(model, tc)
+        arms[name] = (model, opt, tc.grad_clip)
     gen = torch.Generator().manual_seed(cfg.seed)
-    vocab = arms["dense"][1].config.vocab_size
+    vocab = arms["dense"][0].config.vocab_size
     ids = torch.randint(0, vocab, (cfg.batch_size, cfg.seq_len + 1), generator=gen)
     x, y = ids[:, :-1], ids[:, 1:]  # (B, T) each
 
-    def step(tc: Any, model: Any, opt: Any) -> None:
-        opt.zero_grad(set_to_none=True)
-        logits = model(x).logits  # (B, T, V)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-        if not torch.isfinite(loss):
-            raise FloatingPointError("non-finite loss in the training-step benchmark")
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-        opt.step()
+    def step(model: Any, opt: Any, grad_clip: float) -> None:
+        training_step(model, opt, x, y, grad_clip)
 
     t_dense, t_alg = interleaved_medians([lambda a=a: step(*arms[a]) for a in arms],
                                          cfg.trials, cfg.warmup)
-    macs = {a: training_step_macs(arms[a][1], cfg.seq_len) for a in arms}
+    macs = {a: training_step_macs(arms[a][0], cfg.seq_len) for a in arms}
     tokens = cfg.batch_size * cfg.seq_len
     speedup = t_dense / t_alg
     ideal = float(macs["dense"] / macs["algebra"])
     return {"preset": cfg.preset, "algebra": cfg.algebra,
-            "type_schedule": arms["algebra"][1].config.type_schedule,
+            "type_schedule": arms["algebra"][0].config.type_schedule,
             "structured_scores": cfg.structured_scores, "seq_len": cfg.seq_len,
             "batch_size": cfg.batch_size, "tokens_per_step": tokens,
             "dense_ms": round(t_dense * 1e3, 2), "algebra_ms": round(t_alg * 1e3, 2),

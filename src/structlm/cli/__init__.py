@@ -5,14 +5,16 @@
     structlm bench layer [--preset quick|small|target|full] [overrides...]
     structlm cost [--preset paper-110m] [--algebra Q2^2] [--structured-scores] [--json]
     structlm train CONFIG.yaml [CONFIG.yaml ...] [--max-steps N] [--plot PNG]
-    structlm study CONFIG.yaml [--out DIR] [--max-steps N] [--threads N]
     structlm generate --prompt TEXT [--model DIR] [--max-new-tokens N] [...]
     structlm bench generate [--preset paper-110m] [--algebra Q2^2] [--modes fixed,paper]
     structlm bench share [MODEL] [--compressed DIR] [--method shared] [--batches 1,16] [...]
     structlm eval ppl MODEL [--corpus austen] [...]
-    structlm share analyze | compress | experiment MODEL [...]
-    structlm convert MODEL [--config YAML] [--algebras Q2^2,Q4] [--targets mlp,attn] [...]
-    structlm demo
+    structlm share analyze | compress MODEL [...]
+    structlm convert MODEL --algebra Q2^2 --targets mlp --out DIR [--heal-steps N] [...]
+    structlm routes MODEL [--batch 1] [--tokens 8] [--decode-steps 1] [--convert Q2^2]
+    structlm experiment study CONFIG.yaml [--out DIR] [--max-steps N] [--threads N]
+    structlm experiment share | convert MODEL [--config YAML] [--out DIR] [...]
+    structlm demo  (= structlm experiment demo)
 
 Every command first sets the C allocator to keep freed memory for reuse (large tensors
 then skip the page faults of a fresh ``mmap``: :mod:`structlm.cpu_malloc`);
@@ -35,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     from structlm.cli.algebra import add_algebra_commands
     from structlm.cli.bench import add_bench_commands
     from structlm.cli.convert import add_convert_commands
+    from structlm.cli.experiment import add_experiment_commands
     from structlm.cli.lm import add_lm_commands
+    from structlm.cli.routes import add_routes_command
     from structlm.cli.share import add_share_commands
 
     p = argparse.ArgumentParser(prog="structlm", description=__doc__,
@@ -49,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_lm_commands(sub)
     add_share_commands(sub, bench)
     add_convert_commands(sub)
+    add_routes_command(sub)
+    add_experiment_commands(sub)
     return p
 
 

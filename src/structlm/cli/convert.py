@@ -1,5 +1,6 @@
-"""``structlm convert MODEL``: change a pretrained model's product, heal it, and compare
-it with equal-MAC baselines (:mod:`structlm.experiments.convert.experiment`)."""
+"""``structlm convert MODEL --algebra … --targets … --out DIR``: convert a pretrained
+model, optionally heal it, and save a folder that loads back converted
+(:mod:`structlm.convert.save`)."""
 
 from __future__ import annotations
 
@@ -12,41 +13,57 @@ from structlm.config import read_yaml
 
 
 def convert_config(args: argparse.Namespace) -> Any:
-    """The ConvertExperimentConfig of ``structlm convert``: the YAML, then the flags."""
-    from structlm.experiments.convert.experiment import ConvertExperimentConfig
+    """The ConvertConfig of ``structlm convert``: the YAML, then the flags given."""
+    from structlm.convert.save import ConvertConfig
 
     raw = {**read_yaml(args.config), "model": args.model, **args.flags.values(args)}
     if args.heal_flags.values(args):
         raw["heal"] = {**(raw.get("heal") or {}), **args.heal_flags.values(args)}
-    return ConvertExperimentConfig.from_dict(raw)
+    return ConvertConfig.from_dict(raw)
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     import torch
 
-    from structlm.experiments.convert.experiment import run_convert_experiment
+    from structlm.convert.save import REPORT, convert_and_save
 
     cfg = convert_config(args)
     torch.set_num_threads(args.threads)
-    res = run_convert_experiment(cfg, args.out)
-    print(f"{args.out.rstrip('/')}/report.md written ({res['seconds'] / 60:.1f} min)")
+    rep = convert_and_save(cfg, args.out)
+    before, after = rep["original"], rep["converted"]
+    print(f"converted {rep['model']}: {len(rep['conversion']['modules'])} projections to "
+          f"{cfg.algebra} ({cfg.targets}, {cfg.schedule} types); projection MACs/token "
+          f"{before['projection_macs']:,.0f} -> {after['projection_macs']:,.0f} "
+          f"({after['projection_macs'] / before['projection_macs']:.3f}x), parameters "
+          f"{before['projection_parameters']:,} -> {after['projection_parameters']:,}")
+    for key, label in (("ppl", "perplexity"),):
+        if key in before:
+            for text, value in before[key].items():
+                line = f"  {label} {text}: {value:.2f} -> {after[key][text]:.2f}"
+                if "ppl_healed" in after:
+                    line += f" -> healed {after['ppl_healed'][text]:.2f}"
+                print(line)
+    print(f"wrote {args.out} (load it with AutoModelForCausalLM.from_pretrained after "
+          f"import structlm; details in {REPORT})")
     return 0
 
 
 def add_convert_commands(sub: Any) -> None:
     """Register ``convert`` on the top-level subparsers."""
-    from structlm.experiments.convert.experiment import ConvertExperimentConfig
+    from structlm.convert.save import ConvertConfig
     from structlm.hf.finetune import FinetuneConfig
 
-    cv = sub.add_parser("convert", help="change a pretrained model's product (algebra "
-                        "layers, parameters kept), heal it, compare equal-MAC baselines")
+    cv = sub.add_parser("convert", help="convert a pretrained model's projections to algebra "
+                        "layers (parameters kept), optionally heal, save a loadable folder")
     cv.add_argument("model", help="smollm2 (built in), a local folder, or a hub id")
-    cv.add_argument("--config", default=None, help="YAML with ConvertExperimentConfig fields")
+    cv.add_argument("--out", required=True, help="new folder to write (never overwritten)")
+    cv.add_argument("--config", default=None, help="YAML with ConvertConfig fields")
     cv.add_argument("--threads", type=positive_int, default=2)
-    cv.add_argument("--out", default="convert-report")
-    title = "{} fields (a flag given overrides the YAML's key; lists are comma-separated)"
+    title = "{} fields (a flag given overrides the YAML's key)"
     cv.set_defaults(func=_cmd_convert,
-                    flags=add_dataclass_flags(cv, ConvertExperimentConfig, exclude=("model",),
-                                              title=title.format("ConvertExperimentConfig")),
-                    heal_flags=add_dataclass_flags(cv, FinetuneConfig, prefix="heal",
-                                                   title=title.format("healing FinetuneConfig")))
+                    flags=add_dataclass_flags(cv, ConvertConfig, exclude=("model", "heal"),
+                                              title=title.format("ConvertConfig")),
+                    heal_flags=add_dataclass_flags(
+                        cv, FinetuneConfig, prefix="heal", exclude=("seed",),
+                        title=title.format("healing FinetuneConfig") + " (--heal-steps 0: "
+                        "no healing, the default)"))

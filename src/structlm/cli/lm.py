@@ -121,25 +121,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_study(args: argparse.Namespace) -> int:
-    from structlm.experiments.study.config import load_study_config
-    from structlm.experiments.study.run import run_study
-
-    cfg = load_study_config(args.config, out_dir=args.out, max_steps=args.max_steps,
-                            threads=args.threads)
-    report = run_study(cfg)
-    print(report.read_text())
-    print(f"wrote {report} (and runs.csv, arms.csv, curves.png, loss_vs_macs.png)")
-    return 0
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from structlm.experiments.demo import run_demo
-
-    run_demo(args.out, steps=args.steps, algebra=args.algebra, share=not args.no_share)
-    return 0
-
-
 def add_lm_commands(sub: Any) -> None:
     """Register the language-model commands on the top-level subparsers."""
     tr = sub.add_parser("train", help="train (or resume) from YAML configs")
@@ -149,15 +130,6 @@ def add_lm_commands(sub: Any) -> None:
 
     tr.set_defaults(func=_cmd_train, flags=add_dataclass_flags(
         tr, TrainConfig, title="TrainConfig fields (override every given YAML)"))
-
-    st = sub.add_parser("study", help="train a set of arms on the same data, tokens and seeds, "
-                        "then report (resumes arm by arm)")
-    st.add_argument("config", help="study YAML (see configs/study/)")
-    st.add_argument("--out", default=None, help="override out_dir")
-    st.add_argument("--max-steps", type=int, default=None, help="override train.max_steps")
-    st.add_argument("--threads", type=int, default=None,
-                    help="torch threads (runtime only: a run may resume with another value)")
-    st.set_defaults(func=_cmd_study)
 
     cost = sub.add_parser("cost", help="parameters and MACs of a model preset")
     cost.add_argument("--preset", default="paper-110m")
@@ -181,12 +153,3 @@ def add_lm_commands(sub: Any) -> None:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--threads", type=int, default=2)
     gen.set_defaults(func=_cmd_generate)
-
-    demo = sub.add_parser("demo", help="dense vs algebra LMs end to end (about 8 min on 2 cores)")
-    demo.add_argument("--steps", type=int, default=100, help="training steps per model")
-    demo.add_argument("--algebra", default="Q2^2")
-    demo.add_argument("--out", default="demo-report")
-    demo.add_argument("--no-share", action="store_true",
-                      help="skip the shared-basis section (SmolLM2, ~2 min)")
-    demo.set_defaults(func=_cmd_demo)
-

@@ -101,30 +101,6 @@ def _cmd_share_compress(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_share_experiment(args: argparse.Namespace) -> int:
-    import torch
-
-    from structlm.experiments.share.experiment import run_experiment
-
-    torch.set_num_threads(args.threads)
-    cfg = experiment_config(args)
-    res = run_experiment(cfg, args.out, analytic_only=args.analytic_only)
-    print(f"{args.out.rstrip('/')}/report.md written ({res['seconds'] / 60:.1f} min)")
-    return 0
-
-
-def experiment_config(args: argparse.Namespace) -> Any:
-    """The ExperimentConfig of ``share experiment``: the YAML, then the flags given (the
-    ``--finetune-*`` / ``--seed-finetune-*`` flags override keys of the nested mappings)."""
-    from structlm.experiments.share.experiment import ExperimentConfig
-
-    raw = {**read_yaml(args.config), "model": args.model, **args.flags.values(args)}
-    for key, flags in (("finetune", args.ft_flags), ("seed_finetune", args.seed_ft_flags)):
-        if flags.values(args):
-            raw[key] = {**(raw.get(key) or {}), **flags.values(args)}
-    return ExperimentConfig.from_dict(raw)
-
-
 def _cmd_bench_share(args: argparse.Namespace) -> int:
     from structlm.bench.share import ShareBenchConfig, run_share_bench
 
@@ -170,7 +146,6 @@ def add_share_commands(sub: Any, bench: Any) -> None:
     share = sub.add_parser("share", help="shared functional bases (Part B)").add_subparsers(
         dest="share_command", required=True)
     from structlm.bench.share import ShareBenchConfig
-    from structlm.experiments.share.experiment import ExperimentConfig
     from structlm.hf.finetune import FinetuneConfig
     from structlm.share.analysis.analyze import AnalysisConfig
     from structlm.share.compress import CompressionConfig
@@ -203,24 +178,6 @@ def add_share_commands(sub: Any, bench: Any) -> None:
                     ft_flags=add_dataclass_flags(
                         cp, FinetuneConfig, prefix="finetune",
                         title="FinetuneConfig fields (--finetune-steps 0 = no fine-tuning)"))
-
-    ex = share.add_parser("experiment", help="tests 4-9 end to end (long: hours on 2 cores "
-                          "with the defaults; resumes arm by arm)")
-    ex.add_argument("model", help="smollm2 (built in), a local folder, or a hub id")
-    ex.add_argument("--config", default=None, help="YAML with ExperimentConfig fields")
-    ex.add_argument("--analytic-only", action="store_true",
-                    help="stop after compressing and evaluating every arm (no fine-tuning)")
-    ex.add_argument("--threads", type=positive_int, default=2)
-    ex.add_argument("--out", default="share-experiment")
-    ex.set_defaults(func=_cmd_share_experiment,
-                    flags=add_dataclass_flags(ex, ExperimentConfig, exclude=("model",),
-                                              title=_YAML_TITLE.format("ExperimentConfig")),
-                    ft_flags=add_dataclass_flags(
-                        ex, FinetuneConfig, prefix="finetune",
-                        title="FinetuneConfig fields of the whole-model and scope arms"),
-                    seed_ft_flags=add_dataclass_flags(
-                        ex, FinetuneConfig, prefix="seed-finetune",
-                        title="FinetuneConfig fields of the seed regime's arms"))
 
     bsh = bench.add_parser("share", help="memory and CPU latency (prefill, cached decode) of "
                            "a compressed model vs the original")

@@ -1,15 +1,26 @@
 """Change the product of a pretrained model: ``convert_(model, AlgebraConfig(...))``
 replaces its projections by algebra layers with the same parameters; ``unconvert_``
-restores the dense model; ``load_converted`` reloads a saved converted model."""
+restores the dense model. A converted model saved with ``save_pretrained`` loads back
+converted — with ``load_converted``, or plain ``from_pretrained`` once structlm is
+imported (:func:`~structlm.convert.convert.install_from_pretrained_hook`, installed here
+when ``transformers`` is present)."""
+
+import importlib.util as _importlib_util
 
 from structlm.convert.convert import (
-           AlgebraConfig,
-           conversion_info,
-           convert_,
-           load_converted,
-           unconvert_,
+    AlgebraConfig,
+    conversion_info,
+    convert_,
+    install_from_pretrained_hook,
+    load_converted,
+    restore_conversion,
+    unconvert_,
 )
 from structlm.convert.typed_linear import PositionTypes, TypedAlgebraLinear
 
+if _importlib_util.find_spec("transformers") is not None:
+    install_from_pretrained_hook()
+
 __all__ = ["AlgebraConfig", "PositionTypes", "TypedAlgebraLinear", "conversion_info",
-           "convert_", "load_converted", "unconvert_"]
+           "convert_", "install_from_pretrained_hook", "load_converted",
+           "restore_conversion", "unconvert_"]

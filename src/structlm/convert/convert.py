@@ -17,19 +17,24 @@ plain projection (already converted or compressed), a non-associative algebra.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from structlm.algebra import Algebra, AlgebraError, get_algebra, support_of
 from structlm.config import ConfigError
 from structlm.convert.typed_linear import PositionTypes, TypedAlgebraLinear, dense_from
 from structlm.hf.adapters import LinearSite, get_adapter, parse_types
 from structlm.nn.schedules import TypeSchedule, get_schedule
+from structlm.nn.structure import invalidate_fast_paths
 
-__all__ = ["AlgebraConfig", "conversion_info", "convert_", "load_converted", "unconvert_"]
+__all__ = ["AlgebraConfig", "conversion_info", "convert_", "install_from_pretrained_hook",
+           "load_converted", "restore_conversion", "unconvert_"]
 
 CONFIG_KEY = "structlm_conversion"
 
@@ -91,6 +96,8 @@ class _Conversion:
     source: PositionTypes
     names: list[str]
     conv1d: bool
+    hook: RemovableHandle
+    """The position hook's handle (:func:`unconvert_` removes it through it)."""
 
 
 class _PositionHook:
@@ -213,11 +220,12 @@ def convert_(model: nn.Module, config: AlgebraConfig | None = None,
             new.bias.data.copy_(module.bias)
         new.train(module.training)
         setattr(site.parent, site.attr, new)
-    src.module.register_forward_pre_hook(_PositionHook(source, src.keyword, src.index),
-                                         with_kwargs=True)
+    hook = src.module.register_forward_pre_hook(
+        _PositionHook(source, src.keyword, src.index), with_kwargs=True)
     names = [fqn for _, fqn in chosen]
-    model._structlm_conversion = _Conversion(cfg, source, names, adapter.conv1d_layout)
+    model._structlm_conversion = _Conversion(cfg, source, names, adapter.conv1d_layout, hook)
     model.config.__dict__[CONFIG_KEY] = {**cfg.record(), "modules": names}
+    invalidate_fast_paths(model)
     return model
 
 
@@ -237,25 +245,76 @@ def unconvert_(model: nn.Module) -> nn.Module:
         parent = model.get_submodule(parent_name)
         layer = getattr(parent, attr)
         setattr(parent, attr, dense_from(layer, conv1d_cls if layer.conv1d_layout else None))
-    src = get_adapter(model).position_source().module
-    for key in [k for k, h in src._forward_pre_hooks.items() if isinstance(h, _PositionHook)]:
-        del src._forward_pre_hooks[key]
-        src._forward_pre_hooks_with_kwargs.pop(key, None)
+    conv.hook.remove()
     del model._structlm_conversion
     model.config.__dict__.pop(CONFIG_KEY, None)
+    invalidate_fast_paths(model)
     return model
+
+
+def restore_conversion(model: nn.Module) -> nn.Module:
+    """Convert ``model`` again as its config records (``save_pretrained`` of a converted
+    model writes the record into ``config.json``); a model without a record is returned
+    as it is. Called on every ``from_pretrained`` once structlm is imported, so a saved
+    converted model never silently loads as the dense model it came from.
+
+    A record of a custom :class:`Algebra` cannot be rebuilt from its name: the model is
+    returned dense with a :class:`UserWarning` saying how to convert it.
+
+    Raises:
+        ValueError: the record names modules the model does not have.
+    """
+    record = getattr(model.config, CONFIG_KEY, None)
+    if not isinstance(record, dict) or getattr(model, "_structlm_conversion", None) is not None:
+        return model
+    if record.get("custom_algebra"):
+        warnings.warn(f"this model was saved after structlm.convert_ with a custom algebra "
+                      f"{record['algebra']!r}, which cannot be rebuilt from its name: it "
+                      "loaded as the DENSE model (a different function); convert_ it with "
+                      "the same Algebra object", UserWarning, stacklevel=3)
+        return model
+    modules = set(record.get("modules") or [])
+    cfg = AlgebraConfig(**{k: record[k] for k in ("algebra", "schedule", "targets")})
+    model.config.__dict__.pop(CONFIG_KEY, None)
+    convert_(model, cfg, filter_fn=lambda _m, name: name in modules)
+    if set(model._structlm_conversion.names) != modules:
+        raise ValueError(f"the recorded converted modules {sorted(modules)} are not what the "
+                         f"model offers ({sorted(model._structlm_conversion.names)})")
+    return model
+
+
+def install_from_pretrained_hook() -> None:
+    """Make ``PreTrainedModel.from_pretrained`` (and so ``AutoModelForCausalLM``'s) end
+    with :func:`restore_conversion` (idempotent; ``import structlm`` installs it)."""
+    from transformers import PreTrainedModel
+
+    current = PreTrainedModel.__dict__["from_pretrained"]
+    if getattr(current.__func__, "_structlm_restores", False):
+        return
+    original = current.__func__
+
+    @functools.wraps(original)
+    def from_pretrained(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        return restore_conversion(original(cls, *args, **kwargs))
+
+    from_pretrained._structlm_restores = True  # type: ignore[attr-defined]
+    PreTrainedModel.from_pretrained = classmethod(from_pretrained)  # type: ignore[assignment]
 
 
 def load_converted(path: str, **from_pretrained_kwargs: Any) -> nn.Module:
     """A model saved after :func:`convert_` (``save_pretrained``), converted again as it
     was recorded: the same modules, algebra and schedule (the weights are the saved
-    ones: conversion keeps parameter names and shapes)."""
+    ones: conversion keeps parameter names and shapes). Plain ``from_pretrained`` does the
+    same once structlm is imported; this one also refuses a folder without a record.
+
+    Raises:
+        ValueError: no conversion record, or one of a custom algebra.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import structlm.models  # noqa: F401  (registers model_type "structlm")
 
-    config = AutoConfig.from_pretrained(path)
-    record = getattr(config, CONFIG_KEY, None)
+    record = getattr(AutoConfig.from_pretrained(path), CONFIG_KEY, None)
     if not isinstance(record, dict):
         raise ValueError(f"{path}: config.json has no {CONFIG_KEY!r} record: not a model "
                          "saved after structlm.convert_")
@@ -263,12 +322,8 @@ def load_converted(path: str, **from_pretrained_kwargs: Any) -> nn.Module:
         raise ValueError(f"{path}: converted with a custom algebra {record['algebra']!r}, "
                          "which cannot be rebuilt from its name: load the folder as a dense "
                          "model and convert_ it with the same Algebra object")
-    modules = set(record.get("modules") or [])
-    cfg = AlgebraConfig(**{k: record[k] for k in ("algebra", "schedule", "targets")})
+    install_from_pretrained_hook()
     model = AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs)
-    model.config.__dict__.pop(CONFIG_KEY, None)
-    convert_(model, cfg, filter_fn=lambda _m, name: name in modules)
-    if set(model._structlm_conversion.names) != modules:
-        raise ValueError(f"{path}: the recorded modules {sorted(modules)} are not what the "
-                         f"model offers now ({sorted(model._structlm_conversion.names)})")
+    if conversion_info(model) is None:  # pragma: no cover - the hook always restores
+        raise ValueError(f"{path}: the conversion was not restored")
     return model

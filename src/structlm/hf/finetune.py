@@ -56,7 +56,7 @@ class FinetuneConfig:
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float = 1.0
-    """Gradient-norm clip."""
+    """Gradient-norm clip (0: no clipping)."""
     batch_size: int = 2
     """Windows per step."""
     seq_len: int = 256
@@ -69,6 +69,10 @@ class FinetuneConfig:
     """Window of those evaluations."""
     seed: int = 0
     """Seed of the batch order (the experiment sets it per arm)."""
+
+    def __post_init__(self) -> None:
+        if not self.grad_clip >= 0:  # NaN too
+            raise ValueError(f"grad_clip must be >= 0 (0: no clipping), got {self.grad_clip}")
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -208,7 +212,8 @@ def finetune(model: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.Te
             raise FloatingPointError(f"non-finite loss {lv} at fine-tuning step {step}")
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        if cfg.grad_clip > 0:  # 0: no clipping (clip_grad_norm_ with 0 zeroes every gradient)
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
         sched.step()
         bar.set_postfix(loss=f"{lv:.3f}")

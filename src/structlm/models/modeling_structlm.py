@@ -5,6 +5,11 @@ Every dense projection (attention, LM head, a dense FFN) is a
 same compiled few-row kernel as the algebra layers, so a dense-vs-algebra decode
 comparison measures the algebra, not a kernel difference.
 
+Forwards that can take a fast path ask the route (:func:`structlm.ops.route.choose`): the
+MLP whether its whole SwiGLU runs in one compiled call, the model whether a decode step
+runs every block in one call (:mod:`.decode_step`, the one hook point of the CPU decode
+accelerator). Nothing here imports a kernel module.
+
 Position types come from *absolute* positions (``position_ids``) through the
 config's schedule, identically in training, full or chunked prefill and cached
 decoding; during decode only the new tokens' types are computed. The row sets of the
@@ -23,17 +28,20 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from structlm.algebra import get_algebra, is_dense, num_types, support_of
 from structlm.models.configuration_structlm import StructLMConfig
-from structlm.models.decode_step import (
-    fused_decode_applies,
-    fused_decode_blocks,
-    registration_stamp,
-)
+from structlm.models.decode_step import BlockTensors, DecodeAccelerator
 from structlm.models.kv_cache import GrowingKVCache, use_growing_layers
-from structlm.nn import AlgebraLinear, DecodeLinear, get_schedule
+from structlm.nn import (
+    AlgebraLinear,
+    DecodeLinear,
+    StructureTracked,
+    get_schedule,
+    invalidate_fast_paths,
+    structure_epoch,
+)
+from structlm.nn.fused import swiglu_rows
 from structlm.nn.structured_scores import score_groups, structured_attention
-from structlm.ops import cpu_kernels
-from structlm.ops.blocked import FUSED_ROWS_MAX_ROWS
 from structlm.ops.partition import TypePartition
+from structlm.ops.route import AlgebraCall, FFNCall, Route, choose
 
 __all__ = ["StructLMForCausalLM", "StructLMModel", "StructLMPreTrainedModel"]
 
@@ -46,7 +54,19 @@ def _is_dense(config: StructLMConfig) -> bool:
     return is_dense(config.algebra)
 
 
-class StructLMAttention(nn.Module):
+class StructLMLayerNorm(StructureTracked, nn.LayerNorm):
+    """``nn.LayerNorm`` whose parameter replacements invalidate cached fast paths."""
+
+
+#: the exact layer norm types the decode stack re-implements
+NORM_KINDS: frozenset[type[nn.Module]] = frozenset((nn.LayerNorm, StructLMLayerNorm))
+
+
+class _Blocks(StructureTracked, nn.ModuleList):
+    """The decoder blocks (a ``ModuleList`` whose replacements invalidate fast paths)."""
+
+
+class StructLMAttention(StructureTracked, nn.Module):
     """Multi-head causal self-attention with biased projections (dense)."""
 
     def __init__(self, config: StructLMConfig, layer_idx: int) -> None:
@@ -76,7 +96,7 @@ class StructLMAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 
 
-class StructLMMLP(nn.Module):
+class StructLMMLP(StructureTracked, nn.Module):
     """Bias-free SwiGLU whose three projections follow the config's algebra."""
 
     def __init__(self, config: StructLMConfig) -> None:
@@ -115,62 +135,67 @@ class StructLMMLP(nn.Module):
         return kind
 
     def _cached_kernel_kind(self) -> str | None:
-        """:meth:`kernel_kind`, remembered until a module or parameter is next registered
-        anywhere (``registration_stamp``: replacing a projection or its bias counts); a
-        full check costs ~15 us, more than the decode call it guards."""
-        stamp = registration_stamp()
+        """:meth:`kernel_kind`, remembered until the structure epoch changes
+        (:func:`~structlm.nn.structure_epoch`: replacing a projection or its bias counts);
+        a full check costs ~15 us, more than the decode call it guards."""
+        epoch = structure_epoch()
         cached = self.__dict__.get("_kernel_kind_at")
-        if cached is None or cached[0] != stamp:
-            cached = (stamp, self.kernel_kind())
+        if cached is None or cached[0] != epoch:
+            cached = (epoch, self.kernel_kind())
             self.__dict__["_kernel_kind_at"] = cached
         return cached[1]
 
     def forward(self, x: torch.Tensor, types: torch.Tensor | TypePartition | None
                 ) -> torch.Tensor:
-        y = self._decode_forward(x, types)  # (B, T, D) for a CPU decode step, else None
-        if y is not None:
-            return y
+        if self._route(x, types) is Route.SWIGLU_KERNEL:  # a CPU decode step: one call
+            plans = None if types is None else (self.gate.plan, self.down.plan)
+            y2 = swiglu_rows(x.reshape(-1, x.shape[-1]), self.gate.weight, self.up.weight,
+                             self.down.weight, plans, types)  # (M, D)
+            return y2.view(x.shape)
         if types is None:  # dense
             return self.down(F.silu(self.gate(x)) * self.up(x))
         h = F.silu(self.gate(x, types)) * self.up(x, types)  # (B, T, F)
         return self.down(h, types)  # (B, T, D)
 
-    def _decode_forward(self, x: torch.Tensor, types: torch.Tensor | TypePartition | None
-                        ) -> torch.Tensor | None:
-        """A CPU decode step's FFN in one compiled call (``cpu_kernels.swiglu_rows``),
-        dense and algebra alike; ``None`` where the kernel does not apply."""
-        d = x.shape[-1]
-        gate, up, down = self.gate, self.up, self.down
-        if x.numel() > FUSED_ROWS_MAX_ROWS * d:
-            return None
+    def _route(self, x: torch.Tensor, types: torch.Tensor | TypePartition | None) -> Route:
+        """The route of this FFN call (:class:`~structlm.ops.route.FFNCall`)."""
         kind = self._cached_kernel_kind()
-        if (kind is None or gate.in_features != d
-                or not cpu_kernels.rows_kernel_applies(x, gate.weight)):
-            return None
-        x2 = x.reshape(-1, d)  # (M, D)
-        if types is None:
-            if not (kind == "dense" and up.weight.is_contiguous()
-                    and down.weight.is_contiguous()):
-                return None
-            y2 = cpu_kernels.swiglu_rows(x2, gate.weight, up.weight, down.weight)
-        elif (type(types) is TypePartition and kind == "algebra"
-              and gate.decodes_on_kernel(x, types) and up.decodes_on_kernel(x, types)
-              and down.decodes_on_kernel(x, types, check_shape=False)):
-            y2 = cpu_kernels.swiglu_rows(x2, gate.weight, up.weight, down.weight,
-                                         (gate.plan, down.plan), types)
-        else:
-            return None
-        return y2.view(x.shape)
+        part = types if type(types) is TypePartition else None
+        if kind == "algebra" and types is not None and part is None:
+            kind = None  # device types (no host partition): the modules' forward
+        if kind is None:
+            return choose(FFNCall(x, None, None)).route
+        gate, up, down = self.gate, self.up, self.down
+        projections = () if kind != "algebra" else tuple(
+            (m.weight, m.plan, m.backend) for m in (gate, up, down))
+        return choose(FFNCall(x, kind, (gate.weight, up.weight, down.weight), part,
+                              projections)).route
+
+    def kernel_ready(self, x: torch.Tensor, q: int | None) -> bool:
+        """Whether the decode stack can compute this FFN for inputs like ``x``: its
+        structure (:meth:`kernel_kind`: dense for a model without types, algebra of the
+        model's ``q`` otherwise) and, for algebra projections, the route taking the kernel
+        for a row of them."""
+        kind = self.kernel_kind()
+        if kind is None or (kind == "algebra") != (q is not None):
+            return False
+        if kind == "dense":
+            return True
+        one = TypePartition(torch.zeros(1, dtype=torch.int64), self.gate.q)
+        return self.gate.q == q and all(
+            choose(AlgebraCall(x.new_empty(1, m.in_features), m.weight, m.plan, one,
+                               m.backend)).route is Route.KERNEL
+            for m in (self.gate, self.up, self.down))
 
 
-class StructLMBlock(nn.Module):
+class StructLMBlock(StructureTracked, nn.Module):
     """Pre-norm block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
 
     def __init__(self, config: StructLMConfig, layer_idx: int) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.ln_1 = StructLMLayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
         self.attn = StructLMAttention(config, layer_idx)
-        self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.ln_2 = StructLMLayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
         self.mlp = StructLMMLP(config)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cache: DynamicCache | None,
@@ -180,9 +205,56 @@ class StructLMBlock(nn.Module):
         x = x + self.attn(self.ln_1(x), mask, cache, score_types)  # (B, T, D)
         return x + self.mlp(self.ln_2(x), types)  # (B, T, D)
 
+    def kernel_tensors(self, x: torch.Tensor, n_head: int, q: int | None) -> BlockTensors | None:
+        """This block's tensors as the decode stack takes them, or ``None`` where the block
+        is not exactly what the kernel computes for inputs like ``x``.
 
-class StructLMPreTrainedModel(PreTrainedModel):
+        That is ``StructLMLayerNorm`` s (affine, with bias, one eps), the
+        ``StructLMAttention`` with ``nn.Linear`` (or ``DecodeLinear``) qkv ``(3D, D)`` and
+        proj ``(D, D)``, both with bias, and the ``StructLMMLP`` whose projections the
+        SwiGLU kernel takes (:meth:`StructLMMLP.kernel_ready`: bias-free dense layers for a
+        model without position types, algebra layers of the model's ``q`` on the kernel
+        route otherwise), every parameter of ``x``'s dtype, on the CPU, contiguous.
+        Anything else — a replaced matrix (``ConcatProjection``, ``LowRankLinear`` ...), a
+        ``GatedMLP``, a bias-free projection — sends the model to the modules' forward."""
+        d = x.shape[-1]
+        ln1, ln2, attn, mlp = self.ln_1, self.ln_2, self.attn, self.mlp
+        if not (type(ln1) in NORM_KINDS and type(ln2) in NORM_KINDS
+                and ln1.normalized_shape == ln2.normalized_shape == (d,)
+                and ln1.elementwise_affine and ln2.elementwise_affine
+                and ln1.bias is not None and ln2.bias is not None and ln1.eps == ln2.eps):
+            return None
+        if not (type(attn) is StructLMAttention and attn.n_head == n_head and d % n_head == 0):
+            return None
+        qkv, proj = attn.qkv, attn.proj
+        if not (type(qkv) in LINEAR_KINDS and type(proj) in LINEAR_KINDS
+                and qkv.weight.shape == (3 * d, d) and qkv.bias is not None
+                and qkv.bias.shape == (3 * d,) and proj.weight.shape == (d, d)
+                and proj.bias is not None and proj.bias.shape == (d,)):
+            return None
+        if not (type(mlp) is StructLMMLP and mlp.gate.in_features == d
+                and mlp.kernel_ready(x, q)):
+            return None
+        dense = [ln1.weight, ln1.bias, qkv.weight, qkv.bias, proj.weight, proj.bias,
+                 ln2.weight, ln2.bias]
+        ffn = (mlp.gate.weight, mlp.up.weight, mlp.down.weight)
+        if not all(p.dtype == x.dtype and p.device.type == "cpu" and p.is_contiguous()
+                   for p in (*dense, *ffn)):
+            return None
+        plans = None if q is None else (mlp.gate.plan, mlp.down.plan)
+        return BlockTensors(dense, ffn, plans, float(ln1.eps))
+
+
+class StructLMPreTrainedModel(StructureTracked, PreTrainedModel):
     """Weight initialisation and the Hugging Face plumbing."""
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False
+                        ) -> Any:
+        """``nn.Module.load_state_dict``; the fast paths' cached decisions are rebuilt
+        (with ``assign=True`` the parameters are new objects)."""
+        out = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        invalidate_fast_paths(self)
+        return out
 
     config_class = StructLMConfig
     base_model_prefix = "transformer"
@@ -218,12 +290,13 @@ class StructLMModel(StructLMPreTrainedModel):
         super().__init__(config)
         self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
         self.wpe = nn.Embedding(config.n_positions, config.hidden_size)
-        self.h = nn.ModuleList([StructLMBlock(config, i) for i in range(config.num_hidden_layers)])
-        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.h = _Blocks([StructLMBlock(config, i) for i in range(config.num_hidden_layers)])
+        self.ln_f = StructLMLayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
         self.q = num_types(config.algebra)
         self.schedule = None if _is_dense(config) else get_schedule(config.type_schedule, self.q)
         self.score_groups = (score_groups(support_of(get_algebra(config.algebra)).mask)
                              if getattr(config, "structured_scores", False) else None)
+        self.decode_accelerator = DecodeAccelerator()
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -317,8 +390,9 @@ class StructLMModel(StructLMPreTrainedModel):
                                  f"n_positions={self.config.n_positions}")
         x = x + self.wpe(position_ids)
         mask = self._attention_mask(attention_mask, b, t, past, x.device)  # (B, 1, T, S) | None
-        if fused_decode_applies(self, x, mask, cache):
-            x = fused_decode_blocks(self, x, position_ids, cache)  # (B, 1, D)
+        y = self.decode_accelerator.step(self, x, mask, position_ids, cache)  # (B, 1, D)
+        if y is not None:  # the route chose the decode stack: every block in one call
+            x = y
         else:
             position_ids = position_ids.expand(b, t)
             keys = self._key_positions(position_ids, cache, past)  # (B, S) | None

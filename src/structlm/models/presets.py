@@ -15,7 +15,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # trains on 2 CPU cores in minutes
     "cpu-small": dict(vocab_size=50257, n_positions=512, hidden_size=256,
                       num_hidden_layers=4, num_attention_heads=8, intermediate_size=512),
-    # structlm study (configs/study/cpu.yaml): the FFN (F = 4D) carries ~70% of the
+    # structlm experiment study (configs/study/cpu.yaml): the FFN (F = 4D) carries ~70% of the
     # non-embedding MACs; the vocabulary follows the study's BPE tokenizer
     "study-cpu": dict(vocab_size=8192, n_positions=256, hidden_size=256, num_hidden_layers=4,
                       num_attention_heads=8, intermediate_size=1024, bos_token_id=0,

@@ -1,12 +1,9 @@
-"""Modules: AlgebraLinear, DecodeLinear and position-type schedules."""
+"""Modules: AlgebraLinear, DecodeLinear, factorised linear layers, position-type
+schedules; the fused SwiGLU / decoder-stack calls (``fused``) and the structure epoch of
+cached fast-path decisions (``structure``)."""
 
 from structlm.nn.algebra_linear import AlgebraLinear
-from structlm.nn.decode_linear import (
-    DENSE_ROWS_MAX_ROWS,
-    DecodeLinear,
-    dense_rows_applies,
-    fast_linear,
-)
+from structlm.nn.decode_linear import DecodeLinear, fast_linear
 from structlm.nn.schedules import (
     BlockSchedule,
     CyclicSchedule,
@@ -14,16 +11,18 @@ from structlm.nn.schedules import (
     TypeSchedule,
     get_schedule,
 )
+from structlm.nn.structure import StructureTracked, invalidate_fast_paths, structure_epoch
 
 __all__ = [
-    "DENSE_ROWS_MAX_ROWS",
     "AlgebraLinear",
     "BlockSchedule",
     "CyclicSchedule",
     "DecodeLinear",
+    "StructureTracked",
     "TableSchedule",
     "TypeSchedule",
-    "dense_rows_applies",
     "fast_linear",
     "get_schedule",
+    "invalidate_fast_paths",
+    "structure_epoch",
 ]

@@ -11,17 +11,24 @@ import torch
 from torch import nn
 
 from structlm.algebra import Algebra, AlgebraError, get_algebra, split_widths, support_of
-from structlm.ops import cpu_kernels, cpu_ops
-from structlm.ops.blocked import (
-    FUSED_ROWS_MAX_ROWS,
-    blocked_linear,
-    forced_layout,
-    fused_rows_applies,
-)
-from structlm.ops.dispatch import Backend, auto_overridden, parse_backend, resolve_backend
+from structlm.nn.structure import StructureTracked, invalidate_fast_paths
+from structlm.ops import cpu_kernels
+from structlm.ops.blocked import blocked_linear
 from structlm.ops.partition import TypePartition, check_types
 from structlm.ops.plan import make_plan
 from structlm.ops.reference import effective_weight, element_mask, reference_linear
+from structlm.ops.route import (
+    DECODE_MAX_ROWS,
+    AlgebraCall,
+    Backend,
+    Route,
+    choose,
+    override_state,
+    parse_backend,
+    recording,
+    resolve_backend,
+    tracing,
+)
 
 __all__ = ["AlgebraLinear"]
 
@@ -37,7 +44,7 @@ def _check_widths(widths: Sequence[int], total: int, q: int, what: str) -> tuple
     return w
 
 
-class AlgebraLinear(nn.Module):
+class AlgebraLinear(StructureTracked, nn.Module):
     """Position-typed linear layer ``y_delta = sum_beta S[alpha,beta,delta] x_beta W_beta,delta``.
 
     The weight is stored exactly like ``nn.Linear`` (``weight`` of shape
@@ -95,6 +102,17 @@ class AlgebraLinear(nn.Module):
         self.reset_parameters()
 
     # ------------------------------------------------------------------ setup
+    @property
+    def backend(self) -> Backend:
+        """The backend this layer asks for (``auto`` lets the route decide); setting it
+        invalidates cached fast-path decisions."""
+        return self.__dict__["_backend"]
+
+    @backend.setter
+    def backend(self, value: str | Backend) -> None:
+        self.__dict__["_backend"] = parse_backend(value)
+        invalidate_fast_paths(self)
+
     @property
     def q(self) -> int:
         """Number of position types (= feature groups)."""
@@ -201,8 +219,9 @@ class AlgebraLinear(nn.Module):
         return TypePartition(types.reshape(-1), self.q)
 
     def forward(self, x: torch.Tensor, types: torch.Tensor | TypePartition) -> torch.Tensor:
-        if type(types) is TypePartition and types.num_rows <= FUSED_ROWS_MAX_ROWS:
-            y = self._rows_kernel_forward(x, types)  # (*, N), or None
+        binding = self.__dict__.get("_rows_binding")
+        if binding is not None and type(types) is TypePartition and self._binding_usable():
+            y = binding(x, types.types, self.weight, self.bias)  # (*, N), or None
             if y is not None:
                 return y
         if x.shape[-1] != self.in_features:
@@ -217,86 +236,60 @@ class AlgebraLinear(nn.Module):
                 check_types(types, self.q, lead)
             return x.new_empty(*lead, self.out_features)  # (*, N)
         x2 = x.reshape(-1, self.in_features)  # (M, K)
-        backend = resolve_backend(self.backend, x.device, x.dtype)
-        if backend is Backend.TRITON:
-            y2 = self._forward_triton(x2, types, lead)  # (M, N)
-            if self.bias is not None:
-                y2 = y2 + self.bias
-            return y2.reshape(*lead, self.out_features)
-        if isinstance(types, TypePartition):
-            part = types
-            if part.num_rows != x2.shape[0] or part.q != self.q:
-                raise ValueError(
-                    f"partition covers {part.num_rows} rows of q={part.q}; x has "
-                    f"{x2.shape[0]} rows and the layer q={self.q}"
-                )
-        else:
-            part = TypePartition(check_types(types, self.q, lead).to(x.device), self.q)
-        if backend is Backend.REFERENCE:
+        part = self._partition(types, x2, lead)  # None: the types stay on the device
+        route = choose(AlgebraCall(x2, self.weight, self.plan, part, self.backend,
+                                   self.bias)).route
+        if route is Route.REFERENCE:
             y2 = reference_linear(x2, self.weight, part.types, self.support.mask,
                                   list(self.in_widths), list(self.out_widths))
+        elif route in _TRITON_ROUTES:
+            y2 = self._forward_triton(x2, types if part is None else part, lead, route)
+        elif route is Route.KERNEL and not _records(x2, self.weight, self.bias):
+            return self._kernel_forward(x2, part).view(*lead, self.out_features)
         else:
-            y2 = blocked_linear(x2, self.weight, self.plan, part)  # (M, N)
+            y2 = blocked_linear(x2, self.weight, self.plan, part, route)  # (M, N)
         if self.bias is not None:
             y2 = y2 + self.bias
         return y2.reshape(*lead, self.out_features)
 
-    def decodes_on_kernel(self, x: torch.Tensor, part: TypePartition,
-                          check_shape: bool = True) -> bool:
-        """Whether ``forward(x, part)`` runs on the compiled few-row CPU kernel (cached
-        decode: at most ``FUSED_ROWS_MAX_ROWS`` rows, and :meth:`kernel_decode_ready`).
-        ``check_shape=False`` asks only about ``x``'s dtype, device and autograd state
-        (for an input made by a kernel)."""
-        return ((not check_shape or (x.shape[-1] == self.in_features
-                                     and x.numel() == part.num_rows * self.in_features))
-                and part.q == self.q and part.num_rows <= FUSED_ROWS_MAX_ROWS
-                and self.kernel_decode_ready(x))
+    def _partition(self, types: torch.Tensor | TypePartition, x2: torch.Tensor,
+                   lead: torch.Size) -> TypePartition | None:
+        """The rows' :class:`TypePartition` (checked against ``x``), or ``None`` for the
+        Triton backend, which reads the types on the device (no host synchronisation)."""
+        if isinstance(types, TypePartition):
+            if types.num_rows != x2.shape[0] or types.q != self.q:
+                raise ValueError(
+                    f"partition covers {types.num_rows} rows of q={types.q}; x has "
+                    f"{x2.shape[0]} rows and the layer q={self.q}"
+                )
+            return types
+        if resolve_backend(self.backend, x2.device, x2.dtype) is Backend.TRITON:
+            return None  # the kernels read the types on the device (checked there)
+        return TypePartition(check_types(types, self.q, lead).to(x2.device), self.q)
 
-    def kernel_decode_ready(self, x: torch.Tensor) -> bool:
-        """Whether the layer's few-row products with inputs like ``x`` run on the compiled
-        CPU kernel: the blocked backend and its one gate,
-        :func:`~structlm.ops.blocked.fused_rows_applies`, and no bias being trained (the
-        row count is the caller's to check)."""
-        return (resolve_backend(self.backend, x.device, x.dtype) is Backend.BLOCKED
-                and fused_rows_applies(x, self.weight, None)
-                and not (self.bias is not None and self.bias.requires_grad
-                         and torch.is_grad_enabled()))  # a trained bias needs autograd
-
-    def _rows_kernel_forward(self, x: torch.Tensor, part: TypePartition) -> torch.Tensor | None:
-        """Cached decode on the CPU: ``(*, K) -> (*, N)`` in one call of the compiled
-        kernel with the bias fused, skipping the general path's bookkeeping; ``None``
-        where it does not apply.
-
-        Rows of one type (a decode step) go through the layer's bound call
-        (:func:`~structlm.ops.cpu_kernels.typed_rows_binding`, made on the first such
-        call and remade when the weight changes): one crossing into C++ that re-checks
-        what can change between calls and returns ``None`` where the gate below would
-        refuse. Where it does, or while a backend, layout or weight copy is forced, the
-        gate (:meth:`decodes_on_kernel`) and the unbound kernel call decide.
-        """
+    def _kernel_forward(self, x2: torch.Tensor, part: TypePartition) -> torch.Tensor:
+        """``(M, K) -> (M, N)`` on the compiled CPU kernel with the bias fused; rows of one
+        type also bind the layer's decode call for the next time (made on the first such
+        call and remade when the weight changes: one crossing into C++ that re-checks what
+        can change between calls and returns ``None`` where the route would not take it)."""
+        y2 = cpu_kernels.fused_rows_linear(x2, self.weight, self.plan, part, self.bias)
         binding = self.__dict__.get("_rows_binding")
-        if binding is not None and not self._binding_overridden():
-            y = binding(x, part.types, self.weight, self.bias)  # (*, N), or None
-            if y is not None:
-                return y
-        if not self.decodes_on_kernel(x, part):
-            return None
-        y2 = cpu_kernels.fused_rows_linear(x.reshape(-1, self.in_features), self.weight,
-                                           self.plan, part, self.bias)  # (M, N)
-        if (cpu_kernels.uses_typed_copy(part) and not self._binding_overridden()
+        if (part.num_rows <= DECODE_MAX_ROWS and cpu_kernels.uses_typed_copy(part)
+                and self._binding_usable()
                 and (binding is None or not binding.matches(self.weight))):
             self.__dict__["_rows_binding"] = cpu_kernels.typed_rows_binding(
-                self.weight, self.plan, FUSED_ROWS_MAX_ROWS)
-        return y2.view(*x.shape[:-1], self.out_features)
+                self.weight, self.plan, DECODE_MAX_ROWS)
+        return y2
 
-    def _binding_overridden(self) -> bool:
-        """Whether a forced backend, layout or weight copy (tests, debugging), a backend
-        other than auto / blocked, or tracing (``torch.compile`` calls the registered op)
-        keeps the bound decode call out of use."""
-        return ((self.backend is not Backend.BLOCKED
-                 and (self.backend is not Backend.AUTO or auto_overridden()))
-                or forced_layout() is not None or cpu_kernels.decode_copy_mode() != "typed"
-                or cpu_ops.tracing())
+    def _binding_usable(self) -> bool:
+        """Whether the bound decode call stands for the route: no override (a forced
+        backend or layout, ``STRUCTLM_BACKEND``) and a backend that resolves to ``blocked``
+        on the CPU without asking (auto or blocked), the typed weight copy, no tracing
+        (``torch.compile`` calls the registered op) and no recording
+        (:func:`~structlm.ops.route.trace` decides every call afresh)."""
+        return (self.backend in _BOUND_BACKENDS and override_state() == _NO_OVERRIDES
+                and cpu_kernels.decode_copy_mode() == "typed"
+                and not (tracing() or recording()))
 
     def __getstate__(self) -> dict[str, object]:
         """State for pickling and ``copy.deepcopy``, without the bound decode call (a
@@ -306,7 +299,7 @@ class AlgebraLinear(nn.Module):
         return state
 
     def _forward_triton(self, x2: torch.Tensor, types: torch.Tensor | TypePartition,
-                        lead: torch.Size) -> torch.Tensor:
+                        lead: torch.Size, route: Route) -> torch.Tensor:
         """``(M, K) -> (M, N)`` with the Triton kernels; no host synchronisation on CUDA."""
         from structlm.ops.triton import build_tables, register_tables, triton_linear
 
@@ -324,4 +317,14 @@ class AlgebraLinear(nn.Module):
         cache = self.__dict__.setdefault("_triton_tables", {})
         if key not in cache:
             cache[key] = register_tables(build_tables(self.plan, self.support.mask, x2.device))
-        return triton_linear(x2, self.weight, flat, cache[key], self.q)
+        return triton_linear(x2, self.weight, flat, cache[key], route)
+
+
+_TRITON_ROUTES = frozenset((Route.TRITON_DECODE, Route.TRITON_FUSED, Route.TRITON_TWO_STAGE))
+_BOUND_BACKENDS = frozenset((Backend.AUTO, Backend.BLOCKED))
+_NO_OVERRIDES = (None, None, None)
+
+
+def _records(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records an operation on any of ``tensors`` now."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

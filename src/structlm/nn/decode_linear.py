@@ -6,50 +6,41 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from structlm.ops import cpu_kernels, cpu_ops
+from structlm.nn.structure import StructureTracked
+from structlm.ops import cpu_kernels
+from structlm.ops.route import (
+    DENSE_IN_PLACE_MAX_ROWS,
+    DenseCall,
+    Route,
+    choose,
+    recording,
+    tracing,
+)
 
-__all__ = ["DENSE_ROWS_MAX_ROWS", "DecodeLinear", "dense_rows_applies", "fast_linear"]
-
-
-#: Largest batch the dense few-row kernel takes in :func:`fast_linear`, the same as the
-#: algebra layers' kernel limit from q = 4 (measured against MKL, 2 threads, weights from
-#: DRAM: 1.2-3.4x faster at M = 1..16 for 4096x4096, 576x1536 and 1536x576; at M = 32
-#: 2-30% faster on the paper-110m and SmolLM2 FFN shapes, 7% slower at 4096x4096).
-DENSE_ROWS_MAX_ROWS = 32
-
-
-def dense_rows_applies(x: torch.Tensor, weight: torch.Tensor,
-                       bias: torch.Tensor | None = None) -> bool:
-    """The one gate of the dense few-row CPU kernel: ``x`` ``(*, in)`` with at most
-    ``DENSE_ROWS_MAX_ROWS`` rows and :func:`~structlm.ops.cpu_kernels.rows_kernel_applies`
-    (CPU, float32/float64, nothing for autograd to record, the kernel built), and a bias,
-    if any, contiguous, of ``x``'s dtype and device and not being trained."""
-    k = weight.shape[-1]
-    return (x.shape[-1] == k and x.numel() <= DENSE_ROWS_MAX_ROWS * k
-            and cpu_kernels.rows_kernel_applies(x, weight)
-            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()
-                                  and bias.device == x.device
-                                  and not (torch.is_grad_enabled() and bias.requires_grad))))
+__all__ = ["DecodeLinear", "fast_linear"]
 
 
 def fast_linear(x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` on the project's fastest dense path for the call: the compiled
-    few-row kernel where :func:`dense_rows_applies`, else ``F.linear`` (MKL).
+    """``F.linear`` on the project's fastest dense path for the call, as the route decides
+    (:class:`~structlm.ops.route.DenseCall`): the compiled few-row kernel for a few rows
+    on the CPU, else ``F.linear`` (MKL).
 
     Shapes: ``(*, in) -> (*, out)``."""
-    if dense_rows_applies(x, weight, bias):
-        y2 = cpu_kernels.dense_rows_linear(x.reshape(-1, weight.shape[-1]), weight,
-                                           bias)  # (M, N)
-        return y2.view(*x.shape[:-1], weight.shape[0])
-    return F.linear(x, weight, bias)
+    route = choose(DenseCall(x, weight, bias)).route
+    if route is Route.TORCH:
+        return F.linear(x, weight, bias)
+    y2 = cpu_kernels.dense_rows_linear(x.reshape(-1, weight.shape[-1]), weight, bias,
+                                       packed=route is Route.DENSE_KERNEL_PACKED)  # (M, N)
+    return y2.view(*x.shape[:-1], weight.shape[0])
 
 
-class DecodeLinear(nn.Linear):
+class DecodeLinear(StructureTracked, nn.Linear):
     """``nn.Linear`` (same parameters, state dict and initialisation) whose cached-decode
-    calls — at most ``DENSE_ROWS_MAX_ROWS`` rows, CPU, float32/float64, no autograd —
-    run on the compiled few-row kernel (:func:`~structlm.ops.cpu_kernels.dense_rows_linear`)
-    instead of PyTorch's GEMV; after the first such call through a bound compiled call
+    calls — a few rows (``dense_kernel_max_rows``), CPU, float32/float64, no autograd, as
+    the route decides — run on the compiled few-row kernel
+    (:func:`~structlm.ops.cpu_kernels.dense_rows_linear`) instead of PyTorch's GEMV; after
+    the first such call through a bound compiled call
     (:func:`~structlm.ops.cpu_kernels.dense_rows_binding`, the same crossing the algebra
     layers' decode calls make, remade when the weight changes).
 
@@ -63,18 +54,19 @@ class DecodeLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         binding = self.__dict__.get("_rows_binding")
-        if binding is not None and not cpu_ops.tracing():  # None where the gate refuses
+        if binding is not None and not (tracing() or recording()):  # None: route refuses
             y = binding(x, _NO_TYPES, self.weight, self.bias)  # (*, out), or None
             if y is not None:
                 return y
-        if dense_rows_applies(x, self.weight, self.bias):
-            y2 = cpu_kernels.dense_rows_linear(x.reshape(-1, self.in_features), self.weight,
-                                               self.bias)  # (M, out)
-            if binding is None or not binding.matches(self.weight):
-                self.__dict__["_rows_binding"] = cpu_kernels.dense_rows_binding(
-                    self.weight, cpu_kernels.DENSE_IN_PLACE_MAX_ROWS)  # more: packed copy
-            return y2.view(*x.shape[:-1], self.out_features)
-        return F.linear(x, self.weight, self.bias)  # (*, in) -> (*, out)
+        route = choose(DenseCall(x, self.weight, self.bias)).route
+        if route is Route.TORCH:
+            return F.linear(x, self.weight, self.bias)  # (*, in) -> (*, out)
+        y2 = cpu_kernels.dense_rows_linear(x.reshape(-1, self.in_features), self.weight,
+                                           self.bias, packed=route is Route.DENSE_KERNEL_PACKED)
+        if route is Route.DENSE_KERNEL and (binding is None or not binding.matches(self.weight)):
+            self.__dict__["_rows_binding"] = cpu_kernels.dense_rows_binding(
+                self.weight, DENSE_IN_PLACE_MAX_ROWS)  # more rows: the packed copy
+        return y2.view(*x.shape[:-1], self.out_features)  # (M, out) -> (*, out)
 
     def __getstate__(self) -> dict[str, object]:
         """State for pickling and ``copy.deepcopy``, without the bound decode call."""

@@ -13,8 +13,8 @@ Five layouts, all doing exactly the MACs of the cost model in forward, ``dX`` an
   type's blocks, common ones included, as a handful of rectangles ``W[out d0:d1, in
   b0:b1]`` (one GEMM each, no batched diagonal GEMM, no gathers); the backward is
   diag-first's.
-* **fused-rows** (CPU, float32/float64, at most ``FUSED_ROWS_LAYOUT_MAX_ROWS_PER_TYPE``
-  rows per type on average, i.e. ``16 q`` rows, any types):
+* **fused-rows** (CPU, float32/float64, at most ``kernel_max_rows_per_type`` rows per
+  type on average, i.e. ``16 q`` rows, any types):
   one call of a compiled kernel (:mod:`.cpu_kernels`) that streams through exactly the
   blocks the rows' types use, in a panel-packed copy of the weight; the backward
   is diag-first's.
@@ -27,13 +27,15 @@ Five layouts, all doing exactly the MACs of the cost model in forward, ``dX`` an
   row as one batched GEMM over types, then the diagonal blocks of the *other*
   groups as a second batched GEMM — a fixed number of GEMM calls whatever ``q``.
 
+Which layout runs is :func:`structlm.ops.route.choose`'s decision (its thresholds and
+the measurements behind them are in :data:`structlm.ops.route.THRESHOLDS`).
+
 Weight layout is ``nn.Linear``'s: ``weight[out, in]``; block ``(beta, delta)`` is
 ``weight[out_delta, in_beta]``.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,119 +44,9 @@ import torch
 from structlm.ops import cpu_kernels
 from structlm.ops.partition import RowSet, TypePartition
 from structlm.ops.plan import BlockPlan, Run
+from structlm.ops.route import KERNEL_DTYPES, AlgebraCall, Backend, Route, choose
 
-__all__ = [
-    "FUSED_ROWS_LAYOUT_MAX_ROWS_PER_TYPE",
-    "FUSED_ROWS_MAX_ROWS",
-    "GATHER_MAX_ROWS_PER_TYPE",
-    "OUTPUT_MAJOR_MAX_ROWS",
-    "blocked_linear",
-    "choose_layout",
-    "force_layout",
-    "forced_layout",
-    "fused_rows_applies",
-    "use_gathered_layout",
-]
-
-#: Largest rows-per-type for which the row-first gathered layout is used.
-GATHER_MAX_ROWS_PER_TYPE = 16
-#: Smallest q for it: the gathered layout reads the diagonal blocks twice (1/q of
-#: the weight bytes extra), which only pays once q is large enough; below it the
-#: diag-first layout needs at most 1 + 2q <= 7 GEMM calls anyway.
-GATHER_MIN_Q = 4
-#: Largest batch (all rows of one type, e.g. cached decode) for the output-major layout.
-OUTPUT_MAJOR_MAX_ROWS = 64
-#: Largest batch of the layer's direct decode call on the compiled kernel (bias fused, no
-#: bookkeeping: :meth:`structlm.nn.AlgebraLinear.decodes_on_kernel`; see :mod:`.cpu_kernels`).
-FUSED_ROWS_MAX_ROWS = 4
-#: :func:`choose_layout` picks the compiled fused-rows layout up to this many rows per
-#: type (``16 q`` rows in all: 32 for Q2, 64 for Q4 and Q2^2, 512 for Q32). Measured at
-#: K = N = 4096, 2 threads, caches flushed, every type present, the panel kernel against
-#: the best PyTorch layout (``python benchmarks/panel_kernel.py --threads 2 --layouts``,
-#: ``benchmarks/results/panel_kernel/layouts_2threads_flushed.md``): ahead at 16 q rows
-#: for every q (Q2 at 32: 15.7 vs 20.1 ms, Q4 at 64: 16.9 vs 28.7, Q32 at 512: 25.0 vs
-#: 39.6) and mostly at 32 q (Q16 at 512: 34.4 vs 35.3); an earlier run of the same
-#: comparison had Q4 at 128 rows behind (40.2 vs 36.6 ms), hence the margin.
-FUSED_ROWS_LAYOUT_MAX_ROWS_PER_TYPE = 16
-#: Layout forced by :func:`force_layout` (tests run every layout on every plan).
-_FORCED_LAYOUT: list[str] = []
-
-
-def fused_rows_applies(x: torch.Tensor, w: torch.Tensor, rows: int | None) -> bool:
-    """The one gate of the compiled few-row CPU kernel (the ``fused-rows`` layout):
-    ``rows`` at most ``FUSED_ROWS_MAX_ROWS`` (``None``: the caller checks the count —
-    :func:`choose_layout` against ``FUSED_ROWS_LAYOUT_MAX_ROWS_PER_TYPE · q``), no
-    other layout forced, and :func:`.cpu_kernels.rows_kernel_applies` (CPU,
-    float32/float64, nothing for autograd to record, the kernel built).
-
-    :func:`choose_layout` and the algebra layer's decode shortcut
-    (:meth:`structlm.nn.AlgebraLinear.decodes_on_kernel`, which only adds the fused bias
-    and skips this module's bookkeeping) both ask this function, so they cannot disagree.
-    """
-    return ((rows is None or rows <= FUSED_ROWS_MAX_ROWS)
-            and (not _FORCED_LAYOUT or _FORCED_LAYOUT[-1] == "fused-rows")
-            and cpu_kernels.rows_kernel_applies(x, w))
-
-
-def choose_layout(plan: BlockPlan, part: TypePartition, x: torch.Tensor,
-                  w: torch.Tensor, kernel: bool = True) -> str:
-    """``"fused-rows"``, ``"gathered"``, ``"output-major"``, ``"block-major"`` or
-    ``"diag-first"`` for ``x (M, K)`` and ``w (N, K)`` (their dtype, device and autograd
-    state decide whether the compiled kernel applies, :func:`fused_rows_applies`;
-    ``kernel=False``: the best layout without it, e.g. for a backward pass, which the
-    kernel does not have).
-
-    Block-major reads every weight block once (rows of all the types using a block
-    are gathered), which pays for small batches of supports whose blocks are shared
-    by several types (``Q2^2``: per-type runs would read some blocks twice).
-    """
-    if _FORCED_LAYOUT:
-        forced = _FORCED_LAYOUT[-1]
-        if forced != "gathered" or use_gathered_layout(plan, part):
-            return forced
-    limit = FUSED_ROWS_LAYOUT_MAX_ROWS_PER_TYPE * plan.q
-    if kernel and part.num_rows <= limit and fused_rows_applies(x, w, None):
-        return "fused-rows"
-    if use_gathered_layout(plan, part):
-        return "gathered"
-    if len(part.present) == 1 and part.num_rows <= OUTPUT_MAJOR_MAX_ROWS:
-        return "output-major"
-    # measured for Q2^2 at K = N = 4096: block-major is as fast or faster than
-    # diag-first from M = 8 to M = 2048, forward and fwd+bwd
-    if plan.has_shared_blocks and len(part.present) > 1:
-        return "block-major"
-    return "diag-first"
-
-
-@contextlib.contextmanager
-def force_layout(name: str) -> Iterator[None]:
-    """Within the block, use layout ``name`` wherever it applies (for tests)."""
-    if name not in _FORWARD:
-        raise ValueError(f"unknown layout {name!r}: expected one of {sorted(_FORWARD)}")
-    _FORCED_LAYOUT.append(name)
-    try:
-        yield
-    finally:
-        _FORCED_LAYOUT.pop()
-
-
-def forced_layout() -> str | None:
-    """The layout :func:`force_layout` currently forces, if any."""
-    return _FORCED_LAYOUT[-1] if _FORCED_LAYOUT else None
-
-
-def use_gathered_layout(plan: BlockPlan, part: TypePartition) -> bool:
-    """Whether the row-first gathered layout applies to this plan and batch.
-
-    Thresholds were measured on 2 CPU threads, K = N = 4096, fp32 (crossover at
-    8–32 rows per type): see the README's benchmark section.
-    """
-    return (
-        plan.diag_plus_row
-        and plan.q >= GATHER_MIN_Q
-        and part.balanced
-        and part.counts[0] <= GATHER_MAX_ROWS_PER_TYPE
-    )
+__all__ = ["blocked_linear"]
 
 
 # ----------------------------------------------------------------- helpers
@@ -277,7 +169,7 @@ def _forward_output_major(x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
 
 def _forward_fused_rows(x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
                         part: TypePartition) -> torch.Tensor:
-    if (x.device.type != "cpu" or x.dtype not in cpu_kernels.FUSED_ROWS_DTYPES
+    if (x.device.type != "cpu" or x.dtype not in KERNEL_DTYPES
             or not cpu_kernels.fused_rows_available()):
         return _forward_output_major(x, w, plan, part)  # e.g. bf16: the PyTorch rectangles
     return cpu_kernels.fused_rows_linear(x, w, plan, part)
@@ -448,26 +340,27 @@ def _backward_gathered(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, plan:
 
 
 # ----------------------------------------------------------------- autograd
-_FORWARD = {"fused-rows": _forward_fused_rows, "gathered": _forward_gathered,
-            "block-major": _forward_block_major, "diag-first": _forward_diag_first,
-            "output-major": _forward_output_major}
-_BACKWARD = {"fused-rows": _backward_diag_first,  # only under a forced layout
-             "gathered": _backward_gathered,
-             "block-major": _backward_block_major, "diag-first": _backward_diag_first,
-             "output-major": _backward_diag_first}
+_FORWARD = {Route.KERNEL: _forward_fused_rows, Route.GATHERED: _forward_gathered,
+            Route.BLOCK_MAJOR: _forward_block_major, Route.DIAG_FIRST: _forward_diag_first,
+            Route.OUTPUT_MAJOR: _forward_output_major}
+_BACKWARD = {Route.KERNEL: _backward_diag_first,  # only under a forced layout
+             Route.GATHERED: _backward_gathered,
+             Route.BLOCK_MAJOR: _backward_block_major, Route.DIAG_FIRST: _backward_diag_first,
+             Route.OUTPUT_MAJOR: _backward_diag_first}
+
 
 class _BlockedLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
-                part: TypePartition) -> torch.Tensor:
+                part: TypePartition, layout: Route | None) -> torch.Tensor:
         # grad mode is off in here. A weight being trained never takes the kernel: its
         # packed copy would be rebuilt after every optimiser step (the version changes)
-        layout = choose_layout(plan, part, x, w, kernel=not ctx.needs_input_grad[1])
+        if layout is None or (layout is Route.KERNEL and ctx.needs_input_grad[1]):
+            layout = _layout(x, w, plan, part, kernel=not ctx.needs_input_grad[1])
         ctx.save_for_backward(x, w)
         # the compiled kernel has no backward (frozen weight, input gradient only): the
         # best PyTorch layout's
-        back = choose_layout(plan, part, x, w, kernel=False) if layout == "fused-rows" \
-            else layout
+        back = _layout(x, w, plan, part, kernel=False) if layout is Route.KERNEL else layout
         ctx.plan, ctx.part, ctx.layout = plan, part, back
         return _FORWARD[layout](x, w, plan, part)
 
@@ -477,11 +370,16 @@ class _BlockedLinearFn(torch.autograd.Function):
         gy = gy.contiguous()
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dx, dw = _BACKWARD[ctx.layout](gy, x, w, ctx.plan, ctx.part, need_dx, need_dw)
-        return dx, dw, None, None
+        return dx, dw, None, None, None
+
+
+def _layout(x: torch.Tensor, w: torch.Tensor, plan: BlockPlan, part: TypePartition,
+            kernel: bool = True) -> Route:
+    return choose(AlgebraCall(x, w, plan, part, Backend.BLOCKED, kernel=kernel)).route
 
 
 def blocked_linear(x: torch.Tensor, weight: torch.Tensor, plan: BlockPlan,
-                   part: TypePartition) -> torch.Tensor:
+                   part: TypePartition, layout: Route | None = None) -> torch.Tensor:
     """``y = x @ W_eff(type)^T`` with exactly the support's MACs.
 
     Args:
@@ -489,6 +387,8 @@ def blocked_linear(x: torch.Tensor, weight: torch.Tensor, plan: BlockPlan,
         weight: ``(N, K)`` weight in ``nn.Linear`` layout.
         plan: the layer's :class:`BlockPlan`.
         part: row sets of the ``M`` rows' types.
+        layout: the route's layout for this call (:func:`structlm.ops.route.choose`);
+            ``None``: asked here.
 
     Returns:
         ``(M, N)`` output.
@@ -498,5 +398,7 @@ def blocked_linear(x: torch.Tensor, weight: torch.Tensor, plan: BlockPlan,
     x, weight = x.contiguous(), weight.contiguous()
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         # inference: skip the autograd.Function machinery (it costs ~20 us a call)
-        return _FORWARD[choose_layout(plan, part, x, weight)](x, weight, plan, part)
-    return _BlockedLinearFn.apply(x, weight, plan, part)
+        if layout is None:
+            layout = _layout(x, weight, plan, part)
+        return _FORWARD[layout](x, weight, plan, part)
+    return _BlockedLinearFn.apply(x, weight, plan, part, layout)

@@ -56,8 +56,6 @@ from structlm.settings import decode_copy_default
 
 __all__ = [
     "DECODE_COPIES",
-    "DENSE_IN_PLACE_MAX_ROWS",
-    "FUSED_ROWS_DTYPES",
     "PANEL_ROWS",
     "block_tables",
     "decode_copy",
@@ -73,7 +71,6 @@ __all__ = [
     "pack_blocks",
     "pack_types",
     "packed_weight",
-    "rows_kernel_applies",
     "swiglu_rows",
     "typed_rows_binding",
     "typed_weight",
@@ -82,24 +79,9 @@ __all__ = [
 
 #: the weight copies :func:`decode_copy` can choose
 DECODE_COPIES = ("typed", "blocks")
-#: dtypes the kernel is compiled for (others fall back to the PyTorch layouts).
-FUSED_ROWS_DTYPES = (torch.float32, torch.float64)
 def fused_rows_available() -> bool:
     """Whether the compiled kernel is usable (builds it on the first call)."""
     return extension() is not None
-
-
-def rows_kernel_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether a few-row product of ``x`` and ``w`` can run on the kernel: CPU, float32 /
-    float64, no autograd graph to record, the kernel built. Under ``torch.compile`` the
-    kernels are traced as the custom ops of :mod:`.cpu_ops` (no guard needed here).
-
-    Cheap enough to call on every layer call (a handful of attribute reads); the row
-    count is the caller's to check.
-    """
-    return (x.device.type == "cpu" and x.dtype in FUSED_ROWS_DTYPES and w.dtype == x.dtype
-            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
-            and w.is_contiguous() and fused_rows_available())
 
 
 def block_tables(plan: BlockPlan) -> tuple[torch.Tensor, ...]:
@@ -307,12 +289,6 @@ def dense_rows_binding(w: torch.Tensor, max_rows: int) -> object:
     return mod.TypedRowsBinding(w, w, oo, io, uses, 1, max_rows)
 
 
-#: Up to this many rows the dense few-row kernel reads the weight in place (one dot
-#: product per output); above, the panel kernel reads a panel-packed copy (+1x the weight,
-#: made on first use): with caches flushed, 2 threads, on 4096x4096 and the SmolLM2 /
-#: paper-110m FFN shapes, 0-17% faster at M = 8 and 8-18% at M = 32, level at M = 4,
-#: mixed at M = 1 (``benchmarks/panel_kernel.py --threads 2 --flush``).
-DENSE_IN_PLACE_MAX_ROWS = 4
 #: weight tensor -> (its state when packed, its panel-packed copy)
 _DENSE_PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
@@ -324,12 +300,13 @@ def dense_packed_weight(w: torch.Tensor) -> torch.Tensor:
     return _cached_copy(_DENSE_PACKED, w, None, lambda v, _: _strips(v, (0, v.shape[0])))
 
 
-def dense_rows_linear(x: torch.Tensor, w: torch.Tensor,
-                      bias: torch.Tensor | None = None) -> torch.Tensor:
+def dense_rows_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                      packed: bool = False) -> torch.Tensor:
     """``(M, K) -> (M, N)``: ``y = x W^T (+ bias)`` for a few rows on the same kernels as
-    the algebra layers (one group, one block): up to ``DENSE_IN_PLACE_MAX_ROWS`` rows
-    ``w`` is read in place, more rows read its panel-packed copy
-    (:func:`dense_packed_weight`). CPU, no autograd.
+    the algebra layers (one group, one block): ``w`` read in place, or with ``packed`` its
+    panel-packed copy (:func:`dense_packed_weight`; the route picks by the row count,
+    ``dense_in_place_max_rows`` in :data:`structlm.ops.route.THRESHOLDS`). CPU, no
+    autograd.
 
     Raises:
         RuntimeError: when the kernel is not available (see :func:`fused_rows_available`).
@@ -339,7 +316,7 @@ def dense_rows_linear(x: torch.Tensor, w: torch.Tensor,
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(w.shape)} do not fit: "
                          "expected x (M, K) and weight (N, K)")
     del mod  # checked: built, dtypes agree
-    if x.shape[0] > DENSE_IN_PLACE_MAX_ROWS:
+    if packed:
         types = torch.zeros(x.shape[0], dtype=torch.int64)
         return cpu_ops.rows_linear(x, dense_packed_weight(w), types, dense_tables(*w.shape),
                                    1, w.shape[0], bias, False)

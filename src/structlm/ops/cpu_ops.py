@@ -22,7 +22,7 @@ a 256×256 few-row product took 6 µs direct, 34 µs through the op), as much as
 bookkeeping the few-row path exists to skip in a decode step.
 
 None of these ops has an autograd formula: the kernels serve inference, and every
-caller's gate (:func:`.cpu_kernels.rows_kernel_applies`) refuses inputs that need a
+caller's route (:func:`structlm.ops.route.choose`) refuses inputs that need a
 gradient, so training goes through the blocked backend's autograd function.
 """
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from structlm.ops.cpu_extension import extension
+from structlm.ops.route import tracing
 
 __all__ = ["cpu_dense_rows", "cpu_rows_linear", "cpu_swiglu_rows", "dense_rows",
            "rows_linear", "swiglu_rows", "tracing"]
@@ -88,12 +89,6 @@ def _cpu_swiglu_rows_fake(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                           down: torch.Tensor, types: torch.Tensor, tables: list[torch.Tensor],
                           q: int, typed: bool) -> torch.Tensor:
     return x.new_empty(x.shape)
-
-
-def tracing() -> bool:
-    """Whether ``torch.compile`` or ``torch.jit`` is tracing now (the kernels are then
-    called as the registered ops, and the layers' bound decode calls are not used)."""
-    return torch.compiler.is_compiling() or torch.jit.is_tracing()
 
 
 def rows_linear(x: torch.Tensor, w_copy: torch.Tensor, types: torch.Tensor,

@@ -1,5 +1,13 @@
 """Training: typed config, the loop (accumulation, schedule, clipping, checkpoints)."""
 
-from structlm.train.loop import TrainConfig, load_config, train
+from structlm.train.loop import (
+    TrainConfig,
+    build_model,
+    build_optimizer,
+    clip_gradients,
+    load_config,
+    train,
+)
 
-__all__ = ["TrainConfig", "load_config", "train"]
+__all__ = ["TrainConfig", "build_model", "build_optimizer", "clip_gradients", "load_config",
+           "train"]

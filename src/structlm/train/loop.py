@@ -19,20 +19,27 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
 
 from structlm.atomic import atomic_write_json
-from structlm.config import RunError
+from structlm.config import ConfigError, RunError
 from structlm.data.bpe import parse_tokenizer_spec
 from structlm.nn.schedules import auto_schedule, check_type_coverage, get_schedule, type_counts
 from structlm.settings import local_rank
 from structlm.train import distributed as D
 from structlm.train.checkpoint import recover_checkpoint, run_folder_lock, write_checkpoint
 
-__all__ = ["TrainConfig", "load_config", "train"]
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from structlm.data.tokens import TokenDataset
+    from structlm.models import StructLMForCausalLM
+
+__all__ = ["TrainConfig", "build_model", "build_optimizer", "clip_gradients", "load_config",
+           "train"]
 
 
 @dataclass
@@ -90,7 +97,8 @@ class TrainConfig:
     beta2: float = 0.95
     """AdamW beta2."""
     grad_clip: float = 1.0
-    """Gradient-norm clip (0 = off)."""
+    """Largest global L2 norm of the gradients per optimiser step; ``0`` = no clipping
+    (a negative value is refused)."""
     eval_every: int = 50
     """Steps between validation evaluations."""
     eval_batches: int = 8
@@ -112,6 +120,9 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not self.grad_clip >= 0:  # NaN too
+            raise ConfigError(f"grad_clip must be >= 0 (0: no clipping), got "
+                              f"{self.grad_clip!r}")
         if not 0 < self.val_fraction < 1:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}: "
                              "training evaluates on held-out documents")
@@ -204,12 +215,6 @@ def _run_differences(saved: str, cfg: TrainConfig) -> list[str]:
             if k not in _RUNTIME_FIELDS and old.get(k) != new.get(k)]
 
 
-def _same_run(saved: str, cfg: TrainConfig) -> bool:
-    """Whether a saved ``config.json`` describes the run ``cfg`` (see
-    :func:`_run_differences`)."""
-    return not _run_differences(saved, cfg)
-
-
 def load_config(path: str, **overrides: Any) -> TrainConfig:
     """A :class:`TrainConfig` from YAML: unknown keys and values of the wrong type are
     errors naming them (``lr: 3e-4``, a string to PyYAML, is read as a float)."""
@@ -228,9 +233,11 @@ def _lr_factor(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def _build_model(cfg: TrainConfig, data: Any = None) -> Any:
-    """The model of ``cfg``; with a BPE tokenizer its vocabulary and BOS/EOS come from
-    the token ``data``."""
+def build_model(cfg: TrainConfig, data: TokenDataset | None = None) -> StructLMForCausalLM:
+    """The freshly initialised model of ``cfg`` (seeded with ``cfg.seed``), as
+    :func:`train` builds it: the preset, the algebra, the resolved type schedule and
+    ``model_overrides``. With a BPE tokenizer (``bpe:<vocab>``) the vocabulary and
+    BOS/EOS ids come from the run's token ``data``, which is then required."""
     from structlm.models import StructLMForCausalLM
 
     if cfg.trained_tokenizer and data is None:
@@ -239,8 +246,12 @@ def _build_model(cfg: TrainConfig, data: Any = None) -> Any:
     return StructLMForCausalLM(cfg.model_config(data))
 
 
-def _build_optimizer(model: Any, cfg: TrainConfig) -> tuple[torch.optim.Optimizer, Any]:
-    """AdamW and its schedule over ``model``'s parameters (after any FSDP sharding)."""
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig
+                    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over ``model``'s parameters (build it after any FSDP sharding) and its
+    learning-rate schedule (linear warm-up, then cosine to ``min_lr_ratio``; one
+    ``step()`` per optimiser step). Weight decay applies to matrices and embeddings
+    (parameters of two or more dimensions) only."""
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
@@ -248,6 +259,15 @@ def _build_optimizer(model: Any, cfg: TrainConfig) -> tuple[torch.optim.Optimize
                             lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg))
     return opt, sched
+
+
+def clip_gradients(parameters: Iterable[torch.Tensor], grad_clip: float) -> None:
+    """Scale the gradients of ``parameters`` so that their global L2 norm is at most
+    ``grad_clip`` (DTensors too); ``0`` leaves them as they are (no clipping)."""
+    if not grad_clip >= 0:  # NaN too
+        raise ValueError(f"grad_clip must be >= 0 (0: no clipping), got {grad_clip!r}")
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(parameters, grad_clip)
 
 
 @torch.no_grad()
@@ -363,9 +383,9 @@ def _train(cfg: TrainConfig, rank: int, world: int, stop_after: int | None, prog
         dist.barrier()
     data = TokenDataset(Path(data_dir))
     _check_splits(data, cfg)
-    model = _build_model(cfg, data).to(device)
+    model = build_model(cfg, data).to(device)
     net = D.wrap(model, engine, device)  # FSDP shards ``model`` in place
-    opt, sched = _build_optimizer(model, cfg)
+    opt, sched = build_optimizer(model, cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
     step = 0
     metrics = out / "metrics.csv"
@@ -418,7 +438,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, stop_after: int | None, prog
         if world > 1:
             dist.all_reduce(loss_sum)
             loss_sum /= world
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)  # DTensors too
+        clip_gradients(model.parameters(), cfg.grad_clip)
         lr = opt.param_groups[0]["lr"]
         opt.step()
         sched.step()

@@ -12,10 +12,9 @@ __all__ = ["plot_loss_curves"]
 def plot_loss_curves(runs: Sequence[tuple[str, str]], png_path: str) -> None:
     """``runs``: (label, metrics.csv) pairs; train loss (thin) and validation loss
     (markers) against tokens seen, written atomically to ``png_path``."""
-    import matplotlib
+    from structlm.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, (label, path) in enumerate(runs):

@@ -1,4 +1,4 @@
-"""``structlm convert MODEL``: change the product of a pretrained model, heal it, and
+"""``structlm experiment convert MODEL``: change the product of a pretrained model, heal it, and
 compare it with equal-MAC baselines healed the same way.
 
 For every target (``mlp``: the FFN projections; ``attn``: the attention projections)

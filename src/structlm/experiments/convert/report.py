@@ -1,4 +1,4 @@
-"""Report of ``structlm convert``: ``report.md`` (one table per target, verdicts per
+"""Report of ``structlm experiment convert``: ``report.md`` (one table per target, verdicts per
 budget and text by a pre-set rule, the healing curves' last steps), ``ppl_vs_macs.png``
 and ``healing_curves.png``."""
 
@@ -9,7 +9,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from structlm.atomic import atomic_save_figure, atomic_write_text
+from structlm.atomic import atomic_write_text
+from structlm.plotting import save_figure
 
 __all__ = ["verdict", "write_convert_report"]
 
@@ -66,7 +67,7 @@ def write_convert_report(res: dict[str, Any], cfg: Any, out: Path,
     runs too)."""
     texts = res["eval_texts"]
     orig = res["original"]
-    lines = [f"# structlm convert: {res['model']}", ""]
+    lines = [f"# structlm experiment convert: {res['model']}", ""]
     if res.get("model_note"):
         lines += [res["model_note"], ""]
     lines += [f"Schedule `{cfg.schedule}`; healing: {cfg.heal.steps} steps × "
@@ -166,10 +167,9 @@ def _curve_lines(arms: list[dict[str, Any]]) -> list[str]:
 def _plot_curves(arms: list[dict[str, Any]], targets: list[str], path: Path) -> None:
     """In-domain perplexity against healing step, one panel per target, one line per
     arm and seed (log scale)."""
-    import matplotlib
+    from structlm.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     groups = [(k, v) for k, v in _group(arms).items() if any(len(_evals(r)) for r in v)]
     shown = [t for t in targets if any(k[0] == t for k, _ in groups)]
@@ -194,15 +194,14 @@ def _plot_curves(arms: list[dict[str, Any]], targets: list[str], path: Path) -> 
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
-    atomic_save_figure(fig, path)
+    save_figure(fig, path)
 
 
 
 def _plot(res: dict[str, Any], texts: list[str], path: Path) -> None:
-    import matplotlib
+    from structlm.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     arms = res.get("arms", [])
     if not arms:
@@ -227,4 +226,4 @@ def _plot(res: dict[str, Any], texts: list[str], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7, loc="upper right")
     fig.tight_layout()
-    atomic_save_figure(fig, path)
+    save_figure(fig, path)

@@ -1,4 +1,4 @@
-"""``structlm share experiment``: the seed's tests 4–9 end to end on one model, in two
+"""``structlm experiment share``: the seed's tests 4–9 end to end on one model, in two
 budget regimes.
 
 Every arm starts from a fresh copy of the same loaded model, uses the same calibration
@@ -41,8 +41,20 @@ from structlm.experiments.plot_throttle import PlotThrottle
 from structlm.hf.adapters import MatrixType, get_adapter
 from structlm.hf.finetune import FinetuneConfig, finetune
 from structlm.hf.pipeline import Prepared, evaluate_all, prepare, spread_windows
-from structlm.share.compress.apply import CompressionConfig, compress_model, plan_types
-from structlm.share.compress.ranks import METHODS, TypeRanks, token_macs
+from structlm.share.compress import (
+    METHODS,
+    CompressionConfig,
+    TypeRanks,
+    compress_model,
+    get_method,
+    plan_types,
+)
+from structlm.share.compress.methods import (
+    BASIS_SHARING_METHOD,
+    HYBRID_METHOD,
+    SHARED_METHOD,
+    SVD_METHOD,
+)
 
 __all__ = ["ExperimentConfig", "run_experiment"]
 
@@ -97,7 +109,8 @@ class ExperimentConfig:
     """Matrix types of the seed regime."""
     seed_k_fraction: float = 0.25
     """The seed regime's k as a fraction of the hidden size (the seed's d/4)."""
-    seed_methods: list[str] = field(default_factory=lambda: ["shared", "svd", "basis-sharing"])
+    seed_methods: list[str] = field(default_factory=lambda: [
+        SHARED_METHOD.name, SVD_METHOD.name, BASIS_SHARING_METHOD.name])
     """Methods of the seed regime."""
     scope: bool = True
     """Run tests 7/9: attention only vs MLP only at scope_reduction."""
@@ -109,7 +122,7 @@ class ExperimentConfig:
     def __post_init__(self) -> None:
         bad = [m for m in [*self.methods, *self.seed_methods] if m not in METHODS]
         if bad:
-            raise ValueError(f"unknown methods {bad}: expected some of {METHODS}")
+            raise ValueError(f"unknown methods {bad}: expected some of {tuple(METHODS)}")
         if not self.seeds:
             raise ValueError("seeds must not be empty")
         if any(not 0 < r < 1 for r in self.reductions):
@@ -171,9 +184,9 @@ def token_macs_ratio(prep: Prepared, ccfg: CompressionConfig, arm: dict[str, Any
     for plan in plan_types(ad, ccfg):
         r = arm["ranks"][plan.type.value]
         out, inn = plan.shape
-        now[plan.type] = token_macs(r["method"], out, inn, TypeRanks(r["k_out"], r["k_in"],
-                                                                     r["r"]),
-                                    [len(g) for g in plan.groups], plan.parts)
+        now[plan.type] = get_method(r["method"]).token_macs(
+            out, inn, TypeRanks(r["k_out"], r["k_in"], r["r"]), [len(g) for g in plan.groups],
+            plan.parts)
     return sum(now.values()) / sum(dense.values())
 
 
@@ -287,17 +300,17 @@ def _cells(cfg: ExperimentConfig, prep: Prepared, cache: _ArmCache,
     info: dict[str, Any] = {}
     n_s = len(cfg.seeds)
     if cfg.seed_regime and cfg.seed_methods:
-        if cfg.seed_methods[0] != "shared":
+        if cfg.seed_methods[0] != SHARED_METHOD.name:
             raise ValueError(f"seed_methods must start with 'shared' (it sets the storage), "
                              f"got {cfg.seed_methods}")
-        ref = CompressionConfig(method="shared", types=cfg.seed_types,
+        ref = CompressionConfig(method=SHARED_METHOD.name, types=cfg.seed_types,
                                 k_fraction=cfg.seed_k_fraction)
         a = cache.analytic(prep, ref, progress)
         budget = 1 - a["stored_parameters"] / a["original_parameters"]
         info = {"k": round(cfg.seed_k_fraction * prep.adapter.hidden_size),
                 "types": cfg.seed_types, "reduction_of_shared": budget}
         for method in cfg.seed_methods:
-            ccfg = ref if method == "shared" else CompressionConfig(
+            ccfg = ref if method == SHARED_METHOD.name else CompressionConfig(
                 method=method, types=cfg.seed_types, target_reduction=budget,
                 group_size=cfg.group_size, residual_rank=cfg.residual_rank)
             cells.append(_Cell("seed", ccfg, cfg.seed_finetune, cfg.seeds,
@@ -309,12 +322,12 @@ def _cells(cfg: ExperimentConfig, prep: Prepared, cache: _ArmCache,
             ccfg = CompressionConfig(method=method, types=cfg.types, target_reduction=red,
                                      residual_rank=cfg.residual_rank,
                                      group_size=cfg.group_size,
-                                     update=cfg.update and method == "basis-sharing")
+                                     update=cfg.update and method == BASIS_SHARING_METHOD.name)
             first = 0 if multi else 5  # seed 0 of the multi-seed budgets first
             cells.append(_Cell("whole", ccfg, cfg.finetune, seeds,
                                [first + j + 100 * i for i in range(len(seeds))]))
     if cfg.scope:
-        for method in ("shared", "hybrid"):
+        for method in (SHARED_METHOD.name, HYBRID_METHOD.name):
             for types in ("attn", "mlp", "all"):
                 ccfg = CompressionConfig(method=method, types=types,
                                          target_reduction=cfg.scope_reduction,
@@ -394,7 +407,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, progress: bool = 
         p2 = prepare(cfg.second_model, cfg.corpus, cfg.second_corpus,
                      calib_tokens=cfg.calib_tokens, eval_tokens=cfg.eval_tokens,
                      progress=progress)
-        ccfg = CompressionConfig(method="shared", types="attn",
+        ccfg = CompressionConfig(method=SHARED_METHOD.name, types="attn",
                                  target_reduction=cfg.scope_reduction)
         res["second_model"] = {"model": p2.loaded.model_id, "ppl_original": _ppl(
             p2.loaded.model, p2), "arm": cache.analytic(p2, ccfg, progress)}

@@ -1,4 +1,4 @@
-"""Report of ``structlm share experiment``: per text, every arm's numbers and the
+"""Report of ``structlm experiment share``: per text, every arm's numbers and the
 verdicts of the rules fixed in advance; plots of perplexity against the budget, of
 energy against perplexity, and of the fine-tuning curves.
 
@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from structlm.atomic import atomic_write_text
+from structlm.share.compress import get_method
 
 __all__ = ["plateau_rows", "recovered", "verdict", "write_experiment_report"]
 
@@ -171,7 +172,7 @@ def _scope_rows(res: dict[str, Any], text: str) -> list[str]:
             cover = sum(arm["residual_share_of_basis_error"].values()) / len(
                 arm["residual_share_of_basis_error"])
             extra = f"; residual covers {cover:.0%} of the basis error"
-        test = 9 if arm["method"] == "hybrid" else 7
+        test = 9 if get_method(arm["method"]).has_residual else 7
         usable = ("not fine-tuned yet" if tuned is None else
                   "usable (≤ 2× original)" if tuned <= 2 * orig else "not usable")
         rows.append(f"| {test} | {arm['method']} on {arm['types']} | {arm['ratio']:.2f}× | "
@@ -229,10 +230,9 @@ def _plateau_lines(res: dict[str, Any], text: str) -> list[str]:
 
 
 def _plots(res: dict[str, Any], out: Path) -> None:
-    import matplotlib
+    from structlm.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     texts = res["eval_texts"]
     fig, axes = plt.subplots(1, len(texts), figsize=(6 * len(texts), 4.5), squeeze=False)

@@ -1,4 +1,4 @@
-"""``structlm study`` configuration: arms trained on the same data, tokens, learning-rate
+"""``structlm experiment study`` configuration: arms trained on the same data, tokens, learning-rate
 schedule and seeds, validated before any work starts.
 
 An arm is a model variant: the FFN algebra, the FFN width (the preset's, a number, or

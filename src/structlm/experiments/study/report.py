@@ -16,8 +16,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from structlm.atomic import atomic_save_figure, atomic_write_text
+from structlm.atomic import atomic_write_text
 from structlm.experiments.study.config import ArmSpec, StudyConfig, run_summary
+from structlm.plotting import save_figure
 
 __all__ = ["arm_stats", "comparisons", "iso_quality", "write_report"]
 
@@ -140,10 +141,9 @@ def _fmt(x: float | None, spec: str = ".4f") -> str:
 
 
 def _plot_curves(cfg: StudyConfig, stats: dict[str, dict[str, Any]], png: Path) -> None:
-    import matplotlib
+    from structlm.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for i, (name, s) in enumerate(stats.items()):
@@ -171,10 +171,9 @@ def _plot_curves(cfg: StudyConfig, stats: dict[str, dict[str, Any]], png: Path) 
 
 
 def _plot_macs(stats: dict[str, dict[str, Any]], png: Path) -> None:
-    import matplotlib
+    from structlm.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     dense = sorted((s["projection_macs"], s["mean"]) for s in stats.values() if s["arm"].is_dense)
@@ -192,7 +191,7 @@ def _plot_macs(stats: dict[str, dict[str, Any]], png: Path) -> None:
 
 def _save(fig: Any, png: Path) -> None:
     fig.tight_layout()
-    atomic_save_figure(fig, png, dpi=120)
+    save_figure(fig, png, dpi=120)
 
 
 def _write_csvs(cfg: StudyConfig, out: Path, stats: dict[str, dict[str, Any]]) -> None:
@@ -235,7 +234,7 @@ def write_report(cfg: StudyConfig, data: Any) -> Path:
     unigram = unigram_loss(data.tokens("train"), data.tokens("val"), data.vocab_size)
     first = next(iter(stats.values()))["runs"][0]
     rc = cfg.run_config(cfg.arms[0], cfg.arms[0].seeds[0])
-    lines = [f"# structlm study: `{cfg.preset}` on `{cfg.corpus}`", "",
+    lines = [f"# structlm experiment study: `{cfg.preset}` on `{cfg.corpus}`", "",
              f"Every run: {first['train_tokens']:,} training tokens ({rc.max_steps} steps × "
              f"{rc.batch_size} × {rc.seq_len}), AdamW lr {rc.lr} with {rc.warmup_steps} warm-up "
              f"steps and cosine decay to {rc.min_lr_ratio} of it, weight decay "

@@ -1,4 +1,4 @@
-"""``structlm study CONFIG.yaml``: train every arm of a study, evaluate, report.
+"""``structlm experiment study CONFIG.yaml``: train every arm of a study, evaluate, report.
 
 Runs go in a fixed order (the first seed of every arm, then the further seeds); each run
 is an ordinary resumable :func:`~structlm.train.loop.train` run in

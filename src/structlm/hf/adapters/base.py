@@ -27,6 +27,8 @@ from enum import StrEnum
 import torch
 from torch import nn
 
+from structlm.nn.structure import invalidate_fast_paths
+
 __all__ = ["MATRIX_TYPES", "SITE_OF", "LayerAdapter", "LinearSite", "MatrixType",
            "ModelAdapter", "PositionSource", "parse_types"]
 
@@ -126,10 +128,16 @@ class LayerAdapter(ABC):
     def site_module(self, site: str) -> nn.Module:
         """The module whose forward input is the activation read at ``site``."""
 
-    @abstractmethod
     def replace(self, t: MatrixType, module: nn.Module) -> None:
         """Make the block compute matrix ``t`` with ``module`` (maps ``(..., in)`` to
-        ``(..., out)``, bias included)."""
+        ``(..., out)``, bias included); cached fast-path decisions are rebuilt
+        (:func:`structlm.nn.invalidate_fast_paths`)."""
+        self._replace(t, module)
+        invalidate_fast_paths(self.block)
+
+    @abstractmethod
+    def _replace(self, t: MatrixType, module: nn.Module) -> None:
+        """The family's :meth:`replace` (attribute names and fused modules)."""
 
     @abstractmethod
     def module(self, t: MatrixType) -> nn.Module:

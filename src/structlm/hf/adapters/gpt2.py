@@ -70,7 +70,7 @@ class GPT2LayerAdapter(LayerAdapter):
                 LinearSite(self.index, (MatrixType.MLP_IN,), mlp, "c_fc"),
                 LinearSite(self.index, (MatrixType.MLP_OUT,), mlp, "c_proj")]
 
-    def replace(self, t: MatrixType, module: nn.Module) -> None:
+    def _replace(self, t: MatrixType, module: nn.Module) -> None:
         if t in _QKV:
             self._qkv_split().parts[_QKV.index(t)] = module
         elif t is MatrixType.O:

@@ -98,7 +98,7 @@ class LlamaLayerAdapter(LayerAdapter):
                 LinearSite(self.index, (MatrixType.MLP_IN,), mlp, "up_proj"),
                 LinearSite(self.index, (MatrixType.MLP_OUT,), mlp, "down_proj")]
 
-    def replace(self, t: MatrixType, module: nn.Module) -> None:
+    def _replace(self, t: MatrixType, module: nn.Module) -> None:
         if t in _ATTN:
             setattr(self.block.self_attn, _ATTN[t], module)
         elif t is MatrixType.MLP_IN:

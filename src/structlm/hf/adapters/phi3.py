@@ -58,7 +58,7 @@ class Phi3LayerAdapter(LayerAdapter):
         return {"attn_in": attn.qkv_proj, "attn_out": attn.o_proj,
                 "mlp_in": mlp.gate_up_proj, "mlp_out": mlp.down_proj}[site]
 
-    def replace(self, t: MatrixType, module: nn.Module) -> None:
+    def _replace(self, t: MatrixType, module: nn.Module) -> None:
         attn, mlp = self.block.self_attn, self.block.mlp
         if t in _QKV:
             if not isinstance(attn.qkv_proj, ConcatProjection):

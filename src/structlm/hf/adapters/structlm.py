@@ -81,7 +81,7 @@ class StructLMLayerAdapter(LayerAdapter):
                 LinearSite(self.index, (MatrixType.MLP_IN,), mlp, "up"),
                 LinearSite(self.index, (MatrixType.MLP_OUT,), mlp, "down")]
 
-    def replace(self, t: MatrixType, module: nn.Module) -> None:
+    def _replace(self, t: MatrixType, module: nn.Module) -> None:
         attn, mlp = self.block.attn, self.block.mlp
         if t in (MatrixType.MLP_IN, MatrixType.MLP_OUT) and not isinstance(mlp, GatedMLP) \
                 and isinstance(mlp.gate, AlgebraLinear):

@@ -86,8 +86,6 @@ void check_param(const at::Tensor& t, const at::Tensor& x, int64_t numel, const 
               t.scalar_type());
 }
 
-}  // namespace
-
 // x (M, D): one new token for each of M sequences, none padded (every sequence attends
 // to all `past` cached positions and itself).
 // dense: ln_1 weight, ln_1 bias, qkv weight (3D, D), qkv bias, proj weight (D, D), proj
@@ -146,6 +144,8 @@ at::Tensor decode_block_forward(at::Tensor x, std::vector<at::Tensor> dense, dou
                              ffn[7], ffn[8], q, typed));
   return y;
 }
+
+}  // namespace
 
 // Every block of a decoder in turn (the lists hold one entry per block; all caches hold
 // `past` positions). Returns the last block's output (M, D) followed by each block's

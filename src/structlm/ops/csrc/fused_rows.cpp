@@ -464,8 +464,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__call__", &TypedRowsBinding::call, py::arg("x"), py::arg("types"),
            py::arg("weight"), py::arg("bias"))
       .def("matches", &TypedRowsBinding::matches, py::arg("weight"));
-  m.def("decode_block_forward", &decode_block_forward,
-        "one pre-norm decoder block for one new token per sequence, cache written in place");
   m.def("decode_stack_forward", &decode_stack_forward,
         "every decoder block in turn for one new token per sequence, caches written in place");
 }

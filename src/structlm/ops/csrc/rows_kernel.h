@@ -28,12 +28,6 @@ at::Tensor swiglu_rows_forward(at::Tensor x, at::Tensor gate, at::Tensor up, at:
                                at::Tensor gu_uses, at::Tensor dn_out_off,
                                at::Tensor dn_in_off, at::Tensor dn_uses, int64_t q, bool typed);
 
-// One pre-norm decoder block for one new token per sequence; see decode_block.cpp.
-at::Tensor decode_block_forward(at::Tensor x, std::vector<at::Tensor> attn, double ln_eps,
-                                at::Tensor k_buf, at::Tensor v_buf, int64_t past,
-                                std::vector<at::Tensor> ffn, at::Tensor types, int64_t q,
-                                bool typed);
-
 // All blocks of a decoder in turn; returns the output and every block's keys and values.
 std::vector<at::Tensor> decode_stack_forward(
     at::Tensor x, std::vector<std::vector<at::Tensor>> dense, std::vector<double> ln_eps,

@@ -19,17 +19,12 @@ from structlm.ops.triton.tables import SupportTables
 from structlm.settings import triton_interpret
 
 __all__ = [
-    "DECODE_MAX_ROWS",
     "TileConfig",
     "device_segments",
     "launch_dw",
     "launch_dx",
     "launch_forward",
 ]
-
-#: Batches with at most this many rows use the vector-reduction decode kernel.
-DECODE_MAX_ROWS = 4
-
 
 def _interpreting() -> bool:
     return triton_interpret()

@@ -9,55 +9,30 @@ never needs a host synchronisation.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import torch
 
-from structlm.ops.triton.launch import DECODE_MAX_ROWS, launch_dw, launch_dx, launch_forward
+from structlm.ops.route import Route
+from structlm.ops.triton.launch import launch_dw, launch_dx, launch_forward
 from structlm.ops.triton.tables import SupportTables
-from structlm.settings import triton_dispatch_path
 
-__all__ = ["algebra_linear", "load_dispatch", "register_tables", "triton_linear"]
+__all__ = ["algebra_linear", "register_tables", "triton_linear"]
 
 _TABLES: list[SupportTables] = []
-#: Forward mode per (q, K, N, M bucket), filled from measurements on a GPU; "fused"
-#: where nothing was measured.
-DISPATCH: dict[tuple[int, int, int, int], str] = {}
+_TABLE_KEYS: dict[tuple[int, ...], int] = {}
 
 
 def register_tables(tables: SupportTables) -> int:
-    """Keep ``tables`` alive for the ops; returns the key to pass them by."""
-    _TABLES.append(tables)
-    return len(_TABLES) - 1
-
-
-def _bucket(m: int) -> int:
-    return 1 << max(0, (m - 1).bit_length())
-
-
-def load_dispatch(path: str) -> int:
-    """Load a ``dispatch.json`` written by ``benchmarks/gpu_kernels.py`` (keys
-    ``"q,K,N,M"``, values ``"fused"`` / ``"two-stage"``); returns the entries read."""
-    with open(path) as fh:
-        table = json.load(fh)
-    for key, mode in table.items():
-        q, k, n, m = (int(v) for v in key.split(","))
-        if mode not in ("fused", "two-stage"):
-            raise ValueError(f"{path}: mode {mode!r} for {key} is not 'fused' or 'two-stage'")
-        DISPATCH[(q, k, n, _bucket(m))] = mode
-    return len(table)
-
-
-if triton_dispatch_path():
-    load_dispatch(triton_dispatch_path())
-
-
-def forward_mode(m: int, q: int, k: int, n: int) -> str:
-    """``decode`` for a handful of rows, else the measured choice (default fused)."""
-    if m <= DECODE_MAX_ROWS:
-        return "decode"
-    return DISPATCH.get((q, k, n, _bucket(m)), "fused")
+    """Keep ``tables`` alive for the ops; returns the key to pass them by. Tables with the
+    same contents share one key, so the registry grows with the distinct supports, widths
+    and devices in use, not with the layers built."""
+    sig = tables.signature()
+    key = _TABLE_KEYS.get(sig)
+    if key is None:
+        _TABLES.append(tables)
+        key = _TABLE_KEYS[sig] = len(_TABLES) - 1
+    return key
 
 
 @torch.library.custom_op("structlm::algebra_linear", mutates_args=())
@@ -116,9 +91,14 @@ def _backward(ctx: Any, gy: torch.Tensor) -> tuple[Any, ...]:
 algebra_linear.register_autograd(_backward, setup_context=_setup_context)
 
 
+_MODES = {Route.TRITON_DECODE: "decode", Route.TRITON_FUSED: "fused",
+          Route.TRITON_TWO_STAGE: "two-stage"}
+
+
 def triton_linear(x: torch.Tensor, weight: torch.Tensor, types: torch.Tensor,
-                  tables_id: int, q: int) -> torch.Tensor:
-    """``x (M, K)``, ``weight (N, K)``, ``types (M,)`` -> ``(M, N)`` via the kernels."""
-    mode = forward_mode(x.shape[0], q, x.shape[1], weight.shape[0])
+                  tables_id: int, route: Route) -> torch.Tensor:
+    """``x (M, K)``, ``weight (N, K)``, ``types (M,)`` -> ``(M, N)`` via the kernels, in the
+    forward mode of ``route`` (:func:`structlm.ops.route.choose`)."""
+    mode = _MODES[route]
     return algebra_linear(x.contiguous(), weight.contiguous(), types.contiguous(), tables_id,
                           mode)

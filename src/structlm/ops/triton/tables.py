@@ -48,6 +48,14 @@ class SupportTables:
     blk_ntypes: torch.Tensor
     has_dead_blocks: bool
     max_sources: int
+    key: tuple = ()
+    """What the tables are built from (device, offsets, support): equal keys, equal tables."""
+
+    def signature(self) -> tuple:
+        """:attr:`key` (tables built by :func:`build_tables` always have one)."""
+        if not self.key:
+            raise ValueError("SupportTables without a key: build them with build_tables")
+        return self.key
 
     def dw_tiles(self, block_n: int, block_k: int) -> torch.Tensor:
         """``(T, 3)``: (block id, first output row, first input column) of dW tiles."""
@@ -103,4 +111,6 @@ def build_tables(plan: BlockPlan, mask: np.ndarray, device: torch.device) -> Sup
         blk_beta=as_t([b for b, _ in blocks]), blk_delta=as_t([d for _, d in blocks]),
         blk_types=torch.as_tensor(ut, device=device), blk_ntypes=torch.as_tensor(uc, device=device),
         has_dead_blocks=bool((~used).any()), max_sources=width,
+        key=(str(torch.device(device)), tuple(plan.in_offsets), tuple(plan.out_offsets),
+             mask.shape, np.ascontiguousarray(mask, dtype=bool).tobytes()),
     )

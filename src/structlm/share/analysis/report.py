@@ -153,10 +153,9 @@ def _markdown(results: dict[str, Any], cfg: Any) -> str:
 
 
 def _plots(results: dict[str, Any], out: Path) -> None:
-    import matplotlib
+    from structlm.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     tests = results["tests"]
     layers = results["layers"]

@@ -11,25 +11,14 @@ import torch
 from torch import nn
 
 from structlm.config import dataclass_from_dict
-from structlm.hf.adapters import ConcatProjection, MatrixType, ModelAdapter, parse_types
+from structlm.hf.adapters import MatrixType, ModelAdapter, parse_types
 from structlm.hf.calibration import Calibration
-from structlm.nn.factorized import LowRankLinear, OneSidedLinear, SharedBasis, SharedBasisLinear
-from structlm.share.compress.basis_sharing import factorize_basis_sharing
-from structlm.share.compress.factorize import (
-    RootCache,
-    TypeFactors,
-    factorize_shared,
-    factorize_svd,
-)
-from structlm.share.compress.ranks import (
-    BASIS_SHARING,
+from structlm.share.compress.factorize import RootCache, TypeFactors, TypeRanks
+from structlm.share.compress.methods import (
     METHODS,
-    TypeRanks,
-    consecutive_groups,
-    solve_basis_sharing_rank,
-    solve_svd_rank,
-    stored_parameters,
-    token_macs,
+    SHARED_METHOD,
+    TypePlan,
+    get_method,
 )
 
 __all__ = ["CompressionConfig", "TypePlan", "build_modules", "compress_model", "plan_types"]
@@ -39,9 +28,10 @@ __all__ = ["CompressionConfig", "TypePlan", "build_modules", "compress_model", "
 class CompressionConfig:
     """One compression (a YAML file or CLI flags fill it)."""
 
-    method: str = "shared"
-    """``shared`` | ``hybrid`` | ``svd`` | ``basis-sharing`` | ``onesided-all-layers``
-    (see :mod:`.ranks`)."""
+    method: str = SHARED_METHOD.name
+    """A registered method (:data:`~structlm.share.compress.methods.METHODS`): ``shared``
+    | ``hybrid`` | ``svd`` | ``basis-sharing`` | ``onesided-all-layers`` built in (see
+    :mod:`.ranks`)."""
     types: str = "attn"
     """Matrix types to compress: ``attn``, ``mlp``, ``all`` or ``q,k,v,o,mlp_in,mlp_out``."""
     k_fraction: float = 0.25
@@ -74,12 +64,7 @@ class CompressionConfig:
     configs). Costs one more calibration pass."""
 
     def __post_init__(self) -> None:
-        if self.method == "onesided":
-            raise ValueError("method 'onesided' was renamed: use 'onesided-all-layers' (one "
-                             "input basis across every layer) or 'basis-sharing' (groups of "
-                             "consecutive layers, as in the Basis Sharing paper)")
-        if self.method not in METHODS:
-            raise ValueError(f"unknown method {self.method!r}: expected one of {METHODS}")
+        method = get_method(self.method)  # names an unknown value and the choices
         if self.target_reduction is not None and not 0 < self.target_reduction < 1:
             raise ValueError(f"target_reduction must be in (0, 1), got {self.target_reduction}")
         if self.budget != "per_type":
@@ -87,9 +72,10 @@ class CompressionConfig:
                              "budget was removed with the min(out, in) rank cap it served)")
         if not isinstance(self.group_size, int) or self.group_size < 1:
             raise ValueError(f"group_size must be an integer >= 1, got {self.group_size!r}")
-        if self.update and self.method not in BASIS_SHARING:
+        if self.update and not method.supports_update:
+            able = tuple(n for n, m in METHODS.items() if m.supports_update)
             raise ValueError(f"update is Basis Sharing's step: method must be one of "
-                             f"{BASIS_SHARING}, got {self.method!r}")
+                             f"{able}, got {self.method!r}")
         if not 0 < self.k_fraction <= 1:
             raise ValueError(f"k_fraction must be in (0, 1], got {self.k_fraction}")
         if self.residual_rank < 0:
@@ -113,44 +99,19 @@ class CompressionConfig:
         return dataclass_from_dict(cls, raw)
 
 
-@dataclass
-class TypePlan:
-    """How one matrix type is compressed: the effective method (``svd`` for Basis
-    Sharing's private types), its ranks (``None`` for ``shared``/``hybrid`` under a
-    budget: solved from the data), the budget, groups and parts."""
-
-    type: MatrixType
-    method: str
-    shape: tuple[int, int]
-    ranks: TypeRanks | None
-    budget: float | None
-    groups: list[list[int]]
-    parts: int
-
-
 def plan_types(adapter: ModelAdapter, cfg: CompressionConfig) -> list[TypePlan]:
     """The effective method, ranks or budget, groups and parts of every compressed type
-    (shapes and config only; the ``shared`` ranks under a budget come from the data)."""
+    (shapes and config only; ranks a method chooses from the data, as ``shared`` does
+    under a budget, stay ``None``)."""
     L = adapter.num_layers
-    shared_set = set(parse_types(cfg.shared_types))
+    configured = get_method(cfg.method)
     plans = []
     for t in parse_types(cfg.types):
         out, inn = tuple(adapter.layers[0].weight(t).shape)
-        method = cfg.method
-        groups = [[i] for i in range(L)]
-        if method in BASIS_SHARING:
-            if t in shared_set:
-                method = "basis-sharing"
-                size = L if cfg.method == "onesided-all-layers" else cfg.group_size
-                groups = consecutive_groups(L, size)
-            else:
-                method = "svd"
-        elif method in ("shared", "hybrid"):
-            groups = [list(range(L))]
-        parts = adapter.row_blocks(t) if method in ("svd", "basis-sharing") else 1
+        method, groups = configured.layout(t, L, cfg)
+        parts = adapter.row_blocks(t) if method.splits_row_blocks else 1
         sizes = [len(g) for g in groups]
-        r = cfg.residual_rank if method == "hybrid" else 0
-        op = out // parts
+        r = cfg.residual_rank if method.has_residual else 0
         ranks: TypeRanks | None = None
         budget = None
         if t.value in cfg.ranks:
@@ -158,22 +119,11 @@ def plan_types(adapter: ModelAdapter, cfg: CompressionConfig) -> list[TypePlan]:
             ranks = TypeRanks(*v, r) if isinstance(v, list | tuple) else TypeRanks(v, v, r)
         elif cfg.target_reduction is None:
             k = round(cfg.k_fraction * adapter.hidden_size)
-            if method in ("shared", "hybrid"):
-                ranks = TypeRanks(min(k, out), min(k, inn), r)
-            elif method == "svd":
-                ranks = TypeRanks(min(k, op, inn), min(k, op, inn))
-            else:
-                top = max(min(inn, n * op) for n in sizes)
-                ranks = TypeRanks(min(k, top), min(k, top))
+            ranks = method.default_ranks(k, (out, inn), sizes, parts, r)
         else:
             budget = (1 - cfg.target_reduction) * L * out * inn
-            if method == "svd":
-                k = solve_svd_rank(L, out, inn, budget, parts)
-                ranks = TypeRanks(k, k)
-            elif method == "basis-sharing":
-                k = solve_basis_sharing_rank(out, inn, sizes, parts, budget)
-                ranks = TypeRanks(k, k)
-        plans.append(TypePlan(t, method, (out, inn), ranks, budget, groups, parts))
+            ranks = method.budget_ranks((out, inn), sizes, parts, budget, r)
+        plans.append(TypePlan(t, method.name, (out, inn), ranks, budget, groups, parts, r))
     return plans
 
 
@@ -181,49 +131,13 @@ def factorize_plan(plan: TypePlan, weights: list[torch.Tensor], Cs: list[torch.T
                    cfg: CompressionConfig, roots: RootCache | None = None) -> TypeFactors:
     """The factors of one type under its plan (``roots``: whitening roots shared across
     the types that read one site)."""
-    roots = roots or RootCache(cfg.eig_floor)
-    if plan.method == "svd":
-        assert plan.ranks is not None
-        return factorize_svd(weights, Cs, plan.ranks.k, plan.parts, cfg.eig_floor, roots)
-    if plan.method == "basis-sharing":
-        assert plan.ranks is not None
-        return factorize_basis_sharing(weights, Cs, plan.ranks.k, plan.groups, plan.parts,
-                                       cfg.eig_floor, roots)
-    if plan.ranks is not None:
-        return factorize_shared(plan.method, weights, Cs, plan.ranks, None, cfg.eig_floor,
-                                roots)
-    r = cfg.residual_rank if plan.method == "hybrid" else 0
-    return factorize_shared(plan.method, weights, Cs, TypeRanks(0, 0, r), plan.budget,
-                            cfg.eig_floor, roots)
-
-
-def _split_bias(b: torch.Tensor | None, parts: int) -> list[torch.Tensor | None]:
-    return [None] * parts if b is None else list(b.chunk(parts))
+    return get_method(plan.method).factorize(plan, weights, Cs, cfg.eig_floor,
+                                             roots or RootCache(cfg.eig_floor))
 
 
 def build_modules(factors: TypeFactors, biases: list[torch.Tensor | None]) -> list[nn.Module]:
     """One module per layer from ``factors`` (layers of a group share its basis)."""
-    parts = factors.parts
-    if factors.method == "svd":
-        mods: list[nn.Module] = []
-        for e, b in zip(factors.per_layer, biases, strict=True):
-            pieces = [LowRankLinear(e[f"B{p}"], e[f"C{p}"], bp)
-                      for p, bp in enumerate(_split_bias(b, parts))]
-            mods.append(pieces[0] if parts == 1 else ConcatProjection(pieces))
-        return mods
-    if factors.method == "basis-sharing":
-        mods = [nn.Identity() for _ in biases]
-        for g, basis in zip(factors.groups, factors.bases, strict=True):
-            shared = [SharedBasis(basis[f"P{p}"], None) for p in range(parts)]
-            for i in g:
-                pieces = [OneSidedLinear(shared[p], factors.per_layer[i][f"D{p}"], bp)
-                          for p, bp in enumerate(_split_bias(biases[i], parts))]
-                mods[i] = pieces[0] if parts == 1 else ConcatProjection(pieces)
-        return mods
-    basis = SharedBasis(factors.bases[0]["P"], factors.bases[0]["U"])
-    return [SharedBasisLinear(basis, e["core"], b,
-                              (e["res_b"], e["res_c"]) if "res_b" in e else None)
-            for e, b in zip(factors.per_layer, biases, strict=True)]
+    return get_method(factors.method).build_modules(factors, biases)
 
 
 def compress_model(adapter: ModelAdapter, cal: Calibration, cfg: CompressionConfig,
@@ -255,46 +169,26 @@ def compress_model(adapter: ModelAdapter, cal: Calibration, cfg: CompressionConf
         out, inn = plan.shape
         original = L * out * inn
         sizes = [len(g) for g in factors.groups]
-        stored = stored_parameters(factors.method, out, inn, factors.ranks, sizes,
-                                   factors.parts)
+        method = get_method(factors.method)
+        stored = method.stored_parameters(out, inn, factors.ranks, sizes, factors.parts)
         orig_sum, stored_sum = orig_sum + original, stored_sum + stored
         report["types"][t.value] = {
             "method": factors.method, "k": factors.ranks.k, "k_out": factors.ranks.k_out,
             "k_in": factors.ranks.k_in, "r": factors.ranks.r, "shape": [out, inn],
             "parts": factors.parts, "group_sizes": [len(g) for g in factors.groups],
             "original_parameters": original, "stored_parameters": stored,
-            "token_macs": token_macs(factors.method, out, inn, factors.ranks, sizes,
-                                     factors.parts),
+            "token_macs": method.token_macs(out, inn, factors.ranks, sizes, factors.parts),
             "budget": plan.budget, "ratio": original / stored, "energy_kept": factors.energy,
             "mean_energy_kept": sum(factors.energy) / L, **factors.info}
         if progress is not None:
             progress.update(1)
     if cfg.update:
-        report["update"] = _update(adapter, cal, plans, originals, calib_tokens, cfg)
+        assert calib_tokens is not None
+        report["update"] = get_method(cfg.method).update(adapter, cal, plans, originals,
+                                                         calib_tokens, cfg.eig_floor)
     report.update(original_parameters=orig_sum, stored_parameters=stored_sum,
                   ratio=orig_sum / max(stored_sum, 1), reduction=1 - stored_sum / orig_sum,
                   model_parameters_before=total_params,
                   model_parameters_after=total_params - orig_sum + stored_sum)
     return report
 
-
-def _update(adapter: ModelAdapter, cal: Calibration, plans: list[TypePlan],
-            originals: dict[MatrixType, list[torch.Tensor]], tokens: torch.Tensor | None,
-            cfg: CompressionConfig) -> dict[str, Any]:
-    """Basis Sharing's update: calibrate the compressed model, refit the coefficients."""
-    from structlm.hf.calibration import calibrate
-    from structlm.share.compress.basis_sharing import update_coefficients
-
-    assert tokens is not None
-    seq_len = int(cal.meta.get("seq_len", 512))
-    new = calibrate(adapter, tokens, seq_len=seq_len, progress=False,
-                    meta={"purpose": "basis-sharing update"})
-    out: dict[str, Any] = {}
-    for plan in plans:
-        mods = [layer.module(plan.type) for layer in adapter.layers]
-        Cs = [new.C(i, plan.type) for i in range(adapter.num_layers)]
-        res = update_coefficients(mods, originals[plan.type], Cs, plan.groups, plan.parts,
-                                  cfg.eig_floor)
-        out[plan.type.value] = {"error_before": sum(res["error_before"]),
-                                "error_after": sum(res["error_after"])}
-    return out

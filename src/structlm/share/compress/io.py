@@ -22,8 +22,8 @@ import torch
 from structlm.hf.adapters import MatrixType, get_adapter
 from structlm.hf.loading import LoadedModel, load_model, register_folder_format
 from structlm.share.compress.apply import CompressionConfig, build_modules
-from structlm.share.compress.factorize import TypeFactors
-from structlm.share.compress.ranks import TypeRanks
+from structlm.share.compress.factorize import TypeFactors, TypeRanks
+from structlm.share.compress.methods import get_method
 
 __all__ = ["MANIFEST", "load_compressed", "save_compressed"]
 
@@ -55,38 +55,18 @@ def save_compressed(loaded: LoadedModel, report: dict[str, Any], folder: str | P
 def _placeholder(t: dict[str, Any], L: int) -> TypeFactors:
     """Factors of the recorded method, ranks, groups and parts on the ``meta`` device (no
     memory; the saved tensors are assigned afterwards)."""
-    def z(*shape: int) -> torch.Tensor:
-        return torch.empty(*shape, device="meta")
-
-    out, inn = t["shape"]
+    try:
+        method = get_method(t["method"])
+    except ValueError as e:
+        raise ValueError(f"unknown compression method {t['method']!r} in the manifest "
+                         "(saved by an older structlm? re-run share compress)") from e
     k = int(t["k"])
     ranks = TypeRanks(int(t.get("k_out", k)), int(t.get("k_in", k)), int(t.get("r", 0)))
-    parts = int(t.get("parts", 1))
-    op = out // parts
-    sizes = t.get("group_sizes") or ([L] if t["method"] in ("shared", "hybrid") else [1] * L)
+    sizes = t.get("group_sizes") or [len(g) for g in method.default_groups(L)]
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     groups = [list(range(s, s + n)) for s, n in zip(starts, sizes, strict=True)]
-    tf = TypeFactors(t["method"], ranks, groups, parts)
-    if t["method"] == "svd":
-        tf.per_layer = [{f"{x}{p}": z(op, k) if x == "B" else z(k, inn) for p in range(parts)
-                         for x in "BC"} for _ in range(L)]
-    elif t["method"] == "basis-sharing":
-        ks = [min(k, inn, len(g) * op) for g in groups]
-        tf.bases = [{f"P{p}": z(kg, inn) for p in range(parts)} for kg in ks]
-        tf.per_layer = [{} for _ in range(L)]
-        for g, kg in zip(groups, ks, strict=True):
-            for i in g:
-                tf.per_layer[i] = {f"D{p}": z(op, kg) for p in range(parts)}
-    elif t["method"] in ("shared", "hybrid"):
-        r = ranks.r
-        tf.bases = [{"P": z(ranks.k_in, inn), "U": z(out, ranks.k_out)}]
-        tf.per_layer = [{"core": z(ranks.k_out, ranks.k_in)}
-                        | ({"res_b": z(out, r), "res_c": z(r, inn)} if r else {})
-                        for _ in range(L)]
-    else:
-        raise ValueError(f"unknown compression method {t['method']!r} in the manifest "
-                         "(saved by an older structlm? re-run share compress)")
-    return tf
+    out, inn = t["shape"]
+    return method.placeholder((out, inn), ranks, groups, int(t.get("parts", 1)))
 
 
 def _assign_saved_tensors(model: torch.nn.Module, path: Path) -> None:

@@ -1,0 +1,174 @@
+"""``structlm convert``: convert a pretrained model, optionally heal it, and save a folder
+that loads back converted (``from_pretrained`` after ``import structlm``, or
+:func:`~structlm.convert.load_converted`).
+
+The folder is written atomically (a temporary folder beside it, then one rename) and
+holds what ``save_pretrained`` writes (the conversion recorded in ``config.json``), the
+tokenizer, and ``structlm_convert.json``: the conversion, projection MACs and parameters
+before and after, and — when evaluated or healed — perplexity before, after the change
+and after healing on exactly the text described there. Before the rename the saved
+folder is loaded back and its logits compared with the converted model's. A killed
+healing run resumes from ``.<out>.heal-state.pt`` beside the folder when the same
+command runs again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from structlm.config import ConfigError, dataclass_from_dict
+from structlm.convert.convert import AlgebraConfig, conversion_info, convert_
+from structlm.convert.typed_linear import TypedAlgebraLinear
+from structlm.hf.finetune import FinetuneConfig, finetune
+from structlm.hf.macs import projection_macs, projection_parameters
+
+__all__ = ["REPORT", "ConvertConfig", "convert_and_save"]
+
+REPORT = "structlm_convert.json"
+
+
+def _no_healing() -> FinetuneConfig:
+    return FinetuneConfig(steps=0)
+
+
+@dataclass
+class ConvertConfig:
+    """What ``structlm convert`` does (checked when built)."""
+
+    model: str
+    """smollm2 (built in), a local folder, or a hub id."""
+    algebra: str = "Q2^2"
+    """Product rule (``structlm algebra table``)."""
+    schedule: str = "cyclic"
+    """Position types (cyclic, block:<size>[:<period>], table:..., cross-layer:...)."""
+    targets: str = "mlp"
+    """Matrix types converted: mlp, attn, all, or a list of q,k,v,o,mlp_in,mlp_out."""
+    heal: FinetuneConfig = field(default_factory=_no_healing)
+    """Healing after the change (``steps`` 0: none): the converted layers' weights
+    trained on the corpus's calibration documents."""
+    corpus: str = "austen"
+    """Healing text and in-domain evaluation text (held-out documents)."""
+    second_corpus: str = "shakespeare"
+    """Other-domain evaluation text ("" for none)."""
+    eval_tokens: int = 0
+    """Scored tokens per text before and after (0: no evaluation; 16384 for a report)."""
+    seed: int = 0
+    """Seed of the document split, the windows and the healing batch order."""
+
+    def __post_init__(self) -> None:
+        AlgebraConfig(self.algebra, self.schedule, self.targets)  # checks all three
+        if self.eval_tokens < 0:
+            raise ConfigError(f"eval_tokens must be >= 0, got {self.eval_tokens}")
+        if self.heal.steps < 0:
+            raise ConfigError(f"heal.steps must be >= 0, got {self.heal.steps}")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ConvertConfig:
+        """From a YAML mapping (unknown keys named; ``heal`` a partial mapping)."""
+        return dataclass_from_dict(cls, raw, {"heal": FinetuneConfig})
+
+
+def _check_out(out: Path, model: str) -> None:
+    """The output folder must be new (or empty) and never hold or be the input."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"output {str(out)!r} exists and is not an empty folder: choose a "
+                         "new folder (nothing is overwritten)")
+    src = Path(model)
+    if src.exists():
+        a, b = src.resolve(), out.resolve()
+        if a == b or a in b.parents or b in a.parents:
+            raise ValueError(f"output {str(out)!r} overlaps the input model {model!r}: "
+                             "choose a folder outside it")
+
+
+def convert_and_save(cfg: ConvertConfig, out: str | Path, progress: bool = True
+                     ) -> dict[str, Any]:
+    """Load ``cfg.model``, convert it, heal it if asked, save it to ``out``; returns the
+    report written to ``out/structlm_convert.json``."""
+    from structlm.hf.pipeline import evaluate_all, prepare, spread_windows
+
+    out = Path(out)
+    _check_out(out, cfg.model)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    heal = cfg.heal.steps > 0
+    prep = prepare(cfg.model, cfg.corpus, cfg.second_corpus if cfg.eval_tokens else "",
+                   eval_tokens=cfg.eval_tokens, seed=cfg.seed, calibrate=False,
+                   calib_tokens=max(cfg.heal.seq_len, 512), progress=progress)
+    loaded = prep.loaded
+    model = loaded.model
+
+    def ppl() -> dict[str, float]:
+        return {k: v["ppl"] for k, v in evaluate_all(model, prep.eval_ids,
+                                                      progress=progress).items()}
+
+    report: dict[str, Any] = {
+        "model": loaded.model_id, "model_note": loaded.note,
+        "config": {**dataclasses.asdict(cfg), "heal": dataclasses.asdict(cfg.heal)},
+        "original": {"projection_macs": float(projection_macs(model)),
+                     "projection_parameters": projection_parameters(model)}}
+    if cfg.eval_tokens:
+        report["text"] = prep.text
+        report["original"]["ppl"] = ppl()
+    convert_(model, AlgebraConfig(cfg.algebra, cfg.schedule, cfg.targets))
+    report["conversion"] = conversion_info(model)
+    report["converted"] = {"projection_macs": float(projection_macs(model)),
+                           "projection_parameters": projection_parameters(model)}
+    if cfg.eval_tokens:
+        report["converted"]["ppl"] = ppl()
+    if heal:
+        params = [p for m in model.modules() if isinstance(m, TypedAlgebraLinear)
+                  for p in m.parameters()]
+        in_domain = next(iter(prep.eval_ids.values()), prep.calib_ids)
+        hcfg = dataclasses.replace(cfg.heal, seed=cfg.seed)
+        torch.manual_seed(cfg.seed)
+        report["heal_curve"] = finetune(model, prep.train_ids,
+                                        spread_windows(in_domain, hcfg.eval_tokens), hcfg,
+                                        progress, state_path=_state_path(out), params=params)
+        model.eval()
+        if cfg.eval_tokens:
+            report["converted"]["ppl_healed"] = ppl()
+    report["seconds"] = round(time.time() - t0, 1)
+    _save(model, loaded.tokenizer, report, out)
+    _state_path(out).unlink(missing_ok=True)  # recorded in the folder now
+    return report
+
+
+def _state_path(out: Path) -> Path:
+    """Where a killed healing run's state waits for the same command to resume it."""
+    return out.parent / f".{out.name}.heal-state.pt"
+
+
+def _save(model: torch.nn.Module, tokenizer: Any, report: dict[str, Any], out: Path) -> None:
+    """Write the folder through a temporary one; check it loads back to the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-convert-"))
+    try:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        (tmp / REPORT).write_text(json.dumps(report, indent=1))
+        back = AutoModelForCausalLM.from_pretrained(tmp, dtype=next(model.parameters()).dtype)
+        if conversion_info(back) != conversion_info(model):
+            raise RuntimeError(f"the saved folder loads back as {conversion_info(back)}, not "
+                               f"{conversion_info(model)}")
+        ids = torch.arange(1, 17)[None] % int(model.get_input_embeddings().weight.shape[0])
+        with torch.no_grad():
+            torch.testing.assert_close(back.eval()(ids).logits, model.eval()(ids).logits)
+        if out.exists():
+            out.rmdir()  # checked empty by _check_out
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,113 @@
+"""Which path every layer of a model takes for an input shape: :func:`explain_routes`.
+
+It runs a prefill of ``batch`` sequences of ``tokens`` random ids with the KV cache,
+then ``decode_steps`` single-token cached steps, under :func:`structlm.ops.route.trace`,
+and attributes every decision of the route to the module whose forward made it. Bound
+decode calls (which cache a decision) are bypassed while recording, so every call is
+decided afresh and shows up.
+
+    >>> rows = explain_routes(model, batch=1, tokens=8)
+    >>> print(format_routes(rows))
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from structlm.ops.route import AlgebraCall, DecodeStepCall, DenseCall, FFNCall, trace
+
+__all__ = ["RouteRecord", "explain_routes", "format_routes"]
+
+_CALL_NAMES = {AlgebraCall: "algebra", DenseCall: "dense", FFNCall: "ffn",
+               DecodeStepCall: "decode step"}
+
+
+@dataclass(frozen=True)
+class RouteRecord:
+    """One decision: in which phase, by which module, for which call and rows."""
+
+    phase: str
+    module: str
+    call: str
+    rows: int
+    route: str
+    reason: str
+
+
+def _rows(call: Any) -> int:
+    x = call.x
+    return int(x.numel() // x.shape[-1]) if x.dim() else 1
+
+
+def explain_routes(model: nn.Module, batch: int = 1, tokens: int = 8,
+                   decode_steps: int = 1, vocab: int | None = None) -> list[RouteRecord]:
+    """The route of every fast-path decision in a prefill of ``(batch, tokens)`` random
+    ids and ``decode_steps`` cached decode steps of ``model`` (a causal LM whose forward
+    takes ``input_ids`` and ``use_cache``), one record per decision, in call order."""
+    for name, value in (("batch", batch), ("tokens", tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if isinstance(decode_steps, bool) or not isinstance(decode_steps, int) or decode_steps < 0:
+        raise ValueError(f"decode_steps must be an integer >= 0, got {decode_steps!r}")
+    if vocab is None:
+        vocab = int(model.get_input_embeddings().weight.shape[0])
+    names = {id(m): n or "(model)" for n, m in model.named_modules()}
+    stack: list[str] = []
+    handles = []
+
+    def enter(mod: nn.Module, _args: Any) -> None:
+        stack.append(names.get(id(mod), type(mod).__name__))
+
+    def leave(_mod: nn.Module, _args: Any, _out: Any) -> None:
+        stack.pop()
+
+    for m in model.modules():
+        handles.append(m.register_forward_pre_hook(enter))
+        handles.append(m.register_forward_hook(leave))
+    ids = torch.randint(0, vocab, (batch, tokens), generator=torch.Generator().manual_seed(0))
+    records: list[RouteRecord] = []
+    cache_name = _cache_name(model)
+    try:
+        with torch.no_grad():
+            cache, inputs = None, ids
+            for step in range(decode_steps + 1):
+                phase = "prefill" if step == 0 else f"decode {step}"
+                with trace(lambda: stack[-1] if stack else "") as decisions:
+                    out = model(input_ids=inputs, use_cache=True,
+                                **({} if cache is None else {cache_name: cache}))
+                records += [RouteRecord(phase, r.context, _CALL_NAMES[type(r.call)],
+                                        _rows(r.call), r.decision.route.value,
+                                        r.decision.reason) for r in decisions]
+                cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+                inputs = out.logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+    finally:
+        for h in handles:
+            h.remove()
+    return records
+
+
+def _cache_name(model: nn.Module) -> str:
+    sig = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in sig else "past_key_values"
+
+
+def format_routes(records: list[RouteRecord]) -> str:
+    """A Markdown table of ``records``, consecutive repeats of one module's decision in a
+    phase merged (``xN``)."""
+    lines = ["| phase | module | call | rows | route | reason |", "|---|---|---|---:|---|---|"]
+    merged: list[tuple[RouteRecord, int]] = []
+    for r in records:
+        if merged and merged[-1][0] == r:
+            merged[-1] = (r, merged[-1][1] + 1)
+        else:
+            merged.append((r, 1))
+    for r, n in merged:
+        times = f" x{n}" if n > 1 else ""
+        lines.append(f"| {r.phase} | {r.module}{times} | {r.call} | {r.rows} | {r.route} "
+                     f"| {r.reason} |")
+    return "\n".join(lines)
