@@ -264,9 +264,14 @@ def test_a_deep_copy_feeds_its_own_layers_and_unconvert_removes_the_hook() -> No
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
     with torch.no_grad():  # the same (inference) path as the twin's: bit-equal
         torch.testing.assert_close(model(ids).logits, full, rtol=0, atol=0)
+    theirs = model.model.rotary_emb.register_forward_pre_hook(lambda m, a: None)
+    unconvert_(model)  # removes its own hook through its handle, nobody else's
+    assert list(model.model.rotary_emb._forward_pre_hooks) == [theirs.id]
+    assert len(twin.model.rotary_emb._forward_pre_hooks) == 1
+    theirs.remove()
+    convert_(model, AlgebraConfig("Q4"))  # and converts again
     unconvert_(model)
     assert not model.model.rotary_emb._forward_pre_hooks
-    assert len(twin.model.rotary_emb._forward_pre_hooks) == 1
 
 
 def test_filter_applies_before_the_fused_check_and_custom_algebras_do_not_reload(

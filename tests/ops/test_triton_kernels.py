@@ -176,3 +176,19 @@ def test_dispatch_table_loading(tmp_path) -> None:
     path.write_text(json.dumps({"8,1,1,1": "magic"}))
     with pytest.raises(ValueError, match="'magic'"):
         load_dispatch(str(path))
+
+
+def test_table_registry_grows_with_distinct_tables_only() -> None:
+    """Layers with the same support, widths and device share one registered entry (the
+    registry once grew by one entry per layer built)."""
+    from structlm.ops.triton.op import _TABLES, register_tables
+
+    layer = _layer("Q2^2", unequal=True)
+    key = register_tables(build_tables(layer.plan, layer.support.mask, DEV))
+    size = len(_TABLES)
+    for _ in range(3):
+        twin = _layer("Q2^2", unequal=True)
+        assert register_tables(build_tables(twin.plan, twin.support.mask, DEV)) == key
+    assert len(_TABLES) == size
+    other = _layer("Q4", unequal=False)
+    assert register_tables(build_tables(other.plan, other.support.mask, DEV)) != key

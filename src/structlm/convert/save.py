@@ -80,15 +80,15 @@ class ConvertConfig:
 
 def _check_out(out: Path, model: str) -> None:
     """The output folder must be new (or empty) and never hold or be the input."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"output {str(out)!r} exists and is not an empty folder: choose a "
-                         "new folder (nothing is overwritten)")
     src = Path(model)
     if src.exists():
         a, b = src.resolve(), out.resolve()
         if a == b or a in b.parents or b in a.parents:
             raise ValueError(f"output {str(out)!r} overlaps the input model {model!r}: "
                              "choose a folder outside it")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"output {str(out)!r} exists and is not an empty folder: choose a "
+                         "new folder (nothing is overwritten)")
 
 
 def convert_and_save(cfg: ConvertConfig, out: str | Path, progress: bool = True

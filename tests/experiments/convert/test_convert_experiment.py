@@ -102,7 +102,8 @@ def test_shipped_convert_configs_parse() -> None:
 
     from structlm.config import read_yaml
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))))
     paths = sorted(glob.glob(os.path.join(root, "configs", "convert", "*.yaml")))
     assert paths
     for path in paths:

