@@ -1,0 +1,97 @@
+"""The route decision's tables: every row threshold with the measurement that set it
+(:data:`THRESHOLDS`), and the Triton forward mode measured per shape on a GPU
+(:data:`DISPATCH`, :func:`load_dispatch`). Only :mod:`structlm.ops.route` reads them."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from structlm.settings import triton_dispatch_path
+
+__all__ = ["DISPATCH", "THRESHOLDS", "Threshold", "bucket", "load_dispatch"]
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """One row threshold of the route decision and the measurement that set it."""
+
+    value: int
+    meaning: str
+    measured: str
+
+
+THRESHOLDS: dict[str, Threshold] = {
+    "decode_max_rows": Threshold(
+        4, "most rows (sequences of one decode step) the bound per-layer decode calls, the "
+        "SwiGLU kernel and the fused decode step take",
+        "a decode step has one row per sequence; generate benchmarks run batches 1-4 "
+        "(structlm bench generate, benchmarks/results/generate_cpu_paper110m*.md); above it "
+        "the per-projection routes decide"),
+    "kernel_max_rows_per_type": Threshold(
+        16, "the compiled kernel takes an algebra product up to this many rows per type "
+        "(16 q rows in all: 32 for Q2, 64 for Q4 and Q2^2, 512 for Q32)",
+        "K = N = 4096, 2 threads, caches flushed, every type present, kernel vs the best "
+        "PyTorch layout (python benchmarks/panel_kernel.py --threads 2 --layouts, "
+        "benchmarks/results/panel_kernel/layouts_2threads_flushed.md): ahead at 16 q rows "
+        "for every q (Q2 at 32: 15.7 vs 20.1 ms, Q4 at 64: 16.9 vs 28.7, Q32 at 512: 25.0 "
+        "vs 39.6), mostly at 32 q (Q16 at 512: 34.4 vs 35.3); an earlier run had Q4 at "
+        "128 rows behind (40.2 vs 36.6 ms), hence the margin"),
+    "gathered_max_rows_per_type": Threshold(
+        16, "the row-first gathered layout up to this many rows per type",
+        "2 CPU threads, K = N = 4096, fp32: crossover at 8-32 rows per type "
+        "(benchmarks/results/layer_cpu_grid_1024x4096.md)"),
+    "gathered_min_q": Threshold(
+        4, "the gathered layout only from this q (it reads the diagonal blocks twice, 1/q "
+        "of the weight bytes extra; below it diag-first needs at most 1 + 2q <= 7 GEMMs)",
+        "same grid as gathered_max_rows_per_type"),
+    "output_major_max_rows": Threshold(
+        64, "the output-major layout for batches of one type up to this many rows",
+        "cached decode batches on the pure-PyTorch path (the kernel unavailable), K = N = "
+        "4096, 2 threads: a handful of rectangles beat diag-first's 1 + runs GEMM calls"),
+    "dense_in_place_max_rows": Threshold(
+        4, "the dense few-row kernel reads the weight in place up to this many rows; above "
+        "it a panel-packed copy (+1x the weight)",
+        "caches flushed, 2 threads, 4096x4096 and the SmolLM2 / paper-110m FFN shapes: the "
+        "packed copy 0-17% faster at M = 8 and 8-18% at M = 32, level at M = 4, mixed at "
+        "M = 1 (python benchmarks/panel_kernel.py --threads 2 --flush)"),
+    "dense_kernel_max_rows": Threshold(
+        32, "the dense few-row kernel up to this many rows, F.linear above",
+        "against MKL, 2 threads, weights from DRAM: 1.2-3.4x faster at M = 1..16 for "
+        "4096x4096, 576x1536 and 1536x576; at M = 32 2-30% faster on the paper-110m and "
+        "SmolLM2 FFN shapes, 7% slower at 4096x4096 "
+        "(benchmarks/results/decode_projections_cpu.md)"),
+    "triton_decode_max_rows": Threshold(
+        4, "the Triton vector-reduction decode kernel up to this many rows",
+        "H200, benchmarks/gpu_kernels.py (benchmarks/results/gpu_h200_kernels*.md): a "
+        "tile of 16+ rows wastes most of a tensor-core tile for a decode batch"),
+}
+"""Every row threshold of the route decision (name -> value, meaning, measurement)."""
+
+#: Triton forward mode per (q, K, N, power-of-two M bucket), measured on a GPU
+#: (:func:`load_dispatch`): "triton-fused" or "triton-two-stage"; fused where nothing
+#: was measured
+DISPATCH: dict[tuple[int, int, int, int], str] = {}
+
+
+def load_dispatch(path: str) -> int:
+    """Load a ``dispatch.json`` written by ``benchmarks/gpu_kernels.py`` (keys
+    ``"q,K,N,M"``, values ``"fused"`` / ``"two-stage"``) into the Triton mode table;
+    returns the entries read."""
+    with open(path) as fh:
+        table = json.load(fh)
+    for key, mode in table.items():
+        if mode not in ("fused", "two-stage"):
+            raise ValueError(f"{path}: mode {mode!r} for {key} is not 'fused' or 'two-stage'")
+        q, k, n, m = (int(v) for v in key.split(","))
+        DISPATCH[(q, k, n, bucket(m))] = f"triton-{mode}"
+    return len(table)
+
+
+def bucket(m: int) -> int:
+    """The power-of-two row bucket of the dispatch table."""
+    return 1 << max(0, (m - 1).bit_length())
+
+
+if triton_dispatch_path():
+    load_dispatch(str(triton_dispatch_path()))
