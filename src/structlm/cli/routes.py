@@ -24,12 +24,16 @@ def _cmd_routes(args: argparse.Namespace) -> int:
         from structlm.convert import AlgebraConfig, convert_
 
         convert_(model, AlgebraConfig(args.convert, targets=args.targets))
+    if args.decode_kernels:
+        from structlm.hf.decode import use_decode_kernels_
+
+        use_decode_kernels_(model)
     rows = explain_routes(model, batch=args.batch, tokens=args.tokens,
                           decode_steps=args.decode_steps)
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
     else:
-        print(format_routes(rows))
+        print(format_routes(rows, by_layer=args.by_layer))
     return 0
 
 
@@ -44,6 +48,11 @@ def add_routes_command(sub: Any) -> None:
     r.add_argument("--decode-steps", type=int, default=1, help="cached decode steps")
     r.add_argument("--convert", default="", help="convert_ to this algebra first (e.g. Q2^2)")
     r.add_argument("--targets", default="mlp", help="targets of --convert")
+    r.add_argument("--decode-kernels", action="store_true",
+                   help="put the plain nn.Linear layers on the few-row kernel first "
+                   "(use_decode_kernels_, as the generate benchmark does for both arms)")
+    r.add_argument("--by-layer", action="store_true", help="one row per module (default: "
+                   "layers merged, x N)")
     r.add_argument("--threads", type=positive_int, default=2)
     r.add_argument("--json", action="store_true", help="one JSON list")
     r.set_defaults(func=_cmd_routes)

@@ -13,16 +13,28 @@ decided afresh and shows up.
 from __future__ import annotations
 
 import inspect
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from structlm.ops.route import AlgebraCall, DecodeStepCall, DenseCall, FFNCall, trace
+from structlm.ops.route import (
+    AlgebraCall,
+    Decision,
+    DecodeStepCall,
+    DenseCall,
+    FFNCall,
+    Route,
+    TraceRecord,
+    trace,
+)
 
 __all__ = ["RouteRecord", "explain_routes", "format_routes"]
 
+_PLAIN = Decision(Route.TORCH, "a plain nn.Linear asks no route: F.linear "
+                  "(structlm.hf.decode.use_decode_kernels_ puts it on the few-row kernel)")
 _CALL_NAMES = {AlgebraCall: "algebra", DenseCall: "dense", FFNCall: "ffn",
                DecodeStepCall: "decode step"}
 
@@ -63,14 +75,17 @@ def explain_routes(model: nn.Module, batch: int = 1, tokens: int = 8,
     def enter(mod: nn.Module, _args: Any) -> None:
         stack.append(names.get(id(mod), type(mod).__name__))
 
-    def leave(_mod: nn.Module, _args: Any, _out: Any) -> None:
-        stack.pop()
+    def leave(mod: nn.Module, args: Any, _out: Any) -> None:
+        name = stack.pop()
+        if type(mod) is nn.Linear and active and args:  # asks no route: F.linear always
+            active[-1].append(TraceRecord(DenseCall(args[0], mod.weight), _PLAIN, name))
 
     for m in model.modules():
         handles.append(m.register_forward_pre_hook(enter))
         handles.append(m.register_forward_hook(leave))
     ids = torch.randint(0, vocab, (batch, tokens), generator=torch.Generator().manual_seed(0))
     records: list[RouteRecord] = []
+    active: list[list[TraceRecord]] = []
     cache_name = _cache_name(model)
     try:
         with torch.no_grad():
@@ -78,8 +93,10 @@ def explain_routes(model: nn.Module, batch: int = 1, tokens: int = 8,
             for step in range(decode_steps + 1):
                 phase = "prefill" if step == 0 else f"decode {step}"
                 with trace(lambda: stack[-1] if stack else "") as decisions:
+                    active.append(decisions)
                     out = model(input_ids=inputs, use_cache=True,
                                 **({} if cache is None else {cache_name: cache}))
+                    active.pop()
                 records += [RouteRecord(phase, r.context, _CALL_NAMES[type(r.call)],
                                         _rows(r.call), r.decision.route.value,
                                         r.decision.reason) for r in decisions]
@@ -96,17 +113,18 @@ def _cache_name(model: nn.Module) -> str:
     return "cache" if "cache" in sig else "past_key_values"
 
 
-def format_routes(records: list[RouteRecord]) -> str:
-    """A Markdown table of ``records``, consecutive repeats of one module's decision in a
-    phase merged (``xN``)."""
+def format_routes(records: list[RouteRecord], by_layer: bool = False) -> str:
+    """A Markdown table of ``records``: by default the layer index in module names is
+    replaced by ``*`` and equal decisions within a phase are merged (``xN``: how many
+    modules took it); ``by_layer=True`` lists every module."""
     lines = ["| phase | module | call | rows | route | reason |", "|---|---|---|---:|---|---|"]
-    merged: list[tuple[RouteRecord, int]] = []
+    merged: dict[RouteRecord, int] = {}
     for r in records:
-        if merged and merged[-1][0] == r:
-            merged[-1] = (r, merged[-1][1] + 1)
-        else:
-            merged.append((r, 1))
-    for r, n in merged:
+        if not by_layer:
+            r = RouteRecord(r.phase, re.sub(r"\.\d+(?=\.|$)", ".*", r.module), r.call,
+                            r.rows, r.route, r.reason)
+        merged[r] = merged.get(r, 0) + 1
+    for r, n in merged.items():
         times = f" x{n}" if n > 1 else ""
         lines.append(f"| {r.phase} | {r.module}{times} | {r.call} | {r.rows} | {r.route} "
                      f"| {r.reason} |")
