@@ -63,8 +63,10 @@ THRESHOLDS: dict[str, Threshold] = {
         "(benchmarks/results/decode_projections_cpu.md)"),
     "triton_decode_max_rows": Threshold(
         4, "the Triton vector-reduction decode kernel up to this many rows",
-        "H200, benchmarks/gpu_kernels.py (benchmarks/results/gpu_h200_kernels*.md): a "
-        "tile of 16+ rows wastes most of a tensor-core tile for a decode batch"),
+        "not yet measured on a GPU (no GPU results are committed; benchmarks/gpu_kernels.py "
+        "times the decode kernel against the tiled ones when a GPU is lent): set equal to "
+        "decode_max_rows, the decode batches, where a 16-row tensor-core tile would be "
+        "mostly padding"),
 }
 """Every row threshold of the route decision (name -> value, meaning, measurement)."""
 
