@@ -27,7 +27,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["ENVIRONMENT_VARIABLES", "backend_override", "cache_dir", "cpu_kernels_enabled",
+__all__ = ["ENVIRONMENT_VARIABLES", "backend_override", "backend_override_set", "cache_dir",
+           "cpu_kernels_enabled",
            "decode_copy_default", "local_rank", "torch_extensions_dir",
            "triton_dispatch_path", "triton_interpret", "world_size"]
 
@@ -46,6 +47,12 @@ def cache_dir(*parts: str) -> Path:
 def backend_override() -> str | None:
     """``STRUCTLM_BACKEND`` if set (a backend name, validated by the caller)."""
     return os.environ.get("STRUCTLM_BACKEND") or None
+
+
+def backend_override_set() -> bool:
+    """Whether ``STRUCTLM_BACKEND`` is set (cheaper than reading it: no exception for a
+    missing key; asked on every bound decode call)."""
+    return "STRUCTLM_BACKEND" in os.environ
 
 
 def cpu_kernels_enabled() -> bool:

@@ -23,7 +23,7 @@ from structlm.ops.route import (
     Backend,
     Route,
     choose,
-    override_state,
+    overridden,
     parse_backend,
     recording,
     resolve_backend,
@@ -287,7 +287,7 @@ class AlgebraLinear(StructureTracked, nn.Module):
         on the CPU without asking (auto or blocked), the typed weight copy, no tracing
         (``torch.compile`` calls the registered op) and no recording
         (:func:`~structlm.ops.route.trace` decides every call afresh)."""
-        return (self.backend in _BOUND_BACKENDS and override_state() == _NO_OVERRIDES
+        return (self.__dict__["_backend"] in _BOUND_BACKENDS and not overridden()
                 and cpu_kernels.decode_copy_mode() == "typed"
                 and not (tracing() or recording()))
 
@@ -322,7 +322,6 @@ class AlgebraLinear(StructureTracked, nn.Module):
 
 _TRITON_ROUTES = frozenset((Route.TRITON_DECODE, Route.TRITON_FUSED, Route.TRITON_TWO_STAGE))
 _BOUND_BACKENDS = frozenset((Backend.AUTO, Backend.BLOCKED))
-_NO_OVERRIDES = (None, None, None)
 
 
 def _records(*tensors: torch.Tensor | None) -> bool:

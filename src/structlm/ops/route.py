@@ -34,7 +34,7 @@ from structlm.ops.cpu_extension import extension
 from structlm.ops.partition import TypePartition
 from structlm.ops.plan import BlockPlan
 from structlm.ops.route_table import DISPATCH, THRESHOLDS, Threshold, bucket, load_dispatch
-from structlm.settings import backend_override, triton_interpret
+from structlm.settings import backend_override, backend_override_set, triton_interpret
 
 __all__ = [
     "KERNEL_DTYPES",
@@ -55,6 +55,7 @@ __all__ = [
     "gathered_applies",
     "kernel_built",
     "load_dispatch",
+    "overridden",
     "override_state",
     "parse_backend",
     "recording",
@@ -182,6 +183,12 @@ def override_state() -> tuple[Any, ...]:
     of the key of every cached decision."""
     return (_FORCED_BACKEND[-1] if _FORCED_BACKEND else None,
             _FORCED_LAYOUT[-1] if _FORCED_LAYOUT else None, backend_override())
+
+
+def overridden() -> bool:
+    """Whether any override is in force (a forced backend or layout, ``STRUCTLM_BACKEND``):
+    the cheap check of the bound calls, which cache a decision made without one."""
+    return bool(_FORCED_BACKEND or _FORCED_LAYOUT) or backend_override_set()
 
 
 def tracing() -> bool:
