@@ -3,11 +3,25 @@ that name the file, key, value and expected type."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import re
+from typing import Annotated
 
 import pytest
 
-from structlm.config import ConfigError, coerce, dataclass_from_dict, read_yaml
+from structlm.cli.dataclass_flags import add_dataclass_flags
+from structlm.config import (
+    ConfigError,
+    Distinct,
+    NonEmpty,
+    OneOf,
+    Range,
+    coerce,
+    dataclass_from_dict,
+    read_yaml,
+    validated,
+)
 
 
 @dataclasses.dataclass
@@ -89,3 +103,38 @@ def test_partial_nested_mapping_keeps_the_fields_own_default() -> None:
     assert (cfg.seed_finetune.steps, cfg.seed_finetune.warmup, cfg.seed_finetune.lr) == (
         300, 15, 0.1)
     assert (cfg.finetune.steps, cfg.finetune.warmup) == (9, 5)
+
+
+def test_ranges_written_next_to_a_field_are_checked_by_yaml_flags_and_api() -> None:
+    """One mechanism: ``Annotated[T, Range(...) | OneOf(...) | Distinct() | NonEmpty()]``
+    is checked when a YAML mapping is read, when a flag is parsed and when the dataclass
+    is built in Python, with the key, the value and the valid range in the message."""
+    @dataclasses.dataclass
+    @validated
+    class Cfg:
+        lr: Annotated[float, Range(gt=0)] = 1e-3
+        """Rate."""
+        clip: Annotated[float, Range(ge=0, note="0: no clipping")] = 1.0
+        mode: Annotated[str, OneOf("relative", "absolute")] = "relative"
+        seeds: Annotated[list[int], Distinct(), NonEmpty()] = dataclasses.field(
+            default_factory=lambda: [0])
+
+    assert Cfg(lr="0.5").lr == 0.5  # coerced like a YAML value
+    bad = {"lr": (-1, "lr: -1.0 is out of range: expected > 0"),
+           "clip": (float("nan"), "expected >= 0 (0: no clipping)"),
+           "mode": ("abs", "expected one of 'relative', 'absolute'"),
+           "seeds": ([0, 0], "repeats [0]")}
+    for key, (value, msg) in bad.items():
+        with pytest.raises(ConfigError, match=re.escape(msg)):
+            Cfg(**{key: value})
+        with pytest.raises(ConfigError, match=re.escape(msg)):
+            dataclass_from_dict(Cfg, {key: value})
+    with pytest.raises(ConfigError, match="seeds: \\[\\] is empty"):
+        Cfg(seeds=[])
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    flags = add_dataclass_flags(parser, Cfg)
+    assert flags.values(parser.parse_args(["--lr", "2e-3"])) == {"lr": 2e-3}
+    for argv in (["--lr", "0"], ["--seeds", "1,1"], ["--mode", "x"]):
+        with pytest.raises(argparse.ArgumentError):
+            parser.parse_args(argv)
+    assert "Valid: > 0." in parser.format_help()

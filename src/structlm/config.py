@@ -17,7 +17,8 @@ import typing
 from collections import abc
 from typing import Any, TypeVar, Union
 
-__all__ = ["ConfigError", "RunError", "coerce", "dataclass_from_dict", "read_yaml"]
+__all__ = ["ConfigError", "Distinct", "NonEmpty", "OneOf", "Range", "RunError", "check_fields",
+           "coerce", "dataclass_from_dict", "read_yaml", "validated"]
 
 T = TypeVar("T")
 
@@ -29,6 +30,104 @@ class ConfigError(ValueError):
 class RunError(RuntimeError):
     """A run that cannot proceed for a reason the user can act on (a folder another
     process writes, an unreadable checkpoint); the message says what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The valid range of a numeric field, written next to its type:
+    ``lr: Annotated[float, Range(gt=0)] = 3e-4``. Floats must also be finite."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    note: str = ""
+    """Said after the range in the message (e.g. what the bound value means)."""
+
+    def text(self) -> str:
+        """The range as a reader writes it (``> 0``, ``0 to 1``, ...)."""
+        lo = f">= {_num(self.ge)}" if self.ge is not None else (
+            f"> {_num(self.gt)}" if self.gt is not None else "")
+        hi = f"<= {_num(self.le)}" if self.le is not None else (
+            f"< {_num(self.lt)}" if self.lt is not None else "")
+        out = " and ".join(t for t in (lo, hi) if t) or "finite"
+        return out + (f" ({self.note})" if self.note else "")
+
+    def check(self, value: Any, key: str) -> None:
+        if value is None:
+            return
+        v = float(value)
+        ok = (math.isfinite(v) and (self.ge is None or v >= self.ge)
+              and (self.gt is None or v > self.gt) and (self.le is None or v <= self.le)
+              and (self.lt is None or v < self.lt))
+        if not ok:
+            raise ConfigError(f"{key}: {value!r} is out of range: expected {self.text()}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OneOf:
+    """The valid values of a field: ``Annotated[str, OneOf("relative", "absolute")]``."""
+
+    choices: tuple[Any, ...]
+
+    def __init__(self, *choices: Any) -> None:
+        object.__setattr__(self, "choices", choices)
+
+    def text(self) -> str:
+        return "one of " + ", ".join(map(repr, self.choices))
+
+    def check(self, value: Any, key: str) -> None:
+        if value is not None and value not in self.choices:
+            raise ConfigError(f"{key}: {value!r} is not valid: expected {self.text()}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Distinct:
+    """A list field whose items must not repeat (a repeated seed or arm would be counted
+    twice in a report)."""
+
+    def text(self) -> str:
+        return "no repeated items"
+
+    def check(self, value: Any, key: str) -> None:
+        if value is None:
+            return
+        seen, dup = set(), []
+        for v in value:
+            k = repr(v)
+            if k in seen and v not in dup:
+                dup.append(v)
+            seen.add(k)
+        if dup:
+            raise ConfigError(f"{key}: {list(value)!r} repeats {dup}: every item must be "
+                              "distinct (a repeated one would be counted twice)")
+
+
+@dataclasses.dataclass(frozen=True)
+class NonEmpty:
+    """A list or string field that must not be empty."""
+
+    def text(self) -> str:
+        return "not empty"
+
+    def check(self, value: Any, key: str) -> None:
+        if value is not None and len(value) == 0:
+            raise ConfigError(f"{key}: {value!r} is empty: give at least one item")
+
+
+_CHECKS = (Range, OneOf, Distinct, NonEmpty)
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else repr(v)
+
+
+def field_checks(tp: Any) -> tuple[Any, list[Any]]:
+    """``(the type without Annotated, the checks written next to it)``."""
+    if typing.get_origin(tp) is typing.Annotated:
+        args = typing.get_args(tp)
+        return args[0], [a for a in args[1:] if isinstance(a, _CHECKS)]
+    return tp, []
 
 
 def read_yaml(path: str | None) -> dict[str, Any]:
@@ -64,7 +163,14 @@ def _type_name(tp: Any) -> str:
 def coerce(value: Any, tp: Any, key: str) -> Any:
     """``value`` as type ``tp`` (int, float, bool, str, ``X | None``, ``list[X]``,
     ``tuple[X, ...]``, ``dict[str, X]``; anything else is passed through), or a
-    :class:`ConfigError` naming ``key``."""
+    :class:`ConfigError` naming ``key``. ``Annotated[X, Range(...) | OneOf(...) | ...]``
+    is coerced to ``X`` and then checked."""
+    inner, checks = field_checks(tp)
+    if checks or inner is not tp:
+        value = coerce(value, inner, key)
+        for check in checks:
+            check.check(value, key)
+        return value
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
         args = typing.get_args(tp)
@@ -153,7 +259,7 @@ def dataclass_from_dict(cls: type[T], raw: dict[str, Any],
     if unknown:
         raise ConfigError(f"{prefix}unknown {cls.__name__} keys {unknown}; expected some of "
                           f"{sorted(fields)}")
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     out: dict[str, Any] = {}
     for key, value in raw.items():
         sub = (nested or {}).get(key)
@@ -168,3 +274,41 @@ def dataclass_from_dict(cls: type[T], raw: dict[str, Any],
         except ConfigError as e:
             raise ConfigError(f"{prefix}{e} (in {cls.__name__})") from None
     return cls(**out)
+
+
+def check_fields(obj: Any) -> None:
+    """Coerce every field of dataclass instance ``obj`` to its annotated type and check the
+    ranges written next to it (what :func:`validated` runs after ``__init__``): the API
+    checks exactly what the YAML and the flags check.
+
+    Raises:
+        ConfigError: naming the field, the value and the valid range.
+    """
+    cls = type(obj)
+    hints = typing.get_type_hints(cls, include_extras=True)
+    for f in dataclasses.fields(obj):
+        tp = hints.get(f.name, Any)
+        if dataclasses.is_dataclass(field_checks(tp)[0]):
+            continue
+        value = getattr(obj, f.name)
+        try:
+            new = coerce(value, tp, f.name)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (in {cls.__name__})") from None
+        if new is not value:
+            object.__setattr__(obj, f.name, new)
+
+
+def validated(cls: type[T]) -> type[T]:
+    """Class decorator, applied *under* ``@dataclass``: every instance runs
+    :func:`check_fields` before the class's own ``__post_init__``."""
+    own = cls.__dict__.get("__post_init__")
+
+    def __post_init__(self: Any) -> None:
+        check_fields(self)
+        if own is not None:
+            own(self)
+
+    __post_init__.__doc__ = own.__doc__ if own is not None else None
+    cls.__post_init__ = __post_init__  # type: ignore[attr-defined]
+    return cls

@@ -27,7 +27,7 @@ from collections import abc
 from collections.abc import Callable, Iterable
 from typing import Any, Union
 
-from structlm.config import ConfigError, coerce
+from structlm.config import ConfigError, coerce, field_checks
 
 __all__ = ["FlagSet", "add_dataclass_flags", "field_docs"]
 
@@ -70,13 +70,16 @@ def _is_list(tp: Any) -> bool:
     return typing.get_origin(tp) in (list, tuple, abc.Sequence)
 
 
-def _flag_parser(tp: Any, optional: bool, flag: str) -> Callable[[str], Any]:
+def _flag_parser(tp: Any, optional: bool, flag: str, annotated: Any = None
+                 ) -> Callable[[str], Any]:
+    """Parse a flag's text like the YAML value: ``annotated`` (the field's full type, with
+    its range) checks it too."""
     def parse(text: str) -> Any:
         if optional and text.strip().lower() == "none":
             return None
         value: Any = [v.strip() for v in text.split(",") if v.strip()] if _is_list(tp) else text
         try:
-            return coerce(value, tp, flag)
+            return coerce(value, tp if annotated is None else annotated, flag)
         except ConfigError as e:  # argparse names the flag: keep the rest of the message
             msg = re.sub(r"^\[(\d+)\]: ", lambda m: f"item {int(m[1]) + 1}: ",
                          str(e).removeprefix(flag).removeprefix(": "))
@@ -121,13 +124,15 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, *, prefix: s
     list that also takes ranges), ``aliases`` adds other spellings of a field's flag.
     Returns the :class:`FlagSet`."""
     skip = set(exclude)
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     docs = field_docs(cls)
     group = parser.add_argument_group(title or f"{cls.__name__} fields "
                                       "(lists are comma-separated)")
     dests: dict[str, str] = {}
     for field in dataclasses.fields(cls):
-        tp, optional = _unwrap_optional(hints.get(field.name, Any))
+        annotated = hints.get(field.name, Any)
+        base, checks = field_checks(annotated)
+        tp, optional = _unwrap_optional(base)
         if (field.name in skip or field.name.startswith("_") or dataclasses.is_dataclass(tp)
                 or typing.get_origin(tp) is dict or tp in (dict, Any)):
             continue
@@ -135,13 +140,15 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, *, prefix: s
         names = [flag, *(aliases or {}).get(field.name, [])]
         dest = (prefix.replace("-", "_") + "__" if prefix else "") + field.name
         doc = docs.get(field.name, "")
-        help_text = (f"{doc} " if doc else "") + f"(default: {_default_text(field)})"
+        valid = "; ".join(c.text() for c in checks)
+        help_text = ((f"{doc} " if doc else "") + (f"Valid: {valid}. " if valid else "")
+                     + f"(default: {_default_text(field)})")
         help_text = help_text.replace("%", "%%")
         if tp is bool:
             group.add_argument(*names, dest=dest, action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS, help=help_text)
         else:
-            kind = (parse or {}).get(field.name) or _flag_parser(tp, optional, flag)
+            kind = (parse or {}).get(field.name) or _flag_parser(tp, optional, flag, annotated)
             metavar = "A,B,..." if _is_list(tp) else field.name.upper()
             group.add_argument(*names, dest=dest, type=kind, default=argparse.SUPPRESS,
                                metavar=metavar, help=help_text)
