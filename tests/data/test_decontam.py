@@ -51,3 +51,23 @@ def test_token_dataset_is_decontaminated(tmp_path) -> None:
     ds = build_token_dataset(str(docs), tmp_path / "tok", val_fraction=0.0, heldout=str(held))
     gone = [name for name, _, _ in ds.meta["decontaminated"]]
     assert gone == ["file/d3.txt"] and "file/d3.txt" not in ds.meta["train_documents"]
+
+
+def test_an_edited_heldout_file_is_read_again(tmp_path) -> None:
+    """The token cache is keyed on the held-out texts' content, not their path: editing
+    the held-out file rebuilds it (and decontaminates against the new text), and the
+    dataset's fingerprint changes."""
+    from structlm.data.tokens import build_token_dataset
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"d{i}.txt").write_text(f"document {i} " + " ".join(f"w{j}" for j in range(300)))
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text("something else entirely, nothing like the corpus")
+    first = build_token_dataset(str(corpus), tmp_path / "data", heldout=str(heldout))
+    assert first.meta["decontaminated"] == []
+    heldout.write_text((corpus / "d0.txt").read_text())  # now a copy of a training doc
+    second = build_token_dataset(str(corpus), tmp_path / "data", heldout=str(heldout))
+    assert second.fingerprint != first.fingerprint
+    assert [name for name, *_ in second.meta["decontaminated"]] != []

@@ -29,6 +29,7 @@ import torch
 from structlm.config import ConfigError, dataclass_from_dict
 from structlm.convert.convert import AlgebraConfig, conversion_info, convert_
 from structlm.convert.typed_linear import TypedAlgebraLinear
+from structlm.folders import check_apart
 from structlm.hf.finetune import FinetuneConfig, finetune
 from structlm.hf.macs import projection_macs, projection_parameters
 
@@ -80,13 +81,8 @@ class ConvertConfig:
 
 def _check_out(out: Path, model: str) -> None:
     """The output folder must be new (or empty) and never hold or be the input."""
-    src = Path(model)
-    if src.exists():
-        a, b = src.resolve(), out.resolve()
-        if a == b or a in b.parents or b in a.parents:
-            raise ValueError(f"output {str(out)!r} overlaps the input model {model!r}: "
-                             "choose a folder outside it")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    check_apart(out, [model])
+    if out.exists() and any(out.iterdir()):
         raise ValueError(f"output {str(out)!r} exists and is not an empty folder: choose a "
                          "new folder (nothing is overwritten)")
 

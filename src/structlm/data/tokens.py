@@ -125,11 +125,14 @@ def build_token_dataset(corpus: str, out_dir: str | os.PathLike[str], val_fracti
     meta_path = out / "meta.json"
     raw = load_corpus(corpus)
     want["content_sha1"] = corpus_fingerprint(raw)
+    # keyed on the held-out texts' content too: an edited held-out file is re-read
+    want["heldout_sha1"] = corpus_fingerprint(load_corpus(heldout)) if heldout else ""
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())
-        if "content_sha1" not in meta and all(meta.get(k) == v for k, v in want.items()
-                                              if k != "content_sha1"):
-            meta["content_sha1"] = want["content_sha1"]  # an older cache: adopt it once
+        adopt = [k for k in ("content_sha1", "heldout_sha1") if k not in meta]
+        if adopt and not heldout and all(meta.get(k) == v for k, v in want.items()
+                                         if k not in adopt):
+            meta.update({k: want[k] for k in adopt})  # an older cache: adopt it once
             atomic_write_json(meta_path, meta)
         if all(meta.get(k) == v for k, v in want.items()):
             return TokenDataset(out)
@@ -174,6 +177,22 @@ class TokenDataset:
         self.meta = json.loads((self.root / "meta.json").read_text())
         self._maps = {s: np.memmap(self.root / f"{s}.bin", dtype=np.uint16, mode="r")[
             : self.meta[f"{s}_tokens"]] for s in ("train", "val")}
+
+    @property
+    def fingerprint(self) -> str:
+        """What the tokens were built from — the corpus's and held-out texts' content,
+        the split, the tokenizer (a trained BPE's files too) — as one digest: a run
+        resumes only on the data it was trained on."""
+        keys = ("version", "corpus", "tokenizer", "val_fraction", "seed", "content_sha1",
+                "heldout_sha1")
+        h = hashlib.sha1(json.dumps({k: self.meta.get(k) for k in keys},
+                                    sort_keys=True).encode())
+        tok = self.root / "tokenizer"
+        if tok.is_dir():
+            for f in sorted(tok.iterdir()):
+                h.update(f.name.encode())
+                h.update(f.read_bytes())
+        return h.hexdigest()
 
     @property
     def vocab_size(self) -> int:

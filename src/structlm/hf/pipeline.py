@@ -14,6 +14,7 @@ import torch
 
 from structlm.hf.adapters import ModelAdapter, get_adapter
 from structlm.hf.calibration import Calibration, load_or_calibrate
+from structlm.hf.fingerprint import model_fingerprint, tensor_fingerprint
 from structlm.hf.loading import LoadedModel, load_model
 from structlm.hf.perplexity import perplexity
 from structlm.hf.text import (
@@ -74,7 +75,7 @@ def prepare(model: str, corpus: str, second_corpus: str = "", eval_fraction: flo
     calibration windows across all calibration documents and enough evaluation windows
     to score ``eval_tokens`` tokens across all evaluation documents (in-domain and, if
     given, ``second_corpus``'s evaluation part), seeded by ``seed``; calibrate ``layers``
-    (cached on disk by model, corpus, documents, windows and seed)."""
+    (cached on disk, keyed on the model's weights and the exact calibration tokens)."""
     loaded = load_model(model)
     if loaded.tokenizer is None:
         raise ValueError(f"model {model!r} has no tokenizer: text experiments need one")
@@ -101,10 +102,15 @@ def prepare(model: str, corpus: str, second_corpus: str = "", eval_fraction: flo
             prep.eval_ids[name] = ev.windows
             prep.text[name] = ev.describe()
     if calibrate:
-        meta = {"model": loaded.model_id, "corpus": corpus, "calib_tokens": calib_tokens,
-                "seed": seed, "documents": [d.name for d in split.calibration],
+        # keyed on content: the model's weights and the exact token windows (text, its
+        # tokenizer and the draw); the names are kept in the record only
+        content = {"model_weights": model_fingerprint(loaded.model),
+                   "calibration_tokens": tensor_fingerprint(prep.calib_ids)}
+        meta = {**content, "model": loaded.model_id, "corpus": corpus,
+                "calib_tokens": calib_tokens, "seed": seed,
+                "documents": [d.name for d in split.calibration],
                 "sampling": "windows across documents"}
-        key = hashlib.sha1(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:16]
+        key = hashlib.sha1(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
         path = _cache_dir() / f"{key}.safetensors"
         prep.calibration = load_or_calibrate(path, adapter, prep.calib_ids, meta,
                                              layers=layers, seq_len=seq_len,

@@ -11,15 +11,12 @@ resumes from the newest state it had saved.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO
 
-from structlm.config import RunError
+from structlm.folders import run_folder_lock
 
 __all__ = ["COMPLETE", "recover_checkpoint", "run_folder_lock", "write_checkpoint"]
 
@@ -94,20 +91,3 @@ def recover_checkpoint(ckpt: Path) -> tuple[Path | None, list[str]]:
         shutil.rmtree(ckpt, ignore_errors=True)
         notes.append(f"removed {ckpt.name} (incomplete)")
     return (ckpt if best is not None else None), notes
-
-
-@contextmanager
-def run_folder_lock(folder: Path, what: str = "run") -> Iterator[IO[str]]:
-    """Hold ``folder/.lock`` (``flock``) for the block: a second writer of the same
-    folder fails at once with a clear error instead of interleaving files."""
-    folder.mkdir(parents=True, exist_ok=True)
-    fh = open(folder / ".lock", "w")  # held for the whole block
-    try:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise RunError(f"{folder} is being written by another process (one writer "
-                               f"per {what} folder)") from None
-        yield fh
-    finally:
-        fh.close()

@@ -327,3 +327,25 @@ def test_shared_basis_round_trip_on_every_family(model_type: str, tmp_path) -> N
     save_compressed(LoadedModel(model, None, model_type, "", source=str(src)), rep, out)
     back = load_compressed(out)
     torch.testing.assert_close(_logits(back.model), after, rtol=0, atol=0)
+
+
+def test_compress_output_never_holds_an_input(tmp_path) -> None:
+    """``share compress runs/x/model --out runs/x`` once deleted its own source: an output
+    that is, holds or lies inside an input folder (or a compressed input's source) is
+    refused before anything is loaded; a manifest naming itself is refused on load."""
+    import json
+
+    from structlm.share.compress.io import MANIFEST, load_compressed
+    from structlm.share.compress.run import run_compress
+
+    src = tmp_path / "runs" / "x" / "model"
+    tiny_llama().save_pretrained(src)
+    for out in (src, src.parent, src / "inside"):
+        with pytest.raises(ValueError, match="overlaps the input"):
+            run_compress(str(src), CompressionConfig(), out, progress=False)
+    assert (src / "config.json").exists()
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / MANIFEST).write_text(json.dumps({"source_model": str(bad)}))
+    with pytest.raises(ValueError, match="names itself as a source"):
+        load_compressed(bad)

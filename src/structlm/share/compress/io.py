@@ -25,7 +25,7 @@ from structlm.share.compress.apply import CompressionConfig, build_modules
 from structlm.share.compress.factorize import TypeFactors, TypeRanks
 from structlm.share.compress.methods import get_method
 
-__all__ = ["MANIFEST", "load_compressed", "save_compressed"]
+__all__ = ["MANIFEST", "load_compressed", "save_compressed", "source_chain"]
 
 MANIFEST = "structlm_compression.json"
 
@@ -45,7 +45,11 @@ def save_compressed(loaded: LoadedModel, report: dict[str, Any], folder: str | P
                     "compression": report, "calibration": calibration or {}}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         if folder.exists():
-            shutil.rmtree(folder)
+            if not (folder / MANIFEST).is_file():
+                raise ValueError(f"{folder} exists and is not a compressed model folder "
+                                 f"(no {MANIFEST}): refusing to replace it; choose another "
+                                 "output")
+            shutil.rmtree(folder)  # an earlier compressed model written here
         os.replace(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -98,12 +102,34 @@ def _assign_saved_tensors(model: torch.nn.Module, path: Path) -> None:
         raise ValueError(f"{path} lacks tensors for {left[:5]} (saved by another version?)")
 
 
+def source_chain(spec: str | Path) -> list[Path]:
+    """The folders a model spec reads: the folder itself and, for a compressed model, the
+    source model's folders in turn (an output must stay apart from all of them).
+
+    Raises:
+        ValueError: a manifest whose chain of sources comes back to a folder already in it.
+    """
+    chain: list[Path] = []
+    current: str | Path | None = spec
+    while current is not None and Path(current).exists():
+        here = Path(current).resolve()
+        if here in chain:
+            raise ValueError(f"{chain[0]}: its chain of source models comes back to {here} "
+                             f"({MANIFEST} names itself as a source): the folder is damaged")
+        chain.append(here)
+        manifest = here / MANIFEST
+        current = (json.loads(manifest.read_text()).get("source_model")
+                   if manifest.is_file() else None)
+    return chain
+
+
 def load_compressed(folder: str | Path) -> LoadedModel:
     """The compressed model saved in ``folder`` (by :func:`save_compressed`)."""
     folder = Path(folder)
     path = folder / MANIFEST
     if not path.exists():
         raise ValueError(f"{folder} is not a compressed model folder (no {MANIFEST})")
+    source_chain(folder)  # refuses a manifest that names itself (or loops) as its source
     manifest = json.loads(path.read_text())
     loaded = load_model(manifest["source_model"], weights=False)  # every tensor is in the file
     CompressionConfig.from_dict(manifest["compression"]["config"])  # validates

@@ -12,10 +12,11 @@ from typing import Any
 import torch
 
 from structlm.atomic import atomic_write_text, clean_json
+from structlm.folders import check_apart, run_folder_lock
 from structlm.hf.finetune import FinetuneConfig, finetune
 from structlm.hf.pipeline import evaluate_all, prepare, spread_windows
 from structlm.share.compress.apply import CompressionConfig, compress_model
-from structlm.share.compress.io import save_compressed
+from structlm.share.compress.io import save_compressed, source_chain
 
 __all__ = ["run_compress"]
 
@@ -26,10 +27,26 @@ def run_compress(model: str, ccfg: CompressionConfig, out_dir: str | Path,
                  ft: FinetuneConfig | None = None, seed: int = 0, save: bool = True,
                  progress: bool = True) -> dict[str, Any]:
     """Compress ``model`` under ``ccfg``; writes ``compress.json``, ``report.md`` and (with
-    ``save``) the model folder ``model/`` into ``out_dir``; returns the results."""
-    t0 = time.time()
+    ``save``) the model folder ``model/`` into ``out_dir``; returns the results.
+
+    ``out_dir`` must lie apart from every folder ``model`` reads (a compressed model's
+    sources too) and is locked for the run (one writer).
+
+    Raises:
+        ValueError: an output overlapping an input (before anything is loaded).
+        RunError: another process writes ``out_dir``.
+    """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    check_apart(out, source_chain(model))  # before anything is loaded or written
+    with run_folder_lock(out, "share compress output"):
+        return _run(model, ccfg, out, corpus, second_corpus, calib_tokens, eval_tokens, ft,
+                    seed, save, progress)
+
+
+def _run(model: str, ccfg: CompressionConfig, out: Path, corpus: str, second_corpus: str,
+         calib_tokens: int, eval_tokens: int, ft: FinetuneConfig | None, seed: int,
+         save: bool, progress: bool) -> dict[str, Any]:
+    t0 = time.time()
     torch.manual_seed(seed)
     prep = prepare(model, corpus, second_corpus, calib_tokens=calib_tokens,
                    eval_tokens=eval_tokens, seed=seed, progress=progress)
