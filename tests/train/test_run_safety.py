@@ -57,7 +57,7 @@ def test_a_kill_at_any_point_of_the_swap_keeps_the_newest_complete_checkpoint(
     monkeypatch.undo()
     found, notes = ck.recover_checkpoint(ckpt)
     assert found == ckpt
-    step = int((ckpt / ck.COMPLETE).read_text())
+    step = ck.inspect_checkpoint(ckpt).step
     # the new checkpoint counts once its marker exists (written after the first op)
     assert step == (6 if finished or kill_at >= 1 else 3), (kill_at, notes)
     assert (ckpt / "model.safetensors").read_text() == f"model {step}"
@@ -71,8 +71,51 @@ def test_incomplete_temporaries_are_removed_and_never_chosen(tmp_path) -> None:
     half.mkdir()
     (half / "model.safetensors").write_text("model 9")  # no state, no marker
     found, notes = ck.recover_checkpoint(ckpt)
-    assert found == ckpt and (ckpt / ck.COMPLETE).read_text() == "3"
-    assert not half.exists() and "removed checkpoint.tmp-123 (incomplete)" in notes
+    assert found == ckpt and ck.inspect_checkpoint(ckpt).step == 3
+    assert not half.exists() and any(n.startswith("removed checkpoint.tmp-123") for n in notes)
+
+
+@pytest.mark.parametrize("damage", ["garbage marker", "empty marker", "state missing",
+                                    "model truncated", "model overwritten"])
+def test_a_damaged_checkpoint_is_refused_never_deleted(tmp_path, damage: str) -> None:
+    """A resume once deleted a checkpoint that looked incomplete and restarted from step 0
+    silently: now it names the damaged file and the recovery, and deletes nothing."""
+    ckpt = tmp_path / "checkpoint"
+    ck.write_checkpoint(ckpt, _write(3), 3)
+    shutil.copytree(ckpt, tmp_path / "keep3")
+    ck.write_checkpoint(ckpt, _write(6), 6)
+    os.replace(tmp_path / "keep3", tmp_path / "checkpoint.old")  # the previous complete copy
+    if damage == "garbage marker":
+        (ckpt / ck.COMPLETE).write_text("zz")
+        named = "COMPLETE holds 'zz'"
+    elif damage == "empty marker":
+        (ckpt / ck.COMPLETE).write_text("")
+        named = "COMPLETE holds ''"
+    elif damage == "state missing":
+        (ckpt / "state.pt").unlink()
+        named = "state.pt is missing"
+    elif damage == "model truncated":
+        (ckpt / "model.safetensors").write_text("mo")
+        named = "model.safetensors is 2 bytes"
+    else:
+        (ckpt / "model.safetensors").write_text("model 6 plus more")
+        named = "model.safetensors is 17 bytes"
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    with pytest.raises(ck.RunError, match=named) as err:
+        ck.recover_checkpoint(ckpt)
+    assert "checkpoint.old (step 3) is kept" in str(err.value)
+    assert "--restart" in str(err.value)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+
+
+def test_discard_run_moves_aside(tmp_path) -> None:
+    ck.write_checkpoint(tmp_path / "checkpoint", _write(3), 3)
+    (tmp_path / "metrics.csv").write_text("step\n1\n")
+    dest = ck.discard_run(tmp_path)
+    assert dest is not None and sorted(p.name for p in dest.iterdir()) == [
+        "checkpoint", "metrics.csv"]
+    assert not (tmp_path / "checkpoint").exists()
+    assert ck.discard_run(tmp_path) is None
 
 
 def _cfg(tmp_path: Path, **kw) -> TrainConfig:
@@ -149,5 +192,6 @@ def test_a_truncated_checkpoint_file_is_named(tmp_path, victim: str) -> None:
     train(cfg, stop_after=3, progress=False)
     path = Path(cfg.out_dir) / "checkpoint" / victim
     path.write_bytes(path.read_bytes()[:100])
-    with pytest.raises(RuntimeError, match=f"checkpoint file .*{victim} cannot be read"):
+    with pytest.raises(RuntimeError, match=f"damaged: .*{victim} is 100 bytes"):
         train(cfg, progress=False)
+    assert path.exists()  # named, not deleted

@@ -295,7 +295,10 @@ def install_from_pretrained_hook() -> None:
 
     @functools.wraps(original)
     def from_pretrained(cls: Any, *args: Any, **kwargs: Any) -> Any:
-        return restore_conversion(original(cls, *args, **kwargs))
+        out = original(cls, *args, **kwargs)
+        if isinstance(out, tuple):  # output_loading_info=True: (model, info)
+            return (restore_conversion(out[0]), *out[1:])
+        return restore_conversion(out)
 
     from_pretrained._structlm_restores = True  # type: ignore[attr-defined]
     PreTrainedModel.from_pretrained = classmethod(from_pretrained)  # type: ignore[assignment]

@@ -28,11 +28,12 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 from tqdm import tqdm
 
+from structlm.config import OneOf, Range, validated
 from structlm.hf.perplexity import perplexity
 from structlm.nn.factorized import LowRankLinear, OneSidedLinear, SharedBasisLinear
 
@@ -40,39 +41,36 @@ __all__ = ["FinetuneConfig", "finetune", "load_state", "train_only", "trainable_
 
 
 @dataclass
+@validated
 class FinetuneConfig:
     """A fine-tuning budget."""
 
-    steps: int = 60
-    """Optimiser steps (0 = no fine-tuning where that is allowed)."""
-    lr: float = 2e-3
+    steps: Annotated[int, Range(ge=0, note="0: no fine-tuning where that is allowed")] = 60
+    """Optimiser steps."""
+    lr: Annotated[float, Range(gt=0)] = 2e-3
     """Peak rate; with ``lr_scaling="relative"`` a fraction of each tensor's RMS."""
-    lr_scaling: str = "relative"
+    lr_scaling: Annotated[str, OneOf("relative", "absolute")] = "relative"
     """``relative`` (per tensor ``lr × RMS``) or ``absolute`` (plain AdamW)."""
-    warmup: int = 6
+    warmup: Annotated[int, Range(ge=0, note="0: no warm-up")] = 6
     """Linear warm-up steps, then cosine decay to min_lr_ratio x lr."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: Annotated[float, Range(ge=0, le=1)] = 0.1
     """Final rate as a fraction of the peak."""
-    weight_decay: float = 0.0
+    weight_decay: Annotated[float, Range(ge=0)] = 0.0
     """AdamW weight decay."""
-    grad_clip: float = 1.0
-    """Gradient-norm clip (0: no clipping)."""
-    batch_size: int = 2
+    grad_clip: Annotated[float, Range(ge=0, note="0: no clipping")] = 1.0
+    """Gradient-norm clip."""
+    batch_size: Annotated[int, Range(ge=1)] = 2
     """Windows per step."""
-    seq_len: int = 256
+    seq_len: Annotated[int, Range(ge=1)] = 256
     """Tokens per window."""
-    eval_every: int = 20
+    eval_every: Annotated[int, Range(ge=1)] = 20
     """Steps between evaluations of the curve."""
-    eval_tokens: int = 2048
+    eval_tokens: Annotated[int, Range(ge=1)] = 2048
     """In-domain tokens scored at each evaluation of the curve."""
-    eval_window: int = 512
+    eval_window: Annotated[int, Range(ge=2)] = 512
     """Window of those evaluations."""
-    seed: int = 0
+    seed: Annotated[int, Range(ge=0)] = 0
     """Seed of the batch order (the experiment sets it per arm)."""
-
-    def __post_init__(self) -> None:
-        if not self.grad_clip >= 0:  # NaN too
-            raise ValueError(f"grad_clip must be >= 0 (0: no clipping), got {self.grad_clip}")
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:

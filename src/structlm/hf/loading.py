@@ -119,7 +119,10 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, weights: bool = Tr
         folder, model_id = spec, spec
     try:
         if weights:
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+            model, info = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=dtype, output_loading_info=True,
+                ignore_mismatched_sizes=True)  # listed in info, refused by name below
+            _check_loaded(spec, model, info)
         else:
             from transformers import AutoConfig
             from transformers.initialization import no_init_weights
@@ -134,6 +137,21 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, weights: bool = Tr
     tokenizer = _tokenizer(folder, model)
     model.eval()
     return LoadedModel(model, tokenizer, model_id, note, source=spec)
+
+
+def _check_loaded(spec: str, model: Any, info: dict[str, Any]) -> None:
+    """Refuse a model whose folder lacks tensors (they would be random), holds tensors of
+    the wrong shape, or holds non-finite weights (generation would print garbage)."""
+    for kind, what in (("missing_keys", "lacks"), ("mismatched_keys", "has wrongly shaped")):
+        keys = sorted(str(k) for k in info.get(kind) or [])
+        if keys:
+            raise ValueError(f"model {spec!r} {what} {len(keys)} tensors the architecture "
+                             f"needs ({', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''}"
+                             "): its weights are incomplete or belong to another model")
+    bad = [n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise ValueError(f"model {spec!r} has non-finite weights (NaN or inf) in {len(bad)} "
+                         f"tensors ({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''})")
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
