@@ -71,11 +71,9 @@ def test_finetune_trains_only_factors_with_scaled_rates(scaling: str, monkeypatc
 
 
 def test_bad_lr_scaling_is_named() -> None:
-    model = _compressed("svd")
-    ids = torch.randint(0, 89, (200,), generator=torch.Generator().manual_seed(2))
-    with pytest.raises(ValueError, match="lr_scaling must be 'relative' or 'absolute', got 'x'"):
-        finetune(model, ids, ids[:64], FinetuneConfig(steps=1, lr_scaling="x", seq_len=16),
-                 progress=False)
+    with pytest.raises(ValueError, match="lr_scaling: 'x' is not valid: expected one of "
+                                         "'relative', 'absolute'"):
+        FinetuneConfig(steps=1, lr_scaling="x", seq_len=16)
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "share",
@@ -167,5 +165,5 @@ def test_grad_clip_zero_means_no_clipping() -> None:
         ends.append(after)
     for a, b in zip(*ends, strict=True):
         torch.testing.assert_close(a, b)
-    with pytest.raises(ValueError, match="grad_clip must be >= 0"):
+    with pytest.raises(ValueError, match=r"grad_clip: -1\.0 is out of range: expected >= 0"):
         FinetuneConfig(grad_clip=-1)

@@ -10,9 +10,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tiny_models import tiny_llama  # noqa: E402
-
 from structlm.hf.loading import load_model  # noqa: E402
+from tiny_models import tiny_llama  # noqa: E402
 
 
 def _save(folder, model) -> None:
@@ -28,7 +27,7 @@ def test_missing_tensors_are_refused(tmp_path) -> None:
     dropped = sorted(k for k in state if "layers.1.mlp" in k)
     save_file({k: v for k, v in state.items() if k not in dropped}, str(path),
               metadata={"format": "pt"})
-    with pytest.raises(ValueError, match="lacks 3 tensors .*layers.1.mlp"):
+    with pytest.raises(ValueError, match=r"lacks 3 tensors .*layers.1.mlp"):
         load_model(str(tmp_path))
 
 
@@ -37,7 +36,7 @@ def test_wrong_shapes_are_refused(tmp_path) -> None:
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["intermediate_size"] += 8  # config no longer matches the weights
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="wrongly shaped|lacks"):
+    with pytest.raises(ValueError, match=r"wrongly shaped|lacks"):
         load_model(str(tmp_path))
 
 
@@ -46,7 +45,7 @@ def test_non_finite_weights_are_refused(tmp_path) -> None:
     with torch.no_grad():
         model.model.layers[0].self_attn.q_proj.weight[0, 0] = float("nan")
     _save(tmp_path, model)
-    with pytest.raises(ValueError, match="non-finite weights .*layers.0.self_attn.q_proj"):
+    with pytest.raises(ValueError, match=r"non-finite weights .*layers.0.self_attn.q_proj"):
         load_model(str(tmp_path))
 
 

@@ -22,6 +22,7 @@ from structlm.hf.text import (
     sample_windows,
     split_corpus,
     tokenize_documents,
+    window_prefix,
     windows_for_scored_tokens,
 )
 from structlm.settings import cache_dir
@@ -46,6 +47,9 @@ class Prepared:
     calibration: Calibration | None = None
     text: dict[str, Any] = field(default_factory=dict)
     """Exactly which text was used: per stream, the windows drawn from each document."""
+    window_prefix: list[int] = field(default_factory=list)
+    """The ids the tokenizer puts before every input (every window starts with them;
+    fine-tuning windows too)."""
 
 
 def _cache_dir() -> Path:
@@ -87,8 +91,11 @@ def prepare(model: str, corpus: str, second_corpus: str = "", eval_fraction: flo
         check_layers(layers, adapter.num_layers)
     split = split_corpus(corpus, eval_fraction, seed)
     calib_tok = tokenize_documents(loaded.tokenizer, split.calibration)
-    calib = sample_windows(split.calibration, calib_tok, calib_tokens // seq_len, seq_len, seed)
-    prep = Prepared(loaded, adapter, split, calib.windows, torch.cat(calib_tok))
+    prefix = window_prefix(loaded.tokenizer)  # the tokenizer's own convention, per window
+    calib = sample_windows(split.calibration, calib_tok, calib_tokens // seq_len, seq_len, seed,
+                           prefix)
+    prep = Prepared(loaded, adapter, split, calib.windows, torch.cat(calib_tok),
+                    window_prefix=prefix)
     prep.text["calibration:" + corpus] = calib.describe()
     if eval_tokens:
         n_eval = windows_for_scored_tokens(eval_tokens, seq_len)
@@ -98,7 +105,7 @@ def prepare(model: str, corpus: str, second_corpus: str = "", eval_fraction: flo
                           split_corpus(second_corpus, eval_fraction, seed).evaluation))
         for name, docs in texts:
             ev = sample_windows(docs, tokenize_documents(loaded.tokenizer, docs), n_eval,
-                                seq_len, seed + 1)
+                                seq_len, seed + 1, prefix)
             prep.eval_ids[name] = ev.windows
             prep.text[name] = ev.describe()
     if calibrate:

@@ -156,6 +156,22 @@ def _store_tokens(key: str | None, ids: torch.Tensor) -> None:
         pass
 
 
+def window_prefix(tokenizer: Any) -> list[int]:
+    """The ids the tokenizer's own convention puts before every input (e.g. Gemma's or
+    LLaMA-2's BOS; none for SmolLM2 or GPT-2): what :func:`sample_windows` starts each
+    window with, so a window cut from a document's tokens is what the model sees when it
+    reads text."""
+    if tokenizer is None:
+        return []
+    probe = "The"
+    full = list(tokenizer(probe)["input_ids"])
+    plain = list(tokenizer(probe, add_special_tokens=False)["input_ids"])
+    for i in range(len(full) - len(plain) + 1):
+        if full[i:i + len(plain)] == plain:
+            return [int(t) for t in full[:i]]
+    return []
+
+
 @dataclass
 class WindowSample:
     """Windows drawn across documents: ``windows`` ``(n, window)`` and where they came
@@ -165,10 +181,15 @@ class WindowSample:
     per_document: dict[str, int] = field(default_factory=dict)
     document_tokens: dict[str, int] = field(default_factory=dict)
     seed: int = 0
+    prefix: list[int] = field(default_factory=list)
 
     def describe(self) -> dict[str, Any]:
         n, w = self.windows.shape
         return {"windows": n, "window": w, "tokens": n * w, "seed": self.seed,
+                "prefix": self.prefix,
+                "prefix_convention": (f"every window starts with the tokenizer's prefix "
+                                      f"{self.prefix} (what it adds to every input)"
+                                      if self.prefix else "the tokenizer adds no prefix"),
                 "sampling": "non-overlapping aligned windows drawn uniformly without "
                             "replacement from every document's window grid",
                 "windows_per_document": self.per_document,
@@ -176,28 +197,35 @@ class WindowSample:
 
 
 def sample_windows(docs: list[Document], tokens: list[torch.Tensor], n_windows: int,
-                   window: int, seed: int) -> WindowSample:
+                   window: int, seed: int, prefix: list[int] | None = None) -> WindowSample:
     """``n_windows`` windows of ``window`` tokens drawn across all ``docs`` (seeded):
     each document is cut into non-overlapping aligned windows, the windows of all
     documents are pooled, and ``n_windows`` are drawn uniformly without replacement (so a
     document contributes in proportion to its length); the result is ordered by document
-    and position. Raises when the documents hold fewer windows."""
-    if n_windows < 1 or window < 2:
-        raise ValueError(f"need n_windows >= 1 and window >= 2, got {n_windows}, {window}")
-    pool = [(di, s) for di, t in enumerate(tokens) for s in range(0, t.numel() - window + 1,
-                                                                   window)]
+    and position. Raises when the documents hold fewer windows.
+
+    ``prefix`` (:func:`window_prefix`): every window is these ids followed by
+    ``window - len(prefix)`` document tokens."""
+    prefix = list(prefix or [])
+    body = window - len(prefix)
+    if n_windows < 1 or body < 2:
+        raise ValueError(f"need n_windows >= 1 and window >= 2 + {len(prefix)} prefix "
+                         f"tokens, got {n_windows}, {window}")
+    pool = [(di, s) for di, t in enumerate(tokens) for s in range(0, t.numel() - body + 1,
+                                                                   body)]
     if len(pool) < n_windows:
         raise ValueError(f"asked for {n_windows} windows of {window} tokens but the "
                          f"{len(docs)} documents hold only {len(pool)}; lower the token "
                          f"count or use a larger corpus")
     gen = torch.Generator().manual_seed(seed)
     pick = sorted(pool[i] for i in torch.randperm(len(pool), generator=gen)[:n_windows].tolist())
-    rows = torch.stack([tokens[di][s:s + window] for di, s in pick])
+    head = torch.tensor(prefix, dtype=torch.long)
+    rows = torch.stack([torch.cat([head, tokens[di][s:s + body]]) for di, s in pick])
     per_doc: dict[str, int] = {}
     for di, _ in pick:
         per_doc[docs[di].name] = per_doc.get(docs[di].name, 0) + 1
     return WindowSample(rows, per_doc, {d.name: int(t.numel()) for d, t in
-                                        zip(docs, tokens, strict=True)}, seed)
+                                        zip(docs, tokens, strict=True)}, seed, prefix)
 
 
 def windows_for_scored_tokens(n_tokens: int, window: int) -> int:
