@@ -174,3 +174,19 @@ def test_self_loop_message() -> None:
 def test_tensor_power_validation() -> None:
     with pytest.raises(AlgebraError, match="tensor power"):
         tensor_power(complete_graph_algebra(2), 0)
+
+
+def test_huge_graph_algebras_are_refused_before_allocating() -> None:
+    from structlm.algebra import get_algebra
+
+    with pytest.raises(AlgebraError, match="100,000 vertices is over the 256"):
+        get_algebra("graph:100000:0-1")
+
+
+def test_algebra_linear_refuses_a_non_float_dtype() -> None:
+    import torch
+
+    from structlm import AlgebraLinear
+
+    with pytest.raises(AlgebraError, match="floating-point torch dtype .*int32"):
+        AlgebraLinear(8, 8, "Q2", dtype=torch.int32)

@@ -48,6 +48,11 @@ def graph_algebra(
     """
     if num_vertices < 1:
         raise AlgebraError(f"a graph needs at least one vertex, got {num_vertices}")
+    if num_vertices > MAX_Q:
+        raise AlgebraError(f"a graph algebra of {num_vertices:,} vertices is over the "
+                           f"{MAX_Q} this builds: its position types (q = vertices) index "
+                           f"q x q weight blocks, and its facts take memory growing with "
+                           f"q^3 ({num_vertices:,}^3 = {num_vertices ** 3:,})")
     seen: set[tuple[int, int]] = set()
     for a, b in edges:
         if not (0 <= a < num_vertices and 0 <= b < num_vertices):

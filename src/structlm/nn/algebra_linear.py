@@ -94,6 +94,10 @@ class AlgebraLinear(StructureTracked, nn.Module):
                 raise AlgebraError("group_sizes must be (in_widths, out_widths)")
             self.in_widths = _check_widths(group_sizes[0], self.in_features, q, "input")
             self.out_widths = _check_widths(group_sizes[1], self.out_features, q, "output")
+        if dtype is not None and not (isinstance(dtype, torch.dtype)
+                                      and dtype.is_floating_point):
+            raise AlgebraError(f"dtype must be a floating-point torch dtype (the weights are "
+                               f"trained), got {dtype!r}")
         self.plan = make_plan(self.support, self.in_widths, self.out_widths)
         self.backend = parse_backend(backend)
         factory = {"device": device, "dtype": dtype}
