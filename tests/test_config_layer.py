@@ -87,7 +87,7 @@ def test_train_config_yaml_reads_exponents_and_refuses_nonpositive_counts(tmp_pa
     for key, value in (("max_steps", 0), ("eval_every", -1), ("save_every", 0),
                        ("grad_accum", 0), ("threads", 0), ("batch_size", 0)):
         path.write_text(f"{key}: {value}\n")
-        with pytest.raises(ValueError, match=f"{key} must be a positive integer, got {value}"):
+        with pytest.raises(ValueError, match=f"{key}: {value} is out of range: expected >= 1"):
             load_config(str(path))
     path.write_text("batch_size: 2.5\n")
     with pytest.raises(ValueError, match=r"batch_size: 2\.5 is not an integer"):

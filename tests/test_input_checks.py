@@ -47,7 +47,7 @@ def test_import_structlm_registers_the_model_with_transformers(tmp_path) -> None
     (["generate", "--prompt", "  "], "must not be empty"),
     (["generate", "--prompt", "a", "--max-new-tokens", "0"], "positive integer, got 0"),
     (["bench", "generate", "--modes", "bogus"], r"unknown modes \['bogus'\]"),
-    (["bench", "generate", "--runs", "x"], "positive integer, got 'x'"),
+    (["bench", "generate", "--runs", "x"], "--runs: 'x' is not an integer"),
 ])
 def test_generation_flags_are_checked_at_parse(argv: list[str], match: str, capsys) -> None:
     from structlm.cli import main

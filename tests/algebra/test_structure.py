@@ -188,5 +188,5 @@ def test_algebra_linear_refuses_a_non_float_dtype() -> None:
 
     from structlm import AlgebraLinear
 
-    with pytest.raises(AlgebraError, match="floating-point torch dtype .*int32"):
+    with pytest.raises(AlgebraError, match=r"floating-point torch dtype .*int32"):
         AlgebraLinear(8, 8, "Q2", dtype=torch.int32)

@@ -119,7 +119,7 @@ def test_cli_parses_bench_share() -> None:
         ["bench", "share", "--compressed", "d", "--batches", "1,4", "--prompt-len", "16",
          "--decode-tokens", "5", "--trials", "3", "--method", "svd", "--types", "all"])
     given = args.flags.values(args)  # flags derived from ShareBenchConfig's fields
-    assert args.model == "smollm2" and given["compressed"] == "d" and given["batches"] == [1, 4]
+    assert args.model == "smollm2" and given["compressed"] == "d" and given["batches"] == (1, 4)
     assert (given["prompt_len"], given["decode_tokens"], given["trials"]) == (16, 5, 3)
     assert args.out == "bench-out/share" and args.func.__name__ == "_cmd_bench_share"
     with pytest.raises(SystemExit):  # a bad value is argparse's error naming the flag

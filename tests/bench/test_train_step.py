@@ -46,8 +46,9 @@ def test_bench_train_cli_and_bad_input(tmp_path, capsys) -> None:
     assert main(["bench", "train", "--preset", "tiny", "--trials", "1", "--warmup", "0",
                  "--out", str(tmp_path / "c")]) == 0
     assert "study-tiny" in capsys.readouterr().out
-    assert main(["bench", "train", "--preset", "tiny", "--seq-len", "0"]) != 0
-    assert "seq_len must be a positive integer, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # refused when the flag is parsed
+        main(["bench", "train", "--preset", "tiny", "--seq-len", "0"])
+    assert "--seq-len: 0 is out of range: expected >= 1" in capsys.readouterr().err
     with pytest.raises(ValueError, match="seq_len"):
         TrainBenchConfig(seq_len=0)
     assert {"paper-110m", "study-cpu"} <= set(PRESETS)

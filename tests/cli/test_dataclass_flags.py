@@ -98,8 +98,8 @@ def test_train_flags_reach_the_train_config() -> None:
 def test_bench_flags_keep_their_spellings_and_checks() -> None:
     args = build_parser().parse_args(["bench", "layer", "--preset", "small", "--m", "1,7",
                                       "--shapes", "97x1025", "--algebras", "Q4,Q2^2"])
-    assert args.flags.values(args) == {"ms": [1, 7], "shapes": ((97, 1025),),
-                                       "algebras": ["Q4", "Q2^2"]}
+    assert args.flags.values(args) == {"ms": (1, 7), "shapes": ((97, 1025),),
+                                       "algebras": ("Q4", "Q2^2")}
     args = build_parser().parse_args(["bench", "generate", "--max-new-tokens", "5", "--modes",
                                       "fixed", "--prompt", "a, b"])
     assert args.flags.values(args) == {"max_new_tokens": 5, "modes": ("fixed",)}

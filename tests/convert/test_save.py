@@ -73,6 +73,6 @@ def test_output_is_new_and_apart_from_the_input(tiny_folder: str, tmp_path) -> N
 def test_config_is_checked_before_any_work() -> None:
     with pytest.raises(ValueError, match="bogus"):
         ConvertConfig(model="x", algebra="bogus")
-    with pytest.raises(ValueError, match="eval_tokens must be >= 0"):
+    with pytest.raises(ValueError, match="eval_tokens: -1 is out of range: expected >= 0"):
         ConvertConfig(model="x", eval_tokens=-1)
     assert main(["convert", "x", "--out", "y", "--targets", "ffn"]) == 2

@@ -76,7 +76,8 @@ def _assert_same_checkpoint(got: Path, want: Path) -> None:
 
 
 def test_unknown_parallel_is_an_error(tmp_path) -> None:
-    with pytest.raises(ValueError, match=r"parallel='zero3'.*\['auto', 'ddp', 'fsdp'\]"):
+    with pytest.raises(ValueError, match=r"parallel: 'zero3' is not valid: expected one of "
+                                         r"'auto', 'ddp', 'fsdp'"):
         TrainConfig(parallel="zero3")
     bad = tmp_path / "bad.yaml"
     bad.write_text("parallel: zero3\n")

@@ -35,13 +35,15 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 from tqdm import tqdm
 
 from structlm.algebra.cost import decode_macs
 from structlm.bench.timing import environment, write_csv_atomic
+from structlm.config import Distinct, NonEmpty, OneOf, Range, validated
+from structlm.models.presets import PRESETS
 
 __all__ = ["DEFAULT_PROMPTS", "GenerateBenchConfig", "ideal_decode_speedup", "plot_generate_csv",
            "run_generate_bench"]
@@ -55,39 +57,48 @@ DEFAULT_PROMPTS = (
 
 
 @dataclass(frozen=True)
+@validated
 class GenerateBenchConfig:
     """What to run (models are built from a preset with random weights unless paths
     to trained models are given)."""
 
-    preset: str = "paper-110m"
+    preset: Annotated[str, OneOf(*PRESETS)] = "paper-110m"
     """Model preset of both arms (random weights unless models are given)."""
-    algebra: str = "Q2^2"
+    algebra: Annotated[str, NonEmpty()] = "Q2^2"
     """FFN algebra of the algebra arm."""
     dense_model: str = ""
     """A trained dense model folder (with --algebra-model: both arms trained)."""
     algebra_model: str = ""
     """A trained algebra model folder."""
-    prompts: Sequence[str] = DEFAULT_PROMPTS
+    prompts: Annotated[tuple[Annotated[str, NonEmpty()], ...], NonEmpty()] = DEFAULT_PROMPTS
     """Prompts (one sequence each)."""
-    modes: Sequence[str] = ("fixed", "paper")
+    modes: Annotated[tuple[Annotated[str, OneOf("fixed", "paper")], ...], NonEmpty(),
+                     Distinct()] = ("fixed", "paper")
     """fixed (fixed-length generation) and/or paper (the paper's protocol)."""
-    max_new_tokens: int = 256
+    max_new_tokens: Annotated[int, Range(ge=1)] = 256
     """Tokens generated per prompt."""
-    runs: int = 4
+    runs: Annotated[int, Range(ge=2, note="the first run is a warm-up")] = 4
     """Timed runs per arm (the first is dropped)."""
-    threads: int = 2
+    threads: Annotated[int, Range(ge=1)] = 2
     """Torch threads."""
-    seed: int = 0
+    seed: Annotated[int, Range(ge=0)] = 0
     """Seed of the random weights and of sampling."""
-    tokenizer: str = "gpt2"
+    tokenizer: Annotated[str, NonEmpty()] = "gpt2"
     """``gpt2`` or a tokenizer folder (e.g. a trained model's, with its BPE)."""
     model: str = ""
     """A pretrained decoder (smollm2, a folder, a hub id) benchmarked against a copy
     converted to ``algebra`` (its tokenizer is used; preset and model paths are ignored)."""
-    targets: str = "mlp"
+    targets: Annotated[str, NonEmpty()] = "mlp"
     """With ``model``: the projections converted (mlp, attn, all, or q,k,v,o,...)."""
-    schedule: str = "cyclic"
+    schedule: Annotated[str, NonEmpty()] = "cyclic"
     """With ``model``: the converted layers' position-type schedule."""
+
+    def __post_init__(self) -> None:
+        """Cross-field checks (each field's own range is checked by ``@validated``)."""
+        if self.model:
+            from structlm.convert import AlgebraConfig
+
+            AlgebraConfig(self.algebra, self.schedule, self.targets)  # names a bad one
 
 
 def ideal_decode_speedup(cfg: Any, context: float) -> float:

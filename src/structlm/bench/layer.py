@@ -18,8 +18,9 @@ from __future__ import annotations
 import csv
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Annotated
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,7 @@ from structlm.bench.timing import (
     interleaved_medians,
     write_csv_atomic,
 )
+from structlm.config import ConfigError, Distinct, NonEmpty, OneOf, Range, validated
 from structlm.nn import AlgebraLinear, DecodeLinear, get_schedule
 from structlm.ops import cpu_kernels
 from structlm.ops.route import AlgebraCall, DenseCall, Route, choose, trace
@@ -41,35 +43,49 @@ from structlm.ops.route import AlgebraCall, DenseCall, Route, choose, trace
 __all__ = ["PRESETS", "LayerBenchConfig", "markdown_from_csv", "plot_from_csv", "run_layer_bench"]
 
 
+_SIZE = Annotated[int, Range(ge=1)]
+
+
 @dataclass(frozen=True)
+@validated
 class LayerBenchConfig:
     """What to time. ``shapes`` are ``(K, N)``; ``modes`` are ``fwd`` / ``fwdbwd``."""
 
-    ms: Sequence[int] = (1, 32, 512, 2048)
+    ms: Annotated[tuple[_SIZE, ...], NonEmpty(), Distinct()] = (1, 32, 512, 2048)
     """Batch sizes M (rows) timed."""
-    shapes: Sequence[tuple[int, int]] = ((1024, 4096), (2048, 8192), (4096, 4096))
+    shapes: Annotated[tuple[tuple[_SIZE, _SIZE], ...], Distinct()] = (
+        (1024, 4096), (2048, 8192), (4096, 4096))
     """Weight shapes KxN (in x out), e.g. 1024x4096,4096x4096."""
-    blocks: Sequence[tuple[int, int]] = ()
+    blocks: Annotated[tuple[tuple[_SIZE, _SIZE], ...], Distinct()] = ()
     """Whole SwiGLU FFN blocks DxF (gate, up: D -> F; down: F -> D) timed as one row each."""
-    algebras: Sequence[str] = ("Q2", "Q4", "Q8", "Q16", "Q32", "Q2^2")
+    algebras: Annotated[tuple[str, ...], NonEmpty(), Distinct()] = (
+        "Q2", "Q4", "Q8", "Q16", "Q32", "Q2^2")
     """Algebras timed against the dense layer."""
-    schedules: Sequence[str] = ("cyclic", "block")
+    schedules: Annotated[tuple[str, ...], NonEmpty(), Distinct()] = ("cyclic", "block")
     """Type schedules of the rows: cyclic (p mod q) and/or block."""
-    modes: Sequence[str] = ("fwd", "fwdbwd")
+    modes: Annotated[tuple[Annotated[str, OneOf("fwd", "fwdbwd")], ...], NonEmpty(),
+                     Distinct()] = ("fwd", "fwdbwd")
     """fwd (forward) and/or fwdbwd (forward + backward)."""
-    trials: int = 7
+    trials: Annotated[int, Range(ge=1)] = 7
     """Interleaved trials per configuration (medians reported)."""
-    threads: int = 2
+    threads: Annotated[int, Range(ge=1)] = 2
     """Torch threads."""
-    flush_max_m: int = 32
+    flush_max_m: Annotated[int, Range(ge=0, note="0: never flushed")] = 32
     """Up to this M, caches are flushed before each timed call (weights not in cache)."""
-    seed: int = 0
+    seed: Annotated[int, Range(ge=0)] = 0
     """Seed of inputs and weights."""
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        """Cross-field checks (each field's own range is checked by ``@validated``)."""
         from structlm.algebra import num_types
 
+        for what, dims in (("shapes", self.shapes), ("blocks", self.blocks)):
+            odd = [d for d in dims if len(d) != 2]
+            if odd:
+                raise ConfigError(f"{what}: {odd} are not KxN pairs")
+        if not self.shapes and not self.blocks:
+            raise ConfigError("shapes and blocks are both empty: give at least one")
         for a in self.algebras:
             q = num_types(a)  # raises naming an unknown algebra
             for what, dims in (("shapes", self.shapes), ("blocks", self.blocks)):
@@ -77,9 +93,11 @@ class LayerBenchConfig:
                 if bad:
                     raise ValueError(f"{what} {bad}: both sides must be divisible by q={q} of "
                                      f"{a} (equal group widths)")
-        if self.trials < 1 or any(m < 1 for m in self.ms):
-            raise ValueError(f"trials ({self.trials}) and every M ({list(self.ms)}) must be "
-                             ">= 1")
+            for s in self.schedules:
+                try:
+                    get_schedule(s, q)
+                except ValueError as e:
+                    raise ConfigError(f"schedules: {e}") from None
 
 
 PRESETS: dict[str, LayerBenchConfig] = {

@@ -37,13 +37,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 from tqdm import tqdm
 
 from structlm.bench.greedy import decode_steps, greedy_decode, prefill
 from structlm.bench.timing import environment, interleaved_medians, write_csv_atomic
+from structlm.config import ConfigError, Distinct, NonEmpty, Range, validated
 
 __all__ = ["ShareBenchConfig", "greedy_decode", "markdown_from_csv", "measure",
            "peak_memory_rows", "plot_from_csv", "run_share_bench", "unique_parameters",
@@ -51,52 +52,55 @@ __all__ = ["ShareBenchConfig", "greedy_decode", "markdown_from_csv", "measure",
 
 
 @dataclass(frozen=True)
+@validated
 class ShareBenchConfig:
     """What to compare: ``compressed`` is a folder written by ``structlm share compress``
     (its source model is the original), or ``""`` to compress ``model`` on the fly."""
 
-    model: str = "smollm2"
+    model: Annotated[str, NonEmpty()] = "smollm2"
     compressed: str = ""
     """A folder written by structlm share compress (its source model is the original);
     empty: compress the model on the fly."""
-    method: str = "basis-sharing"
+    method: Annotated[str, NonEmpty()] = "basis-sharing"
     """Method used when compressing on the fly."""
-    types: str = "all"
+    types: Annotated[str, NonEmpty()] = "all"
     """Matrix types compressed on the fly: attn, mlp, all or q,k,v,o,mlp_in,mlp_out."""
-    target_reduction: float = 0.4
+    target_reduction: Annotated[float, Range(gt=0, lt=1)] = 0.4
     """Fraction of the compressed matrices' parameters removed on the fly."""
-    corpus: str = "austen"
+    corpus: Annotated[str, NonEmpty()] = "austen"
     """Calibration and prompt text."""
-    calib_tokens: int = 32768
+    calib_tokens: Annotated[int, Range(ge=1)] = 32768
     """Calibration tokens for compressing on the fly."""
-    batches: Sequence[int] = (1, 16)
+    batches: Annotated[tuple[Annotated[int, Range(ge=1)], ...], NonEmpty(), Distinct()] = (
+        1, 16)
     """Batch sizes timed."""
-    prompt_len: int = 128
+    prompt_len: Annotated[int, Range(ge=1)] = 128
     """Prompt tokens per sequence (prefill)."""
-    decode_tokens: int = 32
+    decode_tokens: Annotated[int, Range(ge=1)] = 32
     """Cached decode steps timed after the prefill."""
-    trials: int = 7
+    trials: Annotated[int, Range(ge=1)] = 7
     """Interleaved trials per cell (medians reported)."""
-    warmup: int = 1
+    warmup: Annotated[int, Range(ge=0)] = 1
     """Untimed rounds first."""
-    threads: int = 2
+    threads: Annotated[int, Range(ge=1)] = 2
     """Torch threads."""
-    seed: int = 0
+    seed: Annotated[int, Range(ge=0)] = 0
     """Seed of the prompts and of the calibration windows."""
     peak_memory: bool = True
     """Measure peak resident memory in a fresh process per model and batch."""
 
     def __post_init__(self) -> None:
+        """Cross-field checks (each field's own range is checked by ``@validated``)."""
+        from structlm.hf.adapters import parse_types
         from structlm.share.compress.ranks import METHODS
 
         if self.method not in METHODS:
-            raise ValueError(f"method must be one of {list(METHODS)}, got {self.method!r}")
-        if not self.batches or any(int(b) < 1 for b in self.batches):
-            raise ValueError(f"batches must be one or more sizes >= 1, got {list(self.batches)}")
-        for name, low in (("prompt_len", 1), ("decode_tokens", 1), ("trials", 1),
-                          ("threads", 1), ("warmup", 0)):
-            if getattr(self, name) < low:
-                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
+            raise ConfigError(f"method: {self.method!r} is not valid: expected one of "
+                              f"{list(METHODS)}")
+        try:
+            parse_types(self.types)
+        except ValueError as e:
+            raise ConfigError(f"types: {e}") from None
 
 
 def unique_parameters(module: torch.nn.Module) -> tuple[int, int]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 from tqdm import tqdm
@@ -32,43 +32,45 @@ from structlm.bench.timing import (
     read_csv_rows,
     write_csv_atomic,
 )
+from structlm.config import ConfigError, NonEmpty, OneOf, Range, validated
+from structlm.models.presets import PRESETS as MODEL_PRESETS
 
 __all__ = ["PRESETS", "TrainBenchConfig", "markdown_from_csv", "run_train_bench",
            "training_step", "training_step_macs"]
 
 
 @dataclass(frozen=True)
+@validated
 class TrainBenchConfig:
     """One comparison: a model preset at one context and batch, dense vs ``algebra``."""
 
-    preset: str = "paper-110m"
+    preset: Annotated[str, OneOf(*MODEL_PRESETS)] = "paper-110m"
     """Model preset of both arms."""
-    algebra: str = "Q2^2"
+    algebra: Annotated[str, NonEmpty()] = "Q2^2"
     """FFN algebra of the algebra arm."""
-    seq_len: int = 1536
+    seq_len: Annotated[int, Range(ge=1)] = 1536
     """Tokens per sequence (the context of the step)."""
-    batch_size: int = 1
+    batch_size: Annotated[int, Range(ge=1)] = 1
     """Sequences per step."""
-    type_schedule: str = "auto"
+    type_schedule: Annotated[str, NonEmpty()] = "auto"
     """Type schedule of the algebra arm (auto: blocks scaled to seq_len, as training)."""
     structured_scores: bool = False
     """Structured attention scores in the algebra arm."""
-    trials: int = 5
+    trials: Annotated[int, Range(ge=1)] = 5
     """Interleaved timed rounds (medians reported)."""
-    warmup: int = 1
+    warmup: Annotated[int, Range(ge=0)] = 1
     """Untimed rounds first."""
-    threads: int = 2
+    threads: Annotated[int, Range(ge=1)] = 2
     """Torch threads."""
-    seed: int = 0
+    seed: Annotated[int, Range(ge=0)] = 0
     """Seed of initialisation and token ids."""
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "batch_size", "trials", "threads"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.warmup < 0:
-            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        """Cross-field checks (each field's own range is checked by ``@validated``)."""
+        context = MODEL_PRESETS[self.preset]["n_positions"]
+        if self.seq_len > context:
+            raise ConfigError(f"seq_len: {self.seq_len} is beyond the context of preset "
+                              f"{self.preset!r} ({context} positions)")
 
 
 #: The issue's shapes: paper-110m at its context (batch 1 and 2) and the CPU study's run.

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["finite_float", "generate_modes", "ints", "layer_list", "positive_int", "prompt",
-           "shapes", "strs", "temperature", "top_p"]
+__all__ = ["finite_float", "fraction", "generate_modes", "ints", "layer_list",
+           "non_negative_int", "positive_int", "prompt", "shapes", "strs", "temperature",
+           "top_p", "window"]
 
 
 def ints(text: str) -> tuple[int, ...]:
@@ -32,6 +33,36 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def window(text: str) -> int:
+    """A perplexity window: at least 2 tokens (one predicts the next)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 2, got {text!r}") from None
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 2 (a window scores each "
+                                         f"token from the ones before it), got {value}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A fraction strictly between 0 and 1."""
+    value = finite_float(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number > 0 and < 1, got {value}")
     return value
 
 

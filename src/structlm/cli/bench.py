@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from structlm.cli.args import generate_modes, positive_int, prompt, shapes
+from structlm.cli.args import generate_modes, prompt, shapes
 from structlm.cli.dataclass_flags import add_dataclass_flags
 from structlm.cli.lm import _check_gpt2_preset
 from structlm.config import dataclass_from_dict
@@ -77,8 +77,7 @@ def add_bench_commands(sub: Any) -> Any:
     bgen.add_argument("--out", default="bench-out/generate")
     bgen.set_defaults(func=_cmd_bench_generate, flags=add_dataclass_flags(
         bgen, GenerateBenchConfig, exclude=("prompts",),
-        parse={"modes": generate_modes, "max_new_tokens": positive_int,
-               "runs": positive_int, "threads": positive_int}))
+        parse={"modes": generate_modes}))
 
     from structlm.bench.train_step import PRESETS as TRAIN_PRESETS
     from structlm.bench.train_step import TrainBenchConfig

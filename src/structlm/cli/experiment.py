@@ -79,7 +79,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _add_demo(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=100, help="training steps per model")
+    parser.add_argument("--steps", type=positive_int, default=100,
+                        help="training steps per model")
     parser.add_argument("--algebra", default="Q2^2")
     parser.add_argument("--out", default="demo-report")
     parser.add_argument("--no-share", action="store_true",
@@ -101,8 +102,9 @@ def add_experiment_commands(sub: Any) -> None:
                        "seeds, then report (resumes arm by arm)")
     st.add_argument("config", help="study YAML (see configs/study/)")
     st.add_argument("--out", default=None, help="override out_dir")
-    st.add_argument("--max-steps", type=int, default=None, help="override train.max_steps")
-    st.add_argument("--threads", type=int, default=None,
+    st.add_argument("--max-steps", type=positive_int, default=None,
+                    help="override train.max_steps")
+    st.add_argument("--threads", type=positive_int, default=None,
                     help="torch threads (runtime only: a run may resume with another value)")
     st.set_defaults(func=_cmd_study)
 

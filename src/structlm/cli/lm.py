@@ -13,9 +13,17 @@ from structlm.cli.dataclass_flags import add_dataclass_flags
 
 
 def _cmd_cost(args: argparse.Namespace) -> int:
+    from structlm.algebra import num_types
     from structlm.models import config_from_preset
     from structlm.models.cost import model_cost
+    from structlm.nn.schedules import get_schedule
 
+    q = num_types(args.algebra)  # refuses an unknown algebra
+    if args.schedule:
+        try:
+            get_schedule(args.schedule, q)  # refuses an unknown schedule, dense too
+        except ValueError as e:
+            raise ValueError(f"--schedule: {e}") from None
     overrides = {"type_schedule": args.schedule} if args.schedule else {}
     cost = model_cost(config_from_preset(args.preset, args.algebra,
                                          structured_scores=args.structured_scores, **overrides))
@@ -151,5 +159,5 @@ def add_lm_commands(sub: Any) -> None:
     gen.add_argument("--top-p", type=top_p, default=0.95)
     gen.add_argument("--top-k", type=positive_int, default=50)
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--threads", type=int, default=2)
+    gen.add_argument("--threads", type=positive_int, default=2)
     gen.set_defaults(func=_cmd_generate)

@@ -7,7 +7,7 @@ import argparse
 import json
 from typing import Any
 
-from structlm.cli.args import positive_int
+from structlm.cli.args import non_negative_int, positive_int
 
 
 def _cmd_routes(args: argparse.Namespace) -> int:
@@ -45,7 +45,8 @@ def add_routes_command(sub: Any) -> None:
                    "compressed one too), or a hub id")
     r.add_argument("--batch", type=positive_int, default=1, help="sequences")
     r.add_argument("--tokens", type=positive_int, default=8, help="prompt tokens (prefill)")
-    r.add_argument("--decode-steps", type=int, default=1, help="cached decode steps")
+    r.add_argument("--decode-steps", type=non_negative_int, default=1,
+                   help="cached decode steps")
     r.add_argument("--convert", default="", help="convert_ to this algebra first (e.g. Q2^2)")
     r.add_argument("--targets", default="mlp", help="targets of --convert")
     r.add_argument("--decode-kernels", action="store_true",

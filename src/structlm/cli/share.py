@@ -8,9 +8,31 @@ import argparse
 import json
 from typing import Any
 
-from structlm.cli.args import layer_list, positive_int
+from structlm.cli.args import fraction, layer_list, positive_int, window
 from structlm.cli.dataclass_flags import add_dataclass_flags
-from structlm.config import dataclass_from_dict, read_yaml
+from structlm.config import ConfigError, dataclass_from_dict, read_yaml
+
+
+def model_context(model: Any) -> int | None:
+    """Positions the model ``model`` can attend to (``None``: it does not say)."""
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key in ("max_position_embeddings", "n_positions"):
+        value = getattr(text, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def model_limits(spec: str) -> tuple[int, int | None]:
+    """``(decoder layers, context positions or None)`` of model ``spec`` from its
+    architecture only (the weights are neither read nor initialised): what a config is
+    checked against before any work starts."""
+    from structlm.hf.adapters import get_adapter
+    from structlm.hf.loading import load_model
+
+    model = load_model(spec, weights=False).model
+    return get_adapter(model).num_layers, model_context(model)
 
 
 def _cmd_eval_ppl(args: argparse.Namespace) -> int:
@@ -28,6 +50,10 @@ def _cmd_eval_ppl(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
+    context = model_context(loaded.model)
+    if context is not None and args.window > context:
+        raise ConfigError(f"--window {args.window} is beyond the context of model "
+                          f"{args.model!r} ({context} positions)")
     split = split_corpus(args.corpus, args.eval_fraction, args.seed)
     docs = {"evaluation": split.evaluation, "calibration": split.calibration,
             "all": split.calibration + split.evaluation}[args.split]
@@ -71,6 +97,7 @@ def _cmd_share_analyze(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     raw = {**read_yaml(args.config), "model": args.model, **args.flags.values(args)}
     cfg = AnalysisConfig.from_dict(raw)
+    cfg.check_model(*model_limits(cfg.model))  # before any work
     res = run_analysis(cfg, args.out)
     print((args.out.rstrip("/") + "/report.md") + f" written ({res['seconds']:.0f} s)")
     return 0
@@ -85,10 +112,16 @@ def _cmd_share_compress(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     raw = read_yaml(args.config)
-    ft_raw = {**(raw.pop("finetune", {}) or {}), **args.ft_flags.values(args)}
+    ft_yaml = raw.pop("finetune", None) or {}
+    if not isinstance(ft_yaml, dict):
+        raise ConfigError(f"{args.config}: finetune: {ft_yaml!r} is not a mapping of "
+                          "FinetuneConfig keys")
+    ft_raw = {**ft_yaml, **args.ft_flags.values(args)}
     ccfg = CompressionConfig.from_dict({**raw, **args.flags.values(args)})
-    ft = dataclass_from_dict(FinetuneConfig, ft_raw, where="finetune") \
-        if ft_raw.get("steps") else None
+    ft = dataclass_from_dict(FinetuneConfig, ft_raw, where="finetune") if ft_raw else None
+    if ft is not None and not ft_raw.get("steps"):  # no steps given: no fine-tuning
+        ft = None
+    ccfg.check_model(model_limits(args.model)[0])  # before any work
     res = run_compress(args.model, ccfg, args.out, corpus=args.corpus,
                        second_corpus=args.second_corpus, calib_tokens=args.calib_tokens,
                        eval_tokens=args.eval_tokens, ft=ft, seed=args.seed)
@@ -126,20 +159,21 @@ def add_share_commands(sub: Any, bench: Any) -> None:
     ppl.add_argument("model", help="smollm2 (built in), a local folder, or a hub id")
     ppl.add_argument("--corpus", default="austen", help="austen, shakespeare, bible, a path")
     ppl.add_argument("--split", default="evaluation", choices=["evaluation", "calibration", "all"])
-    ppl.add_argument("--eval-fraction", type=float, default=0.25,
-                     help="documents held out for evaluation")
-    ppl.add_argument("--tokens", type=int, default=16384,
+    ppl.add_argument("--eval-fraction", type=fraction, default=0.25,
+                     help="documents held out for evaluation (> 0 and < 1)")
+    ppl.add_argument("--tokens", type=positive_int, default=16384,
                      help="tokens to score (windows: at least this many)")
     ppl.add_argument("--sampling", default="windows", choices=["windows", "head"],
                      help="windows: drawn across all documents (seeded; what every report "
                           "uses); head: the first --tokens tokens in document order")
-    ppl.add_argument("--window", type=int, default=512)
-    ppl.add_argument("--stride", type=int, default=None,
+    ppl.add_argument("--window", type=window, default=512,
+                     help="tokens per scored window (>= 2, at most the model's context)")
+    ppl.add_argument("--stride", type=positive_int, default=None,
                      help="new tokens scored per window (default window-1)")
     ppl.add_argument("--bos", action="store_true", help="put BOS in front of every window")
-    ppl.add_argument("--batch-size", type=int, default=4)
+    ppl.add_argument("--batch-size", type=positive_int, default=4)
     ppl.add_argument("--seed", type=int, default=0)
-    ppl.add_argument("--threads", type=int, default=2)
+    ppl.add_argument("--threads", type=positive_int, default=2)
     ppl.add_argument("--json", action="store_true", help="one JSON object")
     ppl.set_defaults(func=_cmd_eval_ppl)
 

@@ -22,11 +22,11 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 
-from structlm.config import ConfigError, dataclass_from_dict
+from structlm.config import ConfigError, NonEmpty, Range, dataclass_from_dict, validated
 from structlm.convert.convert import AlgebraConfig, conversion_info, convert_
 from structlm.convert.typed_linear import TypedAlgebraLinear
 from structlm.folders import check_apart
@@ -43,35 +43,35 @@ def _no_healing() -> FinetuneConfig:
 
 
 @dataclass
+@validated
 class ConvertConfig:
     """What ``structlm convert`` does (checked when built)."""
 
-    model: str
+    model: Annotated[str, NonEmpty()]
     """smollm2 (built in), a local folder, or a hub id."""
-    algebra: str = "Q2^2"
+    algebra: Annotated[str, NonEmpty()] = "Q2^2"
     """Product rule (``structlm algebra table``)."""
-    schedule: str = "cyclic"
+    schedule: Annotated[str, NonEmpty()] = "cyclic"
     """Position types (cyclic, block:<size>[:<period>], table:..., cross-layer:...)."""
-    targets: str = "mlp"
+    targets: Annotated[str, NonEmpty()] = "mlp"
     """Matrix types converted: mlp, attn, all, or a list of q,k,v,o,mlp_in,mlp_out."""
     heal: FinetuneConfig = field(default_factory=_no_healing)
     """Healing after the change (``steps`` 0: none): the converted layers' weights
     trained on the corpus's calibration documents."""
-    corpus: str = "austen"
+    corpus: Annotated[str, NonEmpty()] = "austen"
     """Healing text and in-domain evaluation text (held-out documents)."""
     second_corpus: str = "shakespeare"
     """Other-domain evaluation text ("" for none)."""
-    eval_tokens: int = 0
-    """Scored tokens per text before and after (0: no evaluation; 16384 for a report)."""
-    seed: int = 0
+    eval_tokens: Annotated[int, Range(ge=0, note="0: no evaluation")] = 0
+    """Scored tokens per text before and after (16384 for a report)."""
+    seed: Annotated[int, Range(ge=0)] = 0
     """Seed of the document split, the windows and the healing batch order."""
 
     def __post_init__(self) -> None:
+        """Cross-field checks (each field's own range is checked by ``@validated``)."""
+        if not isinstance(self.heal, FinetuneConfig):
+            raise ConfigError(f"heal: {self.heal!r} is not a mapping of FinetuneConfig keys")
         AlgebraConfig(self.algebra, self.schedule, self.targets)  # checks all three
-        if self.eval_tokens < 0:
-            raise ConfigError(f"eval_tokens must be >= 0, got {self.eval_tokens}")
-        if self.heal.steps < 0:
-            raise ConfigError(f"heal.steps must be >= 0, got {self.heal.steps}")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ConvertConfig:

@@ -18,10 +18,9 @@ def _update(h: hashlib._Hash, t: torch.Tensor) -> None:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
     h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-    if t.numel():
-        h.update(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
+    if t.numel():  # flat first: a 0-dim tensor cannot be viewed as bytes
+        h.update(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
 
 
 def tensor_fingerprint(t: torch.Tensor) -> str:

@@ -2,11 +2,42 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from transformers import PretrainedConfig
 
-__all__ = ["StructLMConfig"]
+from structlm.config import ConfigError, Range, coerce
+
+__all__ = ["FIELD_TYPES", "StructLMConfig", "check_config_values"]
+
+_POSITIVE = Annotated[int, Range(ge=1)]
+_TOKEN_ID = Annotated[int | None, Range(ge=0)]
+
+FIELD_TYPES: dict[str, Any] = {
+    "vocab_size": _POSITIVE, "n_positions": _POSITIVE, "hidden_size": _POSITIVE,
+    "num_hidden_layers": _POSITIVE, "num_attention_heads": _POSITIVE,
+    "intermediate_size": _POSITIVE, "algebra": str, "type_schedule": str,
+    "structured_scores": bool, "layer_norm_epsilon": Annotated[float, Range(gt=0)],
+    "initializer_range": Annotated[float, Range(gt=0)], "tie_word_embeddings": bool,
+    "bos_token_id": _TOKEN_ID, "eos_token_id": _TOKEN_ID, "pad_token_id": _TOKEN_ID,
+}
+"""The type and valid range of every :class:`StructLMConfig` field a caller sets (what
+``TrainConfig.model_overrides`` may hold)."""
+
+
+def check_config_values(values: dict[str, Any], where: str = "") -> dict[str, Any]:
+    """``values`` (fields of :class:`StructLMConfig`) coerced to their types and checked
+    against their ranges.
+
+    Raises:
+        ConfigError: an unknown key, or a value of the wrong type or out of range, named
+            as ``<where><key>``.
+    """
+    unknown = sorted(set(values) - set(FIELD_TYPES))
+    if unknown:
+        raise ConfigError(f"{where.rstrip('.')}: unknown keys {unknown}; expected some of "
+                          f"{sorted(FIELD_TYPES)}")
+    return {k: coerce(v, FIELD_TYPES[k], where + k) for k, v in values.items()}
 
 
 class StructLMConfig(PretrainedConfig):
@@ -52,6 +83,27 @@ class StructLMConfig(PretrainedConfig):
         eos_token_id: int = 50256,
         **kwargs: Any,
     ) -> None:
+        given = {"vocab_size": vocab_size, "n_positions": n_positions,
+                 "hidden_size": hidden_size, "num_hidden_layers": num_hidden_layers,
+                 "num_attention_heads": num_attention_heads,
+                 "intermediate_size": intermediate_size, "algebra": algebra,
+                 "type_schedule": type_schedule, "structured_scores": structured_scores,
+                 "layer_norm_epsilon": layer_norm_epsilon,
+                 "initializer_range": initializer_range,
+                 "tie_word_embeddings": tie_word_embeddings, "bos_token_id": bos_token_id,
+                 "eos_token_id": eos_token_id}
+        if "pad_token_id" in kwargs:
+            given["pad_token_id"] = kwargs["pad_token_id"]
+        c = check_config_values(given)  # types and ranges, named
+        if "pad_token_id" in kwargs:
+            kwargs["pad_token_id"] = c["pad_token_id"]
+        vocab_size, n_positions, hidden_size = c["vocab_size"], c["n_positions"], c["hidden_size"]
+        num_hidden_layers, num_attention_heads = c["num_hidden_layers"], c["num_attention_heads"]
+        intermediate_size, algebra, type_schedule = (c["intermediate_size"], c["algebra"],
+                                                     c["type_schedule"])
+        structured_scores, tie_word_embeddings = c["structured_scores"], c["tie_word_embeddings"]
+        layer_norm_epsilon, initializer_range = c["layer_norm_epsilon"], c["initializer_range"]
+        bos_token_id, eos_token_id = c["bos_token_id"], c["eos_token_id"]
         if hidden_size % num_attention_heads:
             raise ValueError(f"hidden_size={hidden_size} is not divisible by "
                              f"num_attention_heads={num_attention_heads}")

@@ -19,14 +19,15 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import torch
 from tqdm import tqdm
 
 from structlm.atomic import atomic_write_json
-from structlm.config import ConfigError, RunError
+from structlm.config import ConfigError, NonEmpty, OneOf, Range, RunError, validated
 from structlm.data.bpe import parse_tokenizer_spec
+from structlm.models.presets import PRESETS
 from structlm.nn.schedules import auto_schedule, check_type_coverage, get_schedule, type_counts
 from structlm.settings import local_rank
 from structlm.train import distributed as D
@@ -42,17 +43,21 @@ __all__ = ["TrainConfig", "build_model", "build_optimizer", "clip_gradients", "l
            "train"]
 
 
+_POS = Range(ge=1)
+
+
 @dataclass
+@validated
 class TrainConfig:
     """A training run (every field can be set in the YAML file)."""
 
-    out_dir: str = "runs/cpu-small"
-    """Where metrics, checkpoints and the plot go."""
-    preset: str = "cpu-small"
+    out_dir: Annotated[str, NonEmpty()] = "runs/cpu-small"
+    """Where metrics, checkpoints and the plot go (a folder; an existing file is refused)."""
+    preset: Annotated[str, OneOf(*PRESETS)] = "cpu-small"
     """Model preset (``paper-110m``, ``cpu-small``, ``tiny``)."""
-    algebra: str = "dense"
+    algebra: Annotated[str, NonEmpty()] = "dense"
     """FFN algebra: ``dense`` or a catalogue name (``Q2^2``, ``Q4``, ...)."""
-    type_schedule: str = "auto"
+    type_schedule: Annotated[str, NonEmpty()] = "auto"
     """Position types: ``auto`` (the paper's block rule scaled to ``seq_len``: blocks of
     ``seq_len / (2q)``), ``block`` (the paper's 192-blocks), ``block:<n>``, ``cyclic``,
     ``table:...``, ``cross-layer:<any of these>`` (type shifted by the layer index). A
@@ -61,76 +66,82 @@ class TrainConfig:
     allow_untrained_types: bool = False
     """Train even if some types never occur in a window (their blocks stay untrained)."""
     model_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Config fields to change on top of the preset (e.g. ``n_positions``)."""
-    corpus: str = "shakespeare"
+    """Config fields to change on top of the preset (e.g. ``n_positions``); each is checked
+    against its type and range (``StructLMConfig``), and the fields this config sets itself
+    (``algebra``, ``type_schedule``) are refused here."""
+    corpus: Annotated[str, NonEmpty()] = "shakespeare"
     """Corpus spec (see ``structlm.data.corpora.load_corpus``)."""
-    tokenizer: str = "gpt2"
+    tokenizer: Annotated[str, NonEmpty()] = "gpt2"
     """``gpt2`` (50,257 tokens) or ``bpe:<vocab>``: a byte-level BPE trained on the
     training documents; the model's vocabulary and BOS/EOS ids then follow it."""
     data_dir: str = ""
     """Token cache folder (default: ``<out_dir>/data``)."""
     heldout: str = ""
     """Corpus spec of held-out/benchmark texts to decontaminate the training data against."""
-    val_fraction: float = 0.1
-    """Fraction of the corpus's documents held out for validation (in (0, 1))."""
-    data_seed: int | None = None
+    val_fraction: Annotated[float, Range(gt=0, lt=1)] = 0.1
+    """Fraction of the corpus's documents held out for validation (training evaluates on
+    held-out documents)."""
+    data_seed: Annotated[int | None, Range(ge=0)] = None
     """Seed of the train/validation document split (``None``: ``seed``); runs that are
     compared across seeds keep one split."""
-    seq_len: int = 256
-    """Tokens per training window."""
-    batch_size: int = 8
+    seq_len: Annotated[int, _POS] = 256
+    """Tokens per training window (at most the model's ``n_positions``)."""
+    batch_size: Annotated[int, _POS] = 8
     """Windows per micro-batch (per process)."""
-    grad_accum: int = 1
+    grad_accum: Annotated[int, _POS] = 1
     """Micro-batches per optimiser step."""
-    max_steps: int = 200
+    max_steps: Annotated[int, _POS] = 200
     """Optimiser steps (a larger value extends a finished run on resume)."""
-    lr: float = 3e-4
+    lr: Annotated[float, Range(gt=0)] = 3e-4
     """Peak learning rate (AdamW)."""
-    warmup_steps: int = 500
+    warmup_steps: Annotated[int, Range(ge=0, note="0: no warm-up")] = 500
     """Linear warm-up steps, then cosine decay to min_lr_ratio x lr."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: Annotated[float, Range(ge=0, le=1)] = 0.1
     """Final rate as a fraction of the peak."""
-    weight_decay: float = 0.1
+    weight_decay: Annotated[float, Range(ge=0)] = 0.1
     """AdamW weight decay (matrices only)."""
-    beta1: float = 0.9
+    beta1: Annotated[float, Range(ge=0, lt=1)] = 0.9
     """AdamW beta1."""
-    beta2: float = 0.95
+    beta2: Annotated[float, Range(ge=0, lt=1)] = 0.95
     """AdamW beta2."""
-    grad_clip: float = 1.0
-    """Largest global L2 norm of the gradients per optimiser step; ``0`` = no clipping
-    (a negative value is refused)."""
-    eval_every: int = 50
+    grad_clip: Annotated[float, Range(ge=0, note="0: no clipping")] = 1.0
+    """Largest global L2 norm of the gradients per optimiser step; ``0`` = no clipping."""
+    eval_every: Annotated[int, _POS] = 50
     """Steps between validation evaluations."""
-    eval_batches: int = 8
+    eval_batches: Annotated[int, _POS] = 8
     """Validation batches per evaluation during training."""
-    save_every: int = 100
+    save_every: Annotated[int, _POS] = 100
     """Steps between checkpoints."""
-    seed: int = 0
+    seed: Annotated[int, Range(ge=0)] = 0
     """Seed of initialisation and data order."""
-    threads: int = 2
+    threads: Annotated[int, _POS] = 2
     """Torch threads per process."""
-    parallel: str = "auto"
+    parallel: Annotated[str, OneOf(*D.PARALLEL_MODES)] = "auto"
     """Engine under ``torchrun``: ``ddp``, ``fsdp`` (FSDP2, sharded) or ``auto`` (= DDP);
     one process runs plainly whatever the value."""
 
     def __post_init__(self) -> None:
-        D.check_parallel(self.parallel)
-        for name in ("seq_len", "batch_size", "grad_accum", "max_steps", "eval_every",
-                     "eval_batches", "save_every", "threads"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not self.grad_clip >= 0:  # NaN too
-            raise ConfigError(f"grad_clip must be >= 0 (0: no clipping), got "
-                              f"{self.grad_clip!r}")
-        if not 0 < self.val_fraction < 1:
-            raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}: "
-                             "training evaluates on held-out documents")
-        _check_model_overrides(self.model_overrides)
-        if self.trained_tokenizer and "vocab_size" in self.model_overrides:
-            raise ValueError(f"model_overrides.vocab_size={self.model_overrides['vocab_size']} "
-                             f"conflicts with tokenizer {self.tokenizer!r}: the vocabulary "
-                             "follows the trained tokenizer")
+        """Cross-field checks (each field's own range is checked by ``@validated``)."""
+        if os.path.exists(self.out_dir) and not os.path.isdir(self.out_dir):
+            raise ConfigError(f"out_dir: {self.out_dir!r} is an existing file, not a folder")
+        self.model_overrides = _check_model_overrides(self.model_overrides)
+        if self.trained_tokenizer:
+            clash = sorted({"vocab_size", "bos_token_id", "eos_token_id"}
+                           & set(self.model_overrides))
+            if clash:
+                raise ConfigError(f"model_overrides: {clash} conflict with tokenizer "
+                                  f"{self.tokenizer!r}: the vocabulary and its BOS/EOS ids "
+                                  "follow the trained tokenizer")
+        q = self.q  # refuses an unknown algebra
+        try:
+            get_schedule(self.model_schedule(), q)
+        except ValueError as e:
+            raise ConfigError(f"type_schedule: {e}") from None
+        context = self.model_config().n_positions  # checks the model's fields together
+        if self.seq_len > context:
+            raise ConfigError(f"seq_len: {self.seq_len} is beyond the model's context of "
+                              f"{context} positions (n_positions of preset {self.preset!r} "
+                              "or model_overrides)")
         self.type_counts()  # refuses a schedule that leaves a type untrained
 
     @property
@@ -183,18 +194,20 @@ class TrainConfig:
         return check_type_coverage(schedule, self.seq_len, spec)
 
 
-def _check_model_overrides(overrides: dict[str, Any]) -> None:
-    """``model_overrides`` may set only fields of ``StructLMConfig``."""
-    import inspect
+def _check_model_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
+    """``model_overrides`` coerced and checked: only fields of ``StructLMConfig``, each of
+    its type and in its range, and none this config sets itself."""
+    from structlm.models.configuration_structlm import check_config_values
 
-    from structlm.models.configuration_structlm import StructLMConfig
+    own = sorted(_OWN_MODEL_FIELDS & set(overrides))
+    if own:
+        raise ConfigError(f"model_overrides: {own} are TrainConfig fields: set them at the top "
+                          "level of the config, not in model_overrides")
+    return check_config_values(overrides, where="model_overrides.")
 
-    known = set(inspect.signature(StructLMConfig.__init__).parameters) - {"self", "kwargs"}
-    known |= {"pad_token_id"}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise ValueError(f"model_overrides: unknown keys {unknown}; expected some of "
-                         f"{sorted(known)}")
+
+_OWN_MODEL_FIELDS = frozenset({"algebra", "type_schedule"})
+"""Model config fields that ``TrainConfig`` sets from its own fields."""
 
 
 _RUNTIME_FIELDS = frozenset({"parallel", "threads", "save_every", "eval_every", "max_steps"})

@@ -92,7 +92,8 @@ def test_cli_builds_the_config(tmp_path) -> None:
     cfg = convert_experiment_config(args)
     assert cfg.algebras == ["Q4"] and cfg.targets == ["mlp"]
     assert (cfg.heal.steps, cfg.heal.lr, cfg.heal.warmup) == (7, 0.001, 5)
-    with pytest.raises(Exception, match="targets: 'ffn' is not mlp or attn"):
+    with pytest.raises(Exception, match=r"targets\[0\]: 'ffn' is not valid: expected one of "
+                                        "'mlp', 'attn'"):
         ConvertExperimentConfig(targets=["ffn"])
 
 

@@ -35,13 +35,21 @@ import time
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 from torch import nn
 
 from structlm.atomic import atomic_write_text, clean_json
-from structlm.config import ConfigError, dataclass_from_dict
+from structlm.config import (
+    ConfigError,
+    Distinct,
+    NonEmpty,
+    OneOf,
+    Range,
+    dataclass_from_dict,
+    validated,
+)
 from structlm.convert.convert import AlgebraConfig, convert_
 from structlm.convert.typed_linear import TypedAlgebraLinear
 from structlm.experiments.convert.baselines import prune_ffn_width_
@@ -61,57 +69,67 @@ def _heal_default() -> FinetuneConfig:
     return FinetuneConfig(steps=100, warmup=5, eval_every=25)
 
 
+_TARGET = Annotated[str, OneOf("mlp", "attn")]
+
+
 @dataclass
+@validated
 class ConvertExperimentConfig:
     """The conversion experiment (every field settable from YAML or the CLI)."""
 
-    model: str = "smollm2"
-    corpus: str = "austen"
+    model: Annotated[str, NonEmpty()] = "smollm2"
+    corpus: Annotated[str, NonEmpty()] = "austen"
     """Calibration and healing text; its held-out documents are the in-domain text."""
     second_corpus: str = "shakespeare"
     """Other-domain evaluation text."""
-    calib_tokens: int = 32768
+    calib_tokens: Annotated[int, Range(ge=512, note="one calibration window")] = 32768
     """Calibration tokens (windows across all calibration documents, seeded)."""
-    eval_tokens: int = 16384
+    eval_tokens: Annotated[int, Range(ge=1)] = 16384
     """Scored tokens per evaluation text (windows across all held-out documents)."""
-    algebras: list[str] = field(default_factory=lambda: ["Q2^2", "Q4"])
+    algebras: Annotated[list[str], NonEmpty(), Distinct()] = field(
+        default_factory=lambda: ["Q2^2", "Q4"])
     """Algebras the projections are converted to (each sets one MAC budget)."""
-    targets: list[str] = field(default_factory=lambda: ["mlp", "attn"])
+    targets: Annotated[list[_TARGET], NonEmpty(), Distinct()] = field(
+        default_factory=lambda: ["mlp", "attn"])
     """Projection groups converted: mlp (FFN) and/or attn."""
-    schedule: str = "cyclic"
+    schedule: Annotated[str, NonEmpty()] = "cyclic"
     """Position-type schedule of the converted layers."""
-    baselines: list[str] = field(default_factory=lambda: list(BASELINES))
+    baselines: Annotated[list[Annotated[str, OneOf(*BASELINES)]], Distinct()] = field(
+        default_factory=lambda: list(BASELINES))
     """Equal-MAC baselines: prune (FFN width; mlp only) and/or svd (low rank)."""
     dense_control: bool = True
     """Also heal the unchanged model the same way (the domain-adaptation control)."""
     heal: FinetuneConfig = field(default_factory=_heal_default)
-    """Healing of every arm (the same for all; only the trained modules differ)."""
-    seeds: list[int] = field(default_factory=lambda: [0])
+    """Healing of every arm (the same for all; only the trained modules differ; at least
+    one step)."""
+    seeds: Annotated[list[Annotated[int, Range(ge=0)]], NonEmpty(), Distinct()] = field(
+        default_factory=lambda: [0])
     """Healing seeds (batch order)."""
-    seed_targets: list[str] | None = None
+    seed_targets: Annotated[list[_TARGET] | None, Distinct()] = None
     """Targets whose algebra and baseline arms are healed with every seed (the verdict
     rule needs at least two per arm); every other arm, the dense controls included, with
     ``seeds[0]`` only. ``None``: every arm with every seed."""
-    mac_tolerance: float = 0.01
+    mac_tolerance: Annotated[float, Range(ge=0, lt=1)] = 0.01
     """Baselines' projection MACs must lie within this fraction below the algebra's."""
 
     def __post_init__(self) -> None:
+        """Cross-field checks (each field's own range is checked by ``@validated``)."""
+        if not isinstance(self.heal, FinetuneConfig):
+            raise ConfigError(f"heal: {self.heal!r} is not a mapping of FinetuneConfig keys")
         for name in self.algebras:
             AlgebraConfig(name, self.schedule)  # raises naming a bad algebra or schedule
-        for t in self.targets:
-            if t not in ("mlp", "attn"):
-                raise ConfigError(f"targets: {t!r} is not mlp or attn")
         bad_seed_targets = [t for t in self.seed_targets or [] if t not in self.targets]
         if bad_seed_targets:
             raise ConfigError(f"seed_targets {bad_seed_targets}: expected some of the "
                               f"targets {self.targets}")
-        bad = [b for b in self.baselines if b not in BASELINES]
-        if bad:
-            raise ConfigError(f"baselines {bad}: expected some of {list(BASELINES)}")
-        if not self.seeds:
-            raise ConfigError("seeds must not be empty")
+        if self.baselines and "mlp" not in self.targets and set(self.baselines) == {"prune"}:
+            raise ConfigError(f"baselines: {self.baselines} would run no arm: prune cuts the "
+                              f"FFN width, so it applies to target mlp only, and targets are "
+                              f"{self.targets}; add mlp to targets, use svd, or give no "
+                              "baselines")
         if self.heal.steps < 1:
-            raise ConfigError(f"heal.steps must be >= 1, got {self.heal.steps}")
+            raise ConfigError(f"heal.steps: {self.heal.steps} is out of range: expected >= 1 "
+                              "(every arm is healed)")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ConvertExperimentConfig:

@@ -31,14 +31,14 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 
 from structlm.atomic import atomic_write_text, clean_json
-from structlm.config import dataclass_from_dict
+from structlm.config import ConfigError, Distinct, NonEmpty, Range, dataclass_from_dict, validated
 from structlm.experiments.plot_throttle import PlotThrottle
-from structlm.hf.adapters import MatrixType, get_adapter
+from structlm.hf.adapters import MatrixType, get_adapter, parse_types
 from structlm.hf.finetune import FinetuneConfig, finetune
 from structlm.hf.pipeline import Prepared, evaluate_all, prepare, spread_windows
 from structlm.share.compress import (
@@ -67,35 +67,43 @@ def _whole_finetune() -> FinetuneConfig:
     return FinetuneConfig(steps=100, warmup=5, eval_every=25)
 
 
+_FRACTION = Annotated[float, Range(gt=0, lt=1)]
+
+
 @dataclass
+@validated
 class ExperimentConfig:
     """Budgets of the experiment (SmolLM2 on 2 cores: several hours with the defaults;
     every finished arm is kept in ``arms.json``, so an interrupted run resumes)."""
 
-    model: str = "smollm2"
-    corpus: str = "austen"
+    model: Annotated[str, NonEmpty()] = "smollm2"
+    corpus: Annotated[str, NonEmpty()] = "austen"
     """Calibration and fine-tuning corpus; its held-out documents are the in-domain text."""
     second_corpus: str = "shakespeare"
     """Other-domain evaluation text."""
     second_model: str = ""
     """Test 8's second model ("" = not run)."""
-    calib_tokens: int = 32768
+    calib_tokens: Annotated[int, Range(ge=512, note="one calibration window")] = 32768
     """Calibration tokens (windows across all calibration documents, seeded)."""
-    eval_tokens: int = 16384
+    eval_tokens: Annotated[int, Range(ge=2)] = 16384
     """Scored tokens per evaluation text (windows drawn across all held-out documents)."""
-    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    methods: Annotated[list[str], NonEmpty(), Distinct()] = field(
+        default_factory=lambda: list(METHODS))
     """Methods of the whole-model regime (see share/compress/ranks.py)."""
-    reductions: list[float] = field(default_factory=lambda: [0.2, 0.3, 0.4, 0.5])
+    reductions: Annotated[list[_FRACTION], NonEmpty(), Distinct()] = field(
+        default_factory=lambda: [0.2, 0.3, 0.4, 0.5])
     """Whole-model regime: fraction of every compressed type's parameters removed."""
-    types: str = "all"
+    types: Annotated[str, NonEmpty()] = "all"
     """Matrix types of the whole-model regime."""
-    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    seeds: Annotated[list[Annotated[int, Range(ge=0)]], NonEmpty(), Distinct()] = field(
+        default_factory=lambda: [0, 1, 2])
     """Fine-tuning seeds."""
-    multi_seed_reductions: list[float] = field(default_factory=lambda: [0.2, 0.4])
+    multi_seed_reductions: Annotated[list[_FRACTION], Distinct()] = field(
+        default_factory=lambda: [0.2, 0.4])
     """Reductions fine-tuned with every seed; the others with ``seeds[0]`` only."""
-    residual_rank: int = 32
+    residual_rank: Annotated[int, Range(ge=0)] = 32
     """Rank of the hybrid's per-layer residual."""
-    group_size: int = 2
+    group_size: Annotated[int, Range(ge=1)] = 2
     """``basis-sharing``: consecutive layers per basis (the paper's LLaMA configs: 2)."""
     update: bool = False
     """``basis-sharing``: the paper's optional closed-form update step."""
@@ -105,31 +113,39 @@ class ExperimentConfig:
     """Fine-tuning of the seed regime's arms (long enough to plateau: ≥ 300 steps)."""
     seed_regime: bool = True
     """Run the seed's regime (Q only at k = d/4 and equal-storage baselines)."""
-    seed_types: str = "q"
+    seed_types: Annotated[str, NonEmpty()] = "q"
     """Matrix types of the seed regime."""
-    seed_k_fraction: float = 0.25
+    seed_k_fraction: Annotated[float, Range(gt=0, le=1)] = 0.25
     """The seed regime's k as a fraction of the hidden size (the seed's d/4)."""
-    seed_methods: list[str] = field(default_factory=lambda: [
+    seed_methods: Annotated[list[str], Distinct()] = field(default_factory=lambda: [
         SHARED_METHOD.name, SVD_METHOD.name, BASIS_SHARING_METHOD.name])
-    """Methods of the seed regime."""
+    """Methods of the seed regime, ``shared`` first (it sets the storage of the others)."""
     scope: bool = True
     """Run tests 7/9: attention only vs MLP only at scope_reduction."""
-    scope_reduction: float = 0.4
+    scope_reduction: _FRACTION = 0.4
     """Reduction of every type for tests 7 and 9."""
-    budget_tolerance: float = 0.005
+    budget_tolerance: Annotated[float, Range(ge=0, lt=1)] = 0.005
     """Whole-model arms must store within this fraction of the budget."""
 
     def __post_init__(self) -> None:
-        bad = [m for m in [*self.methods, *self.seed_methods] if m not in METHODS]
-        if bad:
-            raise ValueError(f"unknown methods {bad}: expected some of {tuple(METHODS)}")
-        if not self.seeds:
-            raise ValueError("seeds must not be empty")
-        if any(not 0 < r < 1 for r in self.reductions):
-            raise ValueError(f"reductions must be in (0, 1), got {self.reductions}")
-        if self.eval_tokens < 2 or self.calib_tokens < 512:
-            raise ValueError(f"eval_tokens >= 2 and calib_tokens >= 512 needed, got "
-                             f"{self.eval_tokens}, {self.calib_tokens}")
+        """Cross-field checks (each field's own range is checked by ``@validated``)."""
+        for key in ("finetune", "seed_finetune"):
+            if not isinstance(getattr(self, key), FinetuneConfig):
+                raise ConfigError(f"{key}: {getattr(self, key)!r} is not a mapping of "
+                                  "FinetuneConfig keys")
+        for key in ("methods", "seed_methods"):
+            bad = [m for m in getattr(self, key) if m not in METHODS]
+            if bad:
+                raise ConfigError(f"{key}: unknown methods {bad}: expected some of "
+                                  f"{tuple(METHODS)}")
+        for key in ("types", "seed_types"):
+            try:
+                parse_types(getattr(self, key))
+            except ValueError as e:
+                raise ConfigError(f"{key}: {e}") from None
+        if self.seed_regime and self.seed_methods and self.seed_methods[0] != SHARED_METHOD.name:
+            raise ConfigError(f"seed_methods: {self.seed_methods} must start with "
+                              f"{SHARED_METHOD.name!r} (it sets the others' storage)")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ExperimentConfig:
@@ -299,10 +315,7 @@ def _cells(cfg: ExperimentConfig, prep: Prepared, cache: _ArmCache,
     cells: list[_Cell] = []
     info: dict[str, Any] = {}
     n_s = len(cfg.seeds)
-    if cfg.seed_regime and cfg.seed_methods:
-        if cfg.seed_methods[0] != SHARED_METHOD.name:
-            raise ValueError(f"seed_methods must start with 'shared' (it sets the storage), "
-                             f"got {cfg.seed_methods}")
+    if cfg.seed_regime and cfg.seed_methods:  # shared first: checked by the config
         ref = CompressionConfig(method=SHARED_METHOD.name, types=cfg.seed_types,
                                 k_fraction=cfg.seed_k_fraction)
         a = cache.analytic(prep, ref, progress)

@@ -21,8 +21,9 @@ import json
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+from structlm.config import ConfigError, Distinct, NonEmpty, OneOf, Range, validated
 from structlm.models.presets import PRESETS
 from structlm.train.loop import TrainConfig
 
@@ -35,28 +36,30 @@ _SHARED_TRAIN_FIELDS = ("seq_len", "batch_size", "grad_accum", "max_steps", "lr"
 
 
 @dataclass(frozen=True)
+@validated
 class ArmSpec:
     """One arm of a study."""
 
-    name: str
-    algebra: str = "dense"
+    name: Annotated[str, NonEmpty()]
+    """The arm's name (its runs' folder: no ``/``, no surrounding spaces)."""
+    algebra: Annotated[str, NonEmpty()] = "dense"
     ffn: str | int = "preset"
-    """``preset`` (the preset's width), an integer width, or ``mac-match:<algebra>``."""
-    type_schedule: str = "auto"
+    """``preset`` (the preset's width), an integer width >= 1, or ``mac-match:<algebra>``."""
+    type_schedule: Annotated[str, NonEmpty()] = "auto"
     structured_scores: bool = False
-    seeds: tuple[int, ...] = (0,)
+    seeds: Annotated[tuple[Annotated[int, Range(ge=0)], ...], NonEmpty(), Distinct()] = (0,)
 
     def __post_init__(self) -> None:
-        if not self.name or "/" in self.name or self.name != self.name.strip():
-            raise ValueError(f"arm name {self.name!r} must be non-empty, without '/' or "
-                             "surrounding spaces")
-        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
-            raise ValueError(f"arm {self.name!r}: seeds {list(self.seeds)} must be distinct "
-                             "and at least one")
+        """Cross-field checks (each field's own range is checked by ``@validated``)."""
+        if "/" in self.name or self.name != self.name.strip():
+            raise ConfigError(f"arm name {self.name!r} must be without '/' or surrounding "
+                              "spaces")
+        if isinstance(self.ffn, int) and self.ffn < 1:
+            raise ConfigError(f"arm {self.name!r}: ffn width {self.ffn} must be >= 1")
         if isinstance(self.ffn, str) and self.ffn != "preset" and not (
                 self.ffn.startswith("mac-match:")):
-            raise ValueError(f"arm {self.name!r}: ffn {self.ffn!r} must be 'preset', an "
-                             "integer width or 'mac-match:<algebra>'")
+            raise ConfigError(f"arm {self.name!r}: ffn {self.ffn!r} must be 'preset', an "
+                              "integer width or 'mac-match:<algebra>'")
 
     @property
     def is_dense(self) -> bool:
@@ -67,31 +70,29 @@ class ArmSpec:
 
 
 @dataclass(frozen=True)
+@validated
 class StudyConfig:
     """A study: the shared data and training settings, and the arms."""
 
-    out_dir: str
-    arms: tuple[ArmSpec, ...]
-    preset: str = "study-cpu"
-    corpus: str = "shakespeare"
-    tokenizer: str = "bpe:8192"
-    data_seed: int = 0
+    out_dir: Annotated[str, NonEmpty()]
+    arms: Annotated[tuple[ArmSpec, ...], NonEmpty()]
+    preset: Annotated[str, OneOf(*PRESETS)] = "study-cpu"
+    corpus: Annotated[str, NonEmpty()] = "shakespeare"
+    tokenizer: Annotated[str, NonEmpty()] = "bpe:8192"
+    data_seed: Annotated[int, Range(ge=0)] = 0
     train: dict[str, Any] = field(default_factory=dict)
-    min_val_tokens: int = 100_000
-    eval_batch_size: int = 8
-    generation_tokens: int = 128
-    generation_runs: int = 4
+    min_val_tokens: Annotated[int, Range(ge=0)] = 100_000
+    eval_batch_size: Annotated[int, Range(ge=1)] = 8
+    generation_tokens: Annotated[int, Range(ge=1)] = 128
+    generation_runs: Annotated[int, Range(ge=2, note="the first run is a warm-up")] = 4
 
     def __post_init__(self) -> None:
-        if self.preset not in PRESETS:
-            raise ValueError(f"unknown preset {self.preset!r}: expected one of {sorted(PRESETS)}")
+        """Cross-field checks (each field's own range is checked by ``@validated``)."""
         bad = sorted(set(self.train) - set(_SHARED_TRAIN_FIELDS))
         if bad:
             raise ValueError(f"train: keys {bad} cannot be set for the whole study; expected "
                              f"some of {list(_SHARED_TRAIN_FIELDS)} (the model and seed are "
                              "per arm)")
-        if not self.arms:
-            raise ValueError("a study needs at least one arm")
         names = [a.name for a in self.arms]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
@@ -113,8 +114,6 @@ class StudyConfig:
         if arm.ffn == "preset":
             return base
         if isinstance(arm.ffn, int):
-            if arm.ffn < 1:
-                raise ValueError(f"arm {arm.name!r}: ffn width {arm.ffn} must be >= 1")
             return arm.ffn
         from structlm.models.cost import _rho
         from structlm.models.presets import config_from_preset

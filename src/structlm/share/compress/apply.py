@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 from torch import nn
 
-from structlm.config import dataclass_from_dict
+from structlm.config import ConfigError, NonEmpty, OneOf, Range, dataclass_from_dict, validated
 from structlm.hf.adapters import MatrixType, ModelAdapter, parse_types
 from structlm.hf.calibration import Calibration
 from structlm.share.compress.factorize import RootCache, TypeFactors, TypeRanks
 from structlm.share.compress.methods import (
+    BASIS_SHARING_METHOD,
     METHODS,
     SHARED_METHOD,
     TypePlan,
@@ -24,37 +25,41 @@ from structlm.share.compress.methods import (
 __all__ = ["CompressionConfig", "TypePlan", "build_modules", "compress_model", "plan_types"]
 
 
+_DEFAULT_GROUP_SIZE = 2
+
+
 @dataclass
+@validated
 class CompressionConfig:
     """One compression (a YAML file or CLI flags fill it)."""
 
-    method: str = SHARED_METHOD.name
+    method: Annotated[str, NonEmpty()] = SHARED_METHOD.name
     """A registered method (:data:`~structlm.share.compress.methods.METHODS`): ``shared``
     | ``hybrid`` | ``svd`` | ``basis-sharing`` | ``onesided-all-layers`` built in (see
     :mod:`.ranks`)."""
-    types: str = "attn"
+    types: Annotated[str, NonEmpty()] = "attn"
     """Matrix types to compress: ``attn``, ``mlp``, ``all`` or ``q,k,v,o,mlp_in,mlp_out``."""
-    k_fraction: float = 0.25
+    k_fraction: Annotated[float, Range(gt=0, le=1)] = 0.25
     """Without ``target_reduction``: rank k = k_fraction × hidden size (the seed's d/4), on
     each side only as far as that side's dimension allows."""
     ranks: dict[str, Any] = field(default_factory=dict)
     """Per-type rank overrides: ``{"q": 96}`` or, for ``shared``/``hybrid``,
     ``{"k": [k_out, k_in]}``."""
-    residual_rank: int = 32
+    residual_rank: Annotated[int, Range(ge=0)] = 32
     """Rank r of the hybrid's per-layer residual."""
-    target_reduction: float | None = None
+    target_reduction: Annotated[float | None, Range(gt=0, lt=1)] = None
     """If set (e.g. 0.2): remove this fraction of every compressed type's parameters
     (per-type budget; ranks solved per method)."""
-    eig_floor: float = 1e-6
-    """Relative eigenvalue floor of the whitening roots."""
-    budget: str = "per_type"
+    eig_floor: Annotated[float, Range(ge=0, lt=1)] = 1e-6
+    """Relative eigenvalue floor of the whitening roots (a fraction of the largest)."""
+    budget: Annotated[str, OneOf("per_type")] = "per_type"
     """Only ``per_type`` (the Basis Sharing / SVD-LLM convention). The former ``pooled``
     budget existed to pass on what a rank capped at ``min(out, in)`` could not use; no
     rank is capped that way any more."""
-    group_size: int = 2
-    """``basis-sharing``: consecutive layers per shared basis (the paper's LLaMA configs
-    use 2; ``onesided-all-layers`` uses all layers)."""
-    shared_types: str = "q,k,v,mlp_in"
+    group_size: Annotated[int, Range(ge=1)] = _DEFAULT_GROUP_SIZE
+    """``basis-sharing``: consecutive layers per shared basis, at most the model's layers
+    (the paper's LLaMA configs use 2; ``onesided-all-layers`` uses all layers)."""
+    shared_types: Annotated[str, NonEmpty()] = "q,k,v,mlp_in"
     """``basis-sharing``: the types whose basis is shared (the paper's ``share_part``:
     q, k, v, up, gate); the other compressed types are per-layer ``svd`` (its
     ``private_part``: o, down)."""
@@ -64,35 +69,39 @@ class CompressionConfig:
     configs). Costs one more calibration pass."""
 
     def __post_init__(self) -> None:
+        """Cross-field checks (each field's own range is checked by ``@validated``)."""
         method = get_method(self.method)  # names an unknown value and the choices
-        if self.target_reduction is not None and not 0 < self.target_reduction < 1:
-            raise ValueError(f"target_reduction must be in (0, 1), got {self.target_reduction}")
-        if self.budget != "per_type":
-            raise ValueError(f"budget must be 'per_type', got {self.budget!r} (the pooled "
-                             "budget was removed with the min(out, in) rank cap it served)")
-        if not isinstance(self.group_size, int) or self.group_size < 1:
-            raise ValueError(f"group_size must be an integer >= 1, got {self.group_size!r}")
         if self.update and not method.supports_update:
             able = tuple(n for n, m in METHODS.items() if m.supports_update)
-            raise ValueError(f"update is Basis Sharing's step: method must be one of "
-                             f"{able}, got {self.method!r}")
-        if not 0 < self.k_fraction <= 1:
-            raise ValueError(f"k_fraction must be in (0, 1], got {self.k_fraction}")
-        if self.residual_rank < 0:
-            raise ValueError(f"residual_rank must be >= 0, got {self.residual_rank}")
-        parse_types(self.types)
-        parse_types(self.shared_types)
+            raise ConfigError(f"update is Basis Sharing's step: method must be one of "
+                              f"{able}, got {self.method!r}")
+        for key in ("types", "shared_types"):
+            try:
+                parse_types(getattr(self, key))
+            except ValueError as e:
+                raise ConfigError(f"{key}: {e}") from None
         names = [t.value for t in MatrixType]
         for name, value in self.ranks.items():
             if name not in names:
-                raise ValueError(f"ranks: unknown matrix type {name!r}; expected some of "
-                                 f"{names}")
-            ok = (isinstance(value, int) and value >= 1) or (
+                raise ConfigError(f"ranks: unknown matrix type {name!r}; expected some of "
+                                  f"{names}")
+            ok = (isinstance(value, int) and not isinstance(value, bool) and value >= 1) or (
                 isinstance(value, list | tuple) and len(value) == 2
-                and all(isinstance(v, int) and v >= 1 for v in value))
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1
+                        for v in value))
             if not ok:
-                raise ValueError(f"ranks[{name!r}] must be a positive int or [k_out, k_in], "
-                                 f"got {value!r}")
+                raise ConfigError(f"ranks[{name!r}] must be a positive int or [k_out, k_in], "
+                                  f"got {value!r}")
+
+    def check_model(self, num_layers: int) -> None:
+        """Refuse what a model of ``num_layers`` layers cannot give (before any work): a
+        ``group_size`` beyond its layers, where the method groups layers by it (or where it
+        was changed from the default: a value set on purpose that cannot apply)."""
+        groups_by_size = self.method == BASIS_SHARING_METHOD.name
+        if self.group_size > num_layers and (groups_by_size
+                                             or self.group_size != _DEFAULT_GROUP_SIZE):
+            raise ConfigError(f"group_size: {self.group_size} is more than the model's "
+                              f"{num_layers} layers (consecutive layers per shared basis)")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> CompressionConfig:
