@@ -196,3 +196,38 @@ def test_a_truncated_checkpoint_file_is_named(tmp_path, victim: str) -> None:
     with pytest.raises(RuntimeError, match=f"damaged: .*{victim} is 100 bytes"):
         train(cfg, progress=False)
     assert path.exists()  # named, not deleted
+
+
+def test_restart_moves_a_damaged_run_aside_and_starts_over(tmp_path, capsys) -> None:
+    cfg = _cfg(tmp_path, max_steps=3, save_every=3, eval_every=3)
+    train(cfg, progress=False)
+    run = Path(cfg.out_dir)
+    (run / "checkpoint" / ck.COMPLETE).write_text("garbage")
+    with pytest.raises(ck.RunError, match="COMPLETE holds 'garbage'"):
+        train(cfg, progress=False)
+    rows = _rows(train(cfg, progress=False, restart=True))
+    assert [r["step"] for r in rows] == ["1", "2", "3"]
+    moved = [p for p in run.iterdir() if p.name.startswith("discarded-")]
+    assert len(moved) == 1 and (moved[0] / "checkpoint" / ck.COMPLETE).read_text() == "garbage"
+    assert "--restart: the run's checkpoints and metrics moved" in capsys.readouterr().out
+
+
+def test_a_resume_on_changed_token_data_is_refused(tmp_path) -> None:
+    """A corpus edited between runs once rebuilt the tokens (and a BPE tokenizer) and then
+    resumed the checkpoint on them: now the resume is refused by name."""
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for i in range(4):
+        (folder / f"d{i}.txt").write_text(f"Document {i} has these words in it. " * 60)
+    cfg = _cfg(tmp_path, corpus=str(folder), max_steps=6, save_every=3)
+    train(cfg, stop_after=3, progress=False)
+    (folder / "d0.txt").write_text("An edited document with other words. " * 60)
+    with pytest.raises(ck.RunError, match="content_sha1 changed"):
+        train(cfg, progress=False)
+    assert ck.inspect_checkpoint(Path(cfg.out_dir) / "checkpoint").step == 3
+
+
+def test_a_diverging_run_names_the_step_and_the_last_finite_loss(tmp_path) -> None:
+    cfg = _cfg(tmp_path, lr=1e6, max_steps=6)
+    with pytest.raises(ck.RunError, match=r"non-finite .*step \d+; the last finite one was"):
+        train(cfg, progress=False)

@@ -119,7 +119,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     runs = []
     for path in args.configs:
         cfg = load_config(path, **args.flags.values(args))
-        metrics = train(cfg)
+        metrics = train(cfg, restart=args.restart)
         runs.append((f"{cfg.algebra} ({os.path.basename(path)})", str(metrics)))
         print(f"{path}: metrics {metrics}, model {os.path.join(cfg.out_dir, 'model')}")
     if len(runs) > 1:
@@ -134,6 +134,9 @@ def add_lm_commands(sub: Any) -> None:
     tr = sub.add_parser("train", help="train (or resume) from YAML configs")
     tr.add_argument("configs", nargs="+", help="YAML files (see configs/)")
     tr.add_argument("--plot", default=None, help="combined loss plot when several configs")
+    tr.add_argument("--restart", action="store_true",
+                    help="start over from step 0: the run's checkpoints and metrics are "
+                    "moved to out_dir/discarded-<time>/, never deleted")
     from structlm.train.loop import TrainConfig
 
     tr.set_defaults(func=_cmd_train, flags=add_dataclass_flags(

@@ -130,7 +130,8 @@ def convert_and_save(cfg: ConvertConfig, out: str | Path, progress: bool = True
         torch.manual_seed(cfg.seed)
         report["heal_curve"] = finetune(model, prep.train_ids,
                                         spread_windows(in_domain, hcfg.eval_tokens), hcfg,
-                                        progress, state_path=_state_path(out), params=params)
+                                        progress, state_path=_state_path(out), params=params,
+                                        prefix=prep.window_prefix)
         model.eval()
         if cfg.eval_tokens:
             report["converted"]["ppl_healed"] = ppl()

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from structlm.atomic import atomic_write_json
+from structlm.config import RunError
 from structlm.data.bpe import parse_tokenizer_spec
 from structlm.data.corpora import Document, load_corpus
 from structlm.data.tokenizer import gpt2_encoding
@@ -108,15 +109,19 @@ def _write_tokens(path: Path, docs: list[Document], tokenizer_dir: Path | None =
 
 
 def build_token_dataset(corpus: str, out_dir: str | os.PathLike[str], val_fraction: float = 0.1,
-                        seed: int = 0, heldout: str = "", tokenizer: str = "gpt2"
-                        ) -> TokenDataset:
+                        seed: int = 0, heldout: str = "", tokenizer: str = "gpt2",
+                        rebuild: bool = True, why: str = "") -> TokenDataset:
     """Tokenise ``corpus`` (see :func:`~structlm.data.corpora.load_corpus`) into
     ``out_dir``; reuse an existing build with the same corpus, split and tokenizer.
 
     ``heldout``: a corpus spec (e.g. a benchmark's ``.jsonl``) whose texts the training
     documents are decontaminated against (Jaccard >= 0.8 on 3-character shingles).
     ``tokenizer``: ``gpt2`` or ``bpe:<vocab>`` — a byte-level BPE trained on the training
-    documents only (:mod:`.bpe`), saved in ``out_dir/tokenizer``."""
+    documents only (:mod:`.bpe`), saved in ``out_dir/tokenizer``.
+
+    ``rebuild=False``: an existing build of other content is refused (a
+    :class:`~structlm.config.RunError` naming what changed and ``why`` it must stay)
+    instead of being rebuilt."""
     bpe_vocab = parse_tokenizer_spec(tokenizer)
     out = Path(out_dir)
     want = {"version": _VERSION, "corpus": corpus,
@@ -137,6 +142,10 @@ def build_token_dataset(corpus: str, out_dir: str | os.PathLike[str], val_fracti
         if all(meta.get(k) == v for k, v in want.items()):
             return TokenDataset(out)
         changed = sorted(k for k, v in want.items() if meta.get(k) != v)
+        if not rebuild:
+            raise RunError(f"the token data in {out} was built from other input "
+                           f"({', '.join(changed)} changed){': ' + why if why else ''}; "
+                           "restore the input, use another data_dir, or start over")
         print(f"rebuilding the token cache in {out}: {', '.join(changed)} changed", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     docs, removed = dedup_exact(raw)

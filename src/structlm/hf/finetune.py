@@ -33,7 +33,7 @@ from typing import Annotated, Any
 import torch
 from tqdm import tqdm
 
-from structlm.config import OneOf, Range, validated
+from structlm.config import OneOf, Range, RunError, validated
 from structlm.hf.perplexity import perplexity
 from structlm.nn.factorized import LowRankLinear, OneSidedLinear, SharedBasisLinear
 
@@ -138,10 +138,11 @@ def train_only(model: torch.nn.Module, params: list[torch.nn.Parameter]
 
 def finetune(model: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.Tensor,
              cfg: FinetuneConfig, progress: bool = True, state_path: Path | None = None,
-             save_every: int = 10, params: list[torch.nn.Parameter] | None = None
-             ) -> list[dict[str, Any]]:
+             save_every: int = 10, params: list[torch.nn.Parameter] | None = None,
+             prefix: list[int] | None = None) -> list[dict[str, Any]]:
     """Train the per-layer factors (or ``params``, everything else frozen); returns the
-    curve (step, loss, lr, eval ppl).
+    curve (step, loss, lr, eval ppl). ``prefix``: ids every training window starts with
+    (the tokenizer's convention, :func:`structlm.hf.text.window_prefix`).
 
     With ``state_path``, the run saves its state every ``save_every`` steps and resumes
     from it (see the module docstring); the file is left in place for the caller to
@@ -149,7 +150,9 @@ def finetune(model: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.Te
     if save_every < 1:
         raise ValueError(f"save_every must be >= 1, got {save_every}")
     params = trainable_parameters(model) if params is None else train_only(model, params)
-    n_windows = train_ids.numel() - cfg.seq_len - 1
+    head = torch.tensor(list(prefix or []), dtype=torch.long)  # the tokenizer's prefix
+    body = cfg.seq_len + 1 - head.numel()
+    n_windows = train_ids.numel() - body
     if n_windows < 1:
         raise ValueError(f"{train_ids.numel()} training tokens are fewer than one window of "
                          f"{cfg.seq_len + 1}")
@@ -202,12 +205,18 @@ def finetune(model: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.Te
     for step in bar:
         model.train()
         starts = torch.randint(0, n_windows, (cfg.batch_size,), generator=gen)
-        batch = torch.stack([train_ids[s:s + cfg.seq_len + 1] for s in starts]).to(device)
+        batch = torch.stack([torch.cat([head, train_ids[s:s + body]])
+                             for s in starts]).to(device)  # (B, seq_len + 1)
         out = model(input_ids=batch, labels=batch, use_cache=False)
         loss = out.loss  # HF shifts the labels: position t predicts token t + 1
         lv = loss.item()
         if not math.isfinite(lv):
-            raise FloatingPointError(f"non-finite loss {lv} at fine-tuning step {step}")
+            last = next((c["loss"] for c in reversed(curve) if c.get("loss") is not None),
+                        "none yet")
+            raise RunError(f"non-finite loss ({lv}) at fine-tuning step {step}; the last "
+                           f"recorded one was {last}: fine-tuning diverged (lr={cfg.lr}, "
+                           f"lr_scaling={cfg.lr_scaling!r}, weight_decay={cfg.weight_decay}, "
+                           f"grad_clip={cfg.grad_clip}); lower lr or clip gradients")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.grad_clip > 0:  # 0: no clipping (clip_grad_norm_ with 0 zeroes every gradient)

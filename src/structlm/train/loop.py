@@ -31,7 +31,12 @@ from structlm.models.presets import PRESETS
 from structlm.nn.schedules import auto_schedule, check_type_coverage, get_schedule, type_counts
 from structlm.settings import local_rank
 from structlm.train import distributed as D
-from structlm.train.checkpoint import recover_checkpoint, run_folder_lock, write_checkpoint
+from structlm.train.checkpoint import (
+    discard_run,
+    recover_checkpoint,
+    run_folder_lock,
+    write_checkpoint,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -295,14 +300,16 @@ def _evaluate(model: Any, data: Any, cfg: TrainConfig) -> float:
         logits = model(x).logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).double(), y.flatten())
         if not torch.isfinite(loss):
-            raise FloatingPointError("non-finite validation loss")
+            raise RunError(f"non-finite validation loss ({float(loss)}): the model diverged; "
+                           "lower lr, raise warmup_steps or clip gradients (grad_clip), and "
+                           "resume from the last checkpoint or start over with --restart")
         total += float(loss)
     model.train()
     return total / cfg.eval_batches
 
 
 def _save(ckpt: Path, model: Any, opt: Any, sched: Any, gen: torch.Generator, step: int,
-          engine: D.Engine, rank: int) -> None:
+          engine: D.Engine, rank: int, data_fingerprint: str) -> None:
     """Write the checkpoint crash-safely from rank 0 (every rank calls: FSDP gathers);
     see :mod:`.checkpoint`."""
     from safetensors.torch import save_model
@@ -314,16 +321,16 @@ def _save(ckpt: Path, model: Any, opt: Any, sched: Any, gen: torch.Generator, st
     def write(folder: Path) -> None:
         save_model(full, str(folder / "model.safetensors"))
         torch.save({"optimizer": opt_state, "scheduler": sched.state_dict(), "step": step,
-                    "sampler": gen.get_state(), "torch_rng": torch.get_rng_state()},
-                   folder / "state.pt")
+                    "sampler": gen.get_state(), "torch_rng": torch.get_rng_state(),
+                    "data_fingerprint": data_fingerprint}, folder / "state.pt")
 
     write_checkpoint(ckpt, write, step)
 
 
 def _corrupt(path: Path, err: Exception) -> str:
-    return (f"checkpoint file {path} cannot be read ({type(err).__name__}: {err}); it is the "
-            "only checkpoint kept (older ones are removed once a newer one is complete): "
-            f"delete {path.parent} to restart the run from step 0")
+    return (f"checkpoint file {path} cannot be read ({type(err).__name__}: {err}). Nothing "
+            "was deleted; to start over from step 0, run again with --restart (the run's "
+            "checkpoints and metrics are moved aside, not deleted)")
 
 
 def _check_splits(data: Any, cfg: TrainConfig) -> None:
@@ -340,9 +347,15 @@ def _check_splits(data: Any, cfg: TrainConfig) -> None:
                 "larger corpus, another val_fraction or a shorter seq_len")
 
 
-def train(cfg: TrainConfig, stop_after: int | None = None, progress: bool = True) -> Path:
+def train(cfg: TrainConfig, stop_after: int | None = None, progress: bool = True,
+          restart: bool = False) -> Path:
     """Run (or resume) ``cfg``; returns the metrics CSV. ``stop_after`` ends the process
-    early as if killed after that step's checkpoint (for tests).
+    early as if killed after that step's checkpoint (for tests). ``restart``: start over
+    from step 0, the run's checkpoints and metrics moved aside (never deleted).
+
+    A resume never deletes a checkpoint: a damaged one is refused by name
+    (:mod:`.checkpoint`), and so is a resume whose token data (corpus content, held-out
+    texts, tokenizer) is not what the checkpoint was trained on.
 
     Under ``torchrun`` the same command trains with DDP or FSDP2 (``parallel``):
     ``batch_size`` is the global batch, split evenly over the ranks (every rank draws
@@ -355,11 +368,11 @@ def train(cfg: TrainConfig, stop_after: int | None = None, progress: bool = True
     rank, world = D.init_distributed()
     lock = run_folder_lock(Path(cfg.out_dir)) if rank == 0 else nullcontext()
     with lock:
-        return _train(cfg, rank, world, stop_after, progress)
+        return _train(cfg, rank, world, stop_after, progress, restart)
 
 
-def _train(cfg: TrainConfig, rank: int, world: int, stop_after: int | None, progress: bool
-           ) -> Path:
+def _train(cfg: TrainConfig, rank: int, world: int, stop_after: int | None, progress: bool,
+           restart: bool = False) -> Path:
     """:func:`train` inside the run folder's lock (rank 0)."""
     import torch.distributed as dist
 
@@ -379,6 +392,11 @@ def _train(cfg: TrainConfig, rank: int, world: int, stop_after: int | None, prog
     data_dir = cfg.data_dir or out / "data"
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
+        if restart:
+            moved = discard_run(out)
+            if moved is not None:
+                print(f"{out}: --restart: the run's checkpoints and metrics moved to "
+                      f"{moved.name}", flush=True)
         for note in recover_checkpoint(ckpt)[1]:
             print(f"{out}: {note}", flush=True)
         if ckpt.exists() and cfg_path.exists():
@@ -391,7 +409,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, stop_after: int | None, prog
         _write_type_counts(out / "types.json", cfg)
         build_token_dataset(cfg.corpus, data_dir, cfg.val_fraction,
                             cfg.seed if cfg.data_seed is None else cfg.data_seed, cfg.heldout,
-                            cfg.tokenizer)
+                            cfg.tokenizer, rebuild=not ckpt.exists(),
+                            why="the checkpoint being resumed was trained on the tokens there")
     if world > 1:
         dist.barrier()
     data = TokenDataset(Path(data_dir))
@@ -401,17 +420,23 @@ def _train(cfg: TrainConfig, rank: int, world: int, stop_after: int | None, prog
     opt, sched = build_optimizer(model, cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
     step = 0
+    last_loss: float | str = "none yet"
     metrics = out / "metrics.csv"
     if ckpt.exists():
-        try:
-            D.load_model(model, str(ckpt / "model.safetensors"), engine, device)
-        except Exception as e:
-            raise RunError(_corrupt(ckpt / "model.safetensors", e)) from e
         try:  # CPU (RNG states must stay there); under FSDP mapped lazily: rank 0 broadcasts
             state = torch.load(ckpt / "state.pt", weights_only=False, map_location="cpu",
                                mmap=engine == "fsdp")
         except Exception as e:
             raise RunError(_corrupt(ckpt / "state.pt", e)) from e
+        trained_on = state.get("data_fingerprint")
+        if trained_on is not None and trained_on != data.fingerprint:
+            raise RunError(f"{out}: the checkpoint was trained on other token data than "
+                           f"{data_dir} holds now (corpus content, held-out texts or "
+                           "tokenizer changed): restore them, or start over with --restart")
+        try:
+            D.load_model(model, str(ckpt / "model.safetensors"), engine, device)
+        except Exception as e:
+            raise RunError(_corrupt(ckpt / "model.safetensors", e)) from e
         D.load_optimizer(model, opt, state["optimizer"], engine)
         sched.load_state_dict(state["scheduler"])
         gen.set_state(state["sampler"])
@@ -445,7 +470,12 @@ def _train(cfg: TrainConfig, rank: int, world: int, stop_after: int | None, prog
                     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
                                                              y.flatten())
                 if not torch.isfinite(loss):
-                    raise FloatingPointError(f"non-finite training loss at step {step + 1}")
+                    raise RunError(
+                        f"non-finite training loss ({float(loss)}) at step {step + 1}; the "
+                        f"last finite one was {last_loss} at step {step}: the run diverged "
+                        f"(lr={cfg.lr}, weight_decay={cfg.weight_decay}, grad_clip="
+                        f"{cfg.grad_clip}); lower lr, raise warmup_steps or clip gradients, "
+                        "then resume from the last checkpoint or start over with --restart")
                 (loss / cfg.grad_accum).backward()
             loss_sum += loss.detach().double()
         if world > 1:
@@ -456,6 +486,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, stop_after: int | None, prog
         opt.step()
         sched.step()
         step += 1
+        last_loss = float(loss_sum) / cfg.grad_accum
         row: dict[str, Any] = {"step": step, "lr": lr,
                                "train_loss": float(loss_sum) / cfg.grad_accum, "val_loss": "",
                                "tokens": step * cfg.batch_size * cfg.seq_len * cfg.grad_accum,
@@ -467,7 +498,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, stop_after: int | None, prog
         if rank == 0:
             _append_row(metrics, row)
         if step % cfg.save_every == 0 or step == cfg.max_steps:
-            _save(ckpt, model, opt, sched, gen, step, engine, rank)
+            _save(ckpt, model, opt, sched, gen, step, engine, rank, data.fingerprint)
         bar.update(1)
         bar.set_postfix(loss=f"{row['train_loss']:.3f}")
         if stop_after is not None and step >= stop_after:
@@ -481,7 +512,10 @@ def _train(cfg: TrainConfig, rank: int, world: int, stop_after: int | None, prog
             full.save_pretrained(out / "model")
             if cfg.trained_tokenizer:
                 data.tokenizer().save_pretrained(out / "model")
-            plot_loss_curves([(cfg.algebra, str(metrics))], str(out / "loss.png"))
+            try:
+                plot_loss_curves([(cfg.algebra, str(metrics))], str(out / "loss.png"))
+            except ImportError as e:  # plots are an extra: the run is complete without
+                print(f"{out}: loss.png not drawn ({e})", flush=True)
     if world > 1:
         dist.barrier()
     return metrics

@@ -237,7 +237,8 @@ def _run_arm(arm: _Arm, seed: int, prep: Prepared, cfg: ConvertExperimentConfig,
     in_domain = next(iter(prep.eval_ids.values()))
     heal = dataclasses.replace(cfg.heal, seed=seed)
     out["curve"] = finetune(model, prep.train_ids, spread_windows(in_domain, heal.eval_tokens),
-                            heal, progress, state_path=state_path, params=params)
+                            heal, progress, state_path=state_path, params=params,
+                            prefix=prep.window_prefix)
     out["heal"] = dataclasses.asdict(heal)
     out["ppl_healed"] = _ppl(model, prep)
     out["seconds"] = time.time() - t0

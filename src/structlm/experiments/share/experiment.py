@@ -216,7 +216,7 @@ def _tuned(prep: Prepared, ccfg: CompressionConfig, ft: FinetuneConfig, seed: in
     in_domain = next(iter(prep.eval_ids.values()))
     ftc = dataclasses.replace(ft, seed=seed)
     curve = finetune(model, prep.train_ids, spread_windows(in_domain, ft.eval_tokens), ftc,
-                     progress, state_path=state_path)
+                     progress, state_path=state_path, prefix=prep.window_prefix)
     return {"seed": seed, "finetune": dataclasses.asdict(ftc), "curve": curve,
             "ppl_finetuned": _ppl(model, prep), "finetune_seconds": time.time() - t0}
 

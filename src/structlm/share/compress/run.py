@@ -68,7 +68,7 @@ def _run(model: str, ccfg: CompressionConfig, out: Path, corpus: str, second_cor
         res["finetune"] = {"config": dataclasses.asdict(ft),
                            "curve": finetune(prep.loaded.model, prep.train_ids,
                                              spread_windows(in_domain, ft.eval_tokens), ft,
-                                             progress)}
+                                             progress, prefix=prep.window_prefix)}
         res["ppl_finetuned"] = evaluate_all(prep.loaded.model, prep.eval_ids,
                                             progress=progress)
     if save:
