@@ -75,6 +75,23 @@ def test_yaml_files(tmp_path) -> None:
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
     assert read_yaml(str(empty)) == {}
+    for text, where in (("lr: 0.001\nsteps: 3\nlr: 0.1\n", "line 3, column 1"),
+                        ("outer:\n  a: 1\n  a: 2\n", "line 3, column 3")):
+        dup = tmp_path / "dup.yaml"
+        dup.write_text(text)  # plain PyYAML would keep the last value without a word
+        with pytest.raises(ConfigError, match=f"at {where}: duplicate key"):
+            read_yaml(str(dup))
+
+
+def test_a_range_with_one_more_valid_value() -> None:
+    """``grad_clip``: 0 is "off", tiny positive norms would stop every Adam update."""
+    from structlm.train import TrainConfig
+
+    assert TrainConfig(grad_clip=0).grad_clip == 0 and TrainConfig(grad_clip=1e-6)
+    for bad in (1e-12, -1.0, float("nan")):
+        with pytest.raises(ConfigError, match=re.escape(
+                "expected >= 1e-06, or 0 (0: no clipping)")):
+            TrainConfig(grad_clip=bad)
 
 
 def test_train_config_yaml_reads_exponents_and_refuses_nonpositive_counts(tmp_path) -> None:

@@ -45,7 +45,7 @@ def models(tmp_path_factory: Any) -> dict[str, str]:
 
 # ------------------------------------------------------------------ TrainConfig (YAML)
 TRAIN_YAML = [
-    ("grad_clip: -1", "grad_clip: -1.0 is out of range: expected >= 0 (0: no clipping)"),
+    ("grad_clip: -1", "grad_clip: -1.0 is out of range: expected >= 1e-06, or 0 (0: no clipping)"),
     ("weight_decay: -1", "weight_decay: -1.0 is out of range: expected >= 0"),
     ("warmup_steps: -5", "warmup_steps: -5 is out of range: expected >= 0"),
     ("min_lr_ratio: -1", "min_lr_ratio: -1.0 is out of range: expected >= 0 and <= 1"),
@@ -91,11 +91,15 @@ def test_train_yaml_out_of_range_is_refused_at_load(yaml: str, message: str, tmp
     assert not (tmp_path / "run").exists()
 
 
-def test_train_grad_clip_takes_any_float_from_zero(tmp_path: Path) -> None:
+def test_train_grad_clip_takes_zero_or_a_usable_norm(tmp_path: Path) -> None:
+    from structlm.config import ConfigError
     from structlm.train import TrainConfig, load_config
 
     path = tmp_path / "c.yaml"
-    for value in ("0", "1e-12", "0.5"):
+    path.write_text(f"out_dir: {tmp_path / 'run'}\ngrad_clip: 1e-12\n")
+    with pytest.raises(ConfigError, match="expected >= 1e-06, or 0"):
+        load_config(str(path))  # every Adam update would vanish
+    for value in ("0", "1e-6", "0.5"):
         path.write_text(f"out_dir: {tmp_path / 'run'}\ngrad_clip: {value}\n")
         assert load_config(str(path)).grad_clip == float(value)
     assert TrainConfig(model_overrides={"hidden_size": "128"}).model_overrides == {
@@ -116,7 +120,7 @@ def test_help_states_the_valid_range(capsys: Any) -> None:
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "Valid: >= 0 (0: no clipping)." in out
+    assert "Valid: >= 1e-06, or 0 (0: no clipping)." in out
     assert "Valid: >= 0 and <= 1." in out
 
 

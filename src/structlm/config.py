@@ -43,6 +43,8 @@ class Range:
     lt: float | None = None
     note: str = ""
     """Said after the range in the message (e.g. what the bound value means)."""
+    also: float | None = None
+    """One more valid value outside the range (e.g. ``0`` meaning "off")."""
 
     def text(self) -> str:
         """The range as a reader writes it (``> 0``, ``0 to 1``, ...)."""
@@ -51,13 +53,15 @@ class Range:
         hi = f"<= {_num(self.le)}" if self.le is not None else (
             f"< {_num(self.lt)}" if self.lt is not None else "")
         out = " and ".join(t for t in (lo, hi) if t) or "finite"
+        if self.also is not None:
+            out += f", or {_num(self.also)}"
         return out + (f" ({self.note})" if self.note else "")
 
     def check(self, value: Any, key: str) -> None:
         if value is None:
             return
         v = float(value)
-        ok = (math.isfinite(v) and (self.ge is None or v >= self.ge)
+        ok = v == self.also or (math.isfinite(v) and (self.ge is None or v >= self.ge)
               and (self.gt is None or v > self.gt) and (self.le is None or v <= self.le)
               and (self.lt is None or v < self.lt))
         if not ok:
@@ -112,7 +116,8 @@ class NonEmpty:
 
     def check(self, value: Any, key: str) -> None:
         if value is not None and len(value) == 0:
-            raise ConfigError(f"{key}: {value!r} is empty: give at least one item")
+            what = "a value" if isinstance(value, str) else "at least one item"
+            raise ConfigError(f"{key}: {value!r} is empty: give {what}")
 
 
 _CHECKS = (Range, OneOf, Distinct, NonEmpty)
@@ -130,8 +135,29 @@ def field_checks(tp: Any) -> tuple[Any, list[Any]]:
     return tp, []
 
 
+def _unique_keys_loader() -> Any:
+    """PyYAML's ``SafeLoader`` refusing a key repeated in one mapping (plain PyYAML keeps
+    the last value without a word: ``lr: 1e-3`` then ``lr: 0.1`` would train at 0.1)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r} (each key may appear once)",
+                        key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
+
+
 def read_yaml(path: str | None) -> dict[str, Any]:
-    """The mapping in a YAML file (``{}`` for ``None`` or an empty file)."""
+    """The mapping in a YAML file (``{}`` for ``None`` or an empty file); a key repeated
+    in one mapping is an error."""
     if not path:
         return {}
     import os
@@ -142,7 +168,7 @@ def read_yaml(path: str | None) -> dict[str, Any]:
         raise ConfigError(f"config file {path!r} does not exist")
     try:
         with open(path) as fh:
-            data = yaml.safe_load(fh)
+            data = yaml.load(fh, Loader=_unique_keys_loader())  # a SafeLoader
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

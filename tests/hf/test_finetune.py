@@ -165,5 +165,6 @@ def test_grad_clip_zero_means_no_clipping() -> None:
         ends.append(after)
     for a, b in zip(*ends, strict=True):
         torch.testing.assert_close(a, b)
-    with pytest.raises(ValueError, match=r"grad_clip: -1\.0 is out of range: expected >= 0"):
+    with pytest.raises(ValueError,
+                       match=r"grad_clip: -1\.0 is out of range: expected >= 1e-06, or 0"):
         FinetuneConfig(grad_clip=-1)

@@ -71,3 +71,24 @@ def test_every_family_gets_its_tokenizers_convention(family: str, bos: bool, tmp
         assert bool((first == want[0]).all()) if bos else not bool(
             (first == tok.convert_tokens_to_ids("<|im_start|>")).all())
     assert all(d["prefix"] == want for d in prep.text.values())
+
+
+@pytest.mark.parametrize("bos", [False, True])
+def test_eval_ppl_windows_carry_the_prefix_as_the_reports_do(bos: bool, tmp_path,
+                                                             capsys) -> None:
+    """``structlm eval ppl`` (windows) scores the same windows as the reports' protocol."""
+    import json
+
+    from structlm.cli import main
+
+    tiny_llama(vocab_size=49152).save_pretrained(tmp_path / "m")
+    tok = _tokenizer(bos)
+    tok.save_pretrained(tmp_path / "m")
+    assert main(["eval", "ppl", str(tmp_path / "m"), "--tokens", "200", "--window", "64",
+                 "--json"]) == 0
+    text = json.loads(capsys.readouterr().out)["text"]
+    assert text["prefix"] == ([tok.bos_token_id] if bos else [])
+    (tmp_path / "m" / "tokenizer.json").unlink()
+    (tmp_path / "m" / "tokenizer_config.json").unlink()
+    assert main(["eval", "ppl", str(tmp_path / "m"), "--window", "64"]) == 2
+    assert "has no tokenizer files" in capsys.readouterr().err

@@ -60,8 +60,8 @@ def test_clip_gradients_zero_is_a_no_op_and_positive_clips() -> None:
 def test_negative_grad_clip_is_refused(tmp_path, value: str) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text(f"grad_clip: {value}\n")
-    with pytest.raises(ConfigError, match=r"grad_clip: .* is out of range: expected >= 0 "
-                                          r"\(0: no clipping\)"):
+    with pytest.raises(ConfigError, match=r"grad_clip: .* is out of range: expected >= 1e-06, "
+                                          r"or 0 \(0: no clipping\)"):
         load_config(str(bad))
     ok = tmp_path / "ok.yaml"
     ok.write_text("grad_clip: 0\n")
@@ -74,6 +74,6 @@ def test_negative_grad_clip_message_names_the_value(tmp_path, capsys) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text(f"out_dir: {tmp_path / 'run'}\ngrad_clip: -1\n")
     assert main(["train", str(bad)]) == 2
-    assert ("grad_clip: -1.0 is out of range: expected >= 0 (0: no clipping)"
+    assert ("grad_clip: -1.0 is out of range: expected >= 1e-06, or 0 (0: no clipping)"
             in capsys.readouterr().err)
     assert not (tmp_path / "run").exists()

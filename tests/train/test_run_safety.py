@@ -231,3 +231,14 @@ def test_a_diverging_run_names_the_step_and_the_last_finite_loss(tmp_path) -> No
     cfg = _cfg(tmp_path, lr=1e6, max_steps=6)
     with pytest.raises(ck.RunError, match=r"non-finite .*step \d+; the last finite one was"):
         train(cfg, progress=False)
+
+
+def test_a_moved_run_folder_resumes_where_it_stopped(tmp_path) -> None:
+    """The run folder's place is not part of a run's identity (its data is checked by
+    content): a run moved elsewhere resumes and ends as the unmoved one does."""
+    full = _rows(train(_cfg(tmp_path, out_dir=str(tmp_path / "full")), progress=False))
+    cfg = _cfg(tmp_path, data_dir="")
+    train(cfg, stop_after=3, progress=False)
+    shutil.move(cfg.out_dir, tmp_path / "moved")
+    moved = _cfg(tmp_path, data_dir="", out_dir=str(tmp_path / "moved"))
+    assert _rows(train(moved, progress=False)) == full

@@ -192,7 +192,9 @@ def get_algebra(name: str) -> Algebra:
         if m.group(2) is None:
             return base
         power = int(m.group(2))
-        if power >= 1 and base.nnz ** power > MAX_PRODUCT_NNZ:
+        if power < 1:
+            raise AlgebraError(f"{text}: a tensor power Q<q>^<L> needs L >= 1, got L={power}")
+        if base.nnz ** power > MAX_PRODUCT_NNZ:
             raise AlgebraError(f"{text}: the tensor power would hold {base.nnz ** power:,} "
                                f"structure constants, over the {MAX_PRODUCT_NNZ:,} this builds "
                                "in memory (Q2^6 has 46,656)")

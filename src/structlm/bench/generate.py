@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 from structlm.algebra.cost import decode_macs
 from structlm.bench.timing import environment, write_csv_atomic
-from structlm.config import Distinct, NonEmpty, OneOf, Range, validated
+from structlm.config import ConfigError, Distinct, NonEmpty, OneOf, Range, validated
 from structlm.models.presets import PRESETS
 
 __all__ = ["DEFAULT_PROMPTS", "GenerateBenchConfig", "ideal_decode_speedup", "plot_generate_csv",
@@ -84,7 +84,9 @@ class GenerateBenchConfig:
     seed: Annotated[int, Range(ge=0)] = 0
     """Seed of the random weights and of sampling."""
     tokenizer: Annotated[str, NonEmpty()] = "gpt2"
-    """``gpt2`` or a tokenizer folder (e.g. a trained model's, with its BPE)."""
+    """``gpt2`` or a tokenizer folder (e.g. a trained model's, with its BPE). With
+    trained models and the default, the models' own tokenizer (GPT-2 for a structlm
+    folder without tokenizer files)."""
     model: str = ""
     """A pretrained decoder (smollm2, a folder, a hub id) benchmarked against a copy
     converted to ``algebra`` (its tokenizer is used; preset and model paths are ignored)."""
@@ -95,6 +97,10 @@ class GenerateBenchConfig:
 
     def __post_init__(self) -> None:
         """Cross-field checks (each field's own range is checked by ``@validated``)."""
+        if bool(self.dense_model) != bool(self.algebra_model):
+            raise ConfigError("dense_model and algebra_model come together (both arms trained "
+                              f"models), got dense_model={self.dense_model!r}, "
+                              f"algebra_model={self.algebra_model!r}")
         if self.model:
             from structlm.convert import AlgebraConfig
 
@@ -126,11 +132,50 @@ def _load(path: str, preset: str, algebra: str, seed: int) -> Any:
     from structlm.models import StructLMForCausalLM, config_from_preset
 
     if path:
-        from transformers import AutoModelForCausalLM
+        from structlm.hf.loading import load_model
 
-        return AutoModelForCausalLM.from_pretrained(path).eval()
+        return load_model(path)  # refuses missing, mis-shaped and non-finite weights
     torch.manual_seed(seed)  # the same random weights for both models
     return StructLMForCausalLM(config_from_preset(preset, algebra)).eval()
+
+
+def _folder_algebra(model: Any) -> str:
+    """The FFN algebra a loaded model computes with (``dense`` for a plain model)."""
+    return str(getattr(model.config, "algebra", "dense") or "dense")
+
+
+def _trained_pair(cfg: GenerateBenchConfig) -> tuple[Any, dict[str, Any]]:
+    """The tokenizer and the two trained models; refuses folders in the wrong slots (a
+    swapped pair would report the inverse speed-up) or with different tokenizers."""
+    from structlm.algebra import is_dense
+    from structlm.data import load_tokenizer
+
+    loaded = {"dense": _load(cfg.dense_model, cfg.preset, "dense", cfg.seed),
+              "algebra": _load(cfg.algebra_model, cfg.preset, cfg.algebra, cfg.seed)}
+    kinds = {k: _folder_algebra(v.model) for k, v in loaded.items()}
+    if not is_dense(kinds["dense"]) or is_dense(kinds["algebra"]):
+        raise ValueError(f"--dense-model {cfg.dense_model!r} computes with {kinds['dense']!r} "
+                         f"and --algebra-model {cfg.algebra_model!r} with {kinds['algebra']!r}:"
+                         " the dense arm needs a dense model and the algebra arm an algebra "
+                         "one (are the two folders swapped?)")
+    if cfg.tokenizer != "gpt2":
+        tok = load_tokenizer(cfg.tokenizer)
+    else:  # the models' own tokenizer (structlm folders without one: GPT-2)
+        toks = [v.tokenizer for v in loaded.values()]
+        if any(t is None for t in toks):
+            raise ValueError("a model folder has no tokenizer files: pass --tokenizer")
+        if toks[0].get_vocab() != toks[1].get_vocab():
+            raise ValueError(f"--dense-model and --algebra-model have different tokenizers "
+                             f"({len(toks[0]):,} vs {len(toks[1]):,} tokens): compare models "
+                             "trained on the same tokens")
+        tok = toks[0]
+    models = {k: v.model.eval() for k, v in loaded.items()}
+    for name, m in models.items():
+        vocab = int(m.get_input_embeddings().weight.shape[0])
+        if len(tok) > vocab:
+            raise ValueError(f"the tokenizer has {len(tok):,} tokens but the {name} model "
+                             f"only {vocab:,} embeddings: pass the tokenizer it was trained with")
+    return tok, models
 
 
 def _pretrained_pair(cfg: GenerateBenchConfig) -> tuple[Any, dict[str, Any]]:
@@ -195,10 +240,12 @@ def run_generate_bench(cfg: GenerateBenchConfig, out_prefix: str,
     torch.set_num_threads(cfg.threads)
     if cfg.model:
         tok, models = _pretrained_pair(cfg)
+    elif cfg.dense_model:
+        tok, models = _trained_pair(cfg)
     else:
         tok = load_tokenizer(cfg.tokenizer)
-        models = {"dense": _load(cfg.dense_model, cfg.preset, "dense", cfg.seed),
-                  "algebra": _load(cfg.algebra_model, cfg.preset, cfg.algebra, cfg.seed)}
+        models = {"dense": _load("", cfg.preset, "dense", cfg.seed),
+                  "algebra": _load("", cfg.preset, cfg.algebra, cfg.seed)}
     env = environment()
     rows: list[dict[str, Any]] = []
     prompt_len = statistics.mean(len(tok(p)["input_ids"]) for p in cfg.prompts)

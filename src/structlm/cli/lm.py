@@ -71,28 +71,42 @@ def _check_gpt2_preset(preset: str) -> None:
 def _cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from structlm.data import gpt2_tokenizer
-    from structlm.models import StructLMForCausalLM, config_from_preset
-
     torch.set_num_threads(args.threads)
-    tok = gpt2_tokenizer()
     if args.model:
-        from transformers import AutoModelForCausalLM
+        from structlm.hf.loading import load_model
 
         if not os.path.isfile(os.path.join(args.model, "config.json")):
             raise ValueError(f"--model {args.model!r}: no saved model there (expected a "
                              "folder with config.json and weights, as save_pretrained writes)")
-        try:
-            model = AutoModelForCausalLM.from_pretrained(args.model).eval()
-        except Exception as e:  # a garbage config, truncated or mis-shaped weights
+        try:  # refuses missing, mis-shaped and non-finite weights by name
+            loaded = load_model(args.model)
+        except (ValueError, OSError) as e:
+            raise ValueError(f"--model {args.model!r} cannot be loaded: "
+                             f"{str(e).splitlines()[0][:400]}") from e
+        except Exception as e:  # a garbage config or truncated weights
             raise ValueError(f"--model {args.model!r} cannot be loaded "
                              f"({type(e).__name__}: {str(e).splitlines()[0][:300]})") from e
+        model, tok = loaded.model, loaded.tokenizer  # the folder's own tokenizer
+        if tok is None:
+            raise ValueError(f"--model {args.model!r} has no tokenizer files (tokenizer.json, "
+                             "tokenizer_config.json, ...): save the tokenizer the model was "
+                             "trained with into the folder")
+        vocab = int(model.get_input_embeddings().weight.shape[0])
+        if len(tok) > vocab:
+            raise ValueError(f"--model {args.model!r}: its tokenizer has {len(tok):,} tokens but "
+                             f"the model only {vocab:,} embeddings: they do not belong together")
     else:
+        from structlm.data import gpt2_tokenizer
+        from structlm.models import StructLMForCausalLM, config_from_preset
+
+        tok = gpt2_tokenizer()
         _check_gpt2_preset(args.preset)
         torch.manual_seed(args.seed)
         model = StructLMForCausalLM(config_from_preset(args.preset, args.algebra)).eval()
         print(f"(random {args.preset} weights with {args.algebra} FFNs: pass --model DIR for a "
               "trained model)")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     enc = tok(list(args.prompt), return_tensors="pt", padding=True)
     context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
@@ -105,7 +119,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=args.max_new_tokens,
                              do_sample=args.temperature > 0, temperature=args.temperature or None,
-                             top_p=args.top_p, top_k=args.top_k, pad_token_id=tok.eos_token_id)
+                             top_p=args.top_p, top_k=args.top_k, pad_token_id=tok.pad_token_id)
     for given, row in zip(args.prompt, out, strict=True):
         text = tok.decode(row[enc["input_ids"].shape[1]:], skip_special_tokens=True)
         print(f"### {given}\n{text}\n")

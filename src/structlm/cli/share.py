@@ -45,6 +45,7 @@ def _cmd_eval_ppl(args: argparse.Namespace) -> int:
         split_corpus,
         token_stream,
         tokenize_documents,
+        window_prefix,
         windows_for_scored_tokens,
     )
 
@@ -54,6 +55,10 @@ def _cmd_eval_ppl(args: argparse.Namespace) -> int:
     if context is not None and args.window > context:
         raise ConfigError(f"--window {args.window} is beyond the context of model "
                           f"{args.model!r} ({context} positions)")
+    if loaded.tokenizer is None:
+        raise ValueError(f"model {args.model!r} has no tokenizer files (tokenizer.json, "
+                         "tokenizer_config.json, ...): eval ppl tokenises text; save the "
+                         "model's tokenizer into the folder")
     split = split_corpus(args.corpus, args.eval_fraction, args.seed)
     docs = {"evaluation": split.evaluation, "calibration": split.calibration,
             "all": split.calibration + split.evaluation}[args.split]
@@ -64,9 +69,12 @@ def _cmd_eval_ppl(args: argparse.Namespace) -> int:
     if args.sampling == "windows" and args.stride is not None:
         raise ValueError("--stride applies to --sampling head (windows are scored whole)")
     if args.sampling == "windows":  # the reports' protocol (share.pipeline.prepare)
+        prefix = window_prefix(loaded.tokenizer)  # the tokenizer's own, e.g. Gemma's BOS
+        if bos is not None and prefix[:1] == [bos]:
+            bos = None  # already the first id of every window
         sample = sample_windows(docs, tokenize_documents(loaded.tokenizer, docs),
                                 windows_for_scored_tokens(args.tokens, args.window),
-                                args.window, args.seed + 1)
+                                args.window, args.seed + 1, prefix=prefix)
         ids = sample.windows
         text = sample.describe()
     else:
@@ -170,7 +178,9 @@ def add_share_commands(sub: Any, bench: Any) -> None:
                      help="tokens per scored window (>= 2, at most the model's context)")
     ppl.add_argument("--stride", type=positive_int, default=None,
                      help="new tokens scored per window (default window-1)")
-    ppl.add_argument("--bos", action="store_true", help="put BOS in front of every window")
+    ppl.add_argument("--bos", action="store_true", help="put BOS in front of every window "
+                     "(windows sampling starts each window with the tokenizer's own prefix "
+                     "anyway, e.g. Gemma's BOS)")
     ppl.add_argument("--batch-size", type=positive_int, default=4)
     ppl.add_argument("--seed", type=int, default=0)
     ppl.add_argument("--threads", type=positive_int, default=2)

@@ -9,6 +9,7 @@ import importlib.util as _importlib_util
 
 from structlm.convert.convert import (
     AlgebraConfig,
+    check_convertible,
     conversion_info,
     convert_,
     install_from_pretrained_hook,
@@ -21,6 +22,7 @@ from structlm.convert.typed_linear import PositionTypes, TypedAlgebraLinear
 if _importlib_util.find_spec("transformers") is not None:
     install_from_pretrained_hook()
 
-__all__ = ["AlgebraConfig", "PositionTypes", "TypedAlgebraLinear", "conversion_info",
+__all__ = ["AlgebraConfig", "PositionTypes", "TypedAlgebraLinear", "check_convertible",
+           "conversion_info",
            "convert_", "install_from_pretrained_hook", "load_converted",
            "restore_conversion", "unconvert_"]

@@ -33,8 +33,8 @@ from structlm.hf.adapters import LinearSite, get_adapter, parse_types
 from structlm.nn.schedules import TypeSchedule, get_schedule
 from structlm.nn.structure import invalidate_fast_paths
 
-__all__ = ["AlgebraConfig", "conversion_info", "convert_", "install_from_pretrained_hook",
-           "load_converted", "restore_conversion", "unconvert_"]
+__all__ = ["AlgebraConfig", "check_convertible", "conversion_info", "convert_",
+           "install_from_pretrained_hook", "load_converted", "restore_conversion", "unconvert_"]
 
 CONFIG_KEY = "structlm_conversion"
 
@@ -168,6 +168,18 @@ def _selected(model: nn.Module, cfg: AlgebraConfig,
         raise ValueError(f"no module matches targets={cfg.targets!r}"
                          + (" and filter_fn" if filter_fn is not None else ""))
     return chosen
+
+
+def check_convertible(model: nn.Module, config: AlgebraConfig | None = None,
+                      filter_fn: Callable[[nn.Module, str], bool] | None = None) -> list[str]:
+    """The names of the modules :func:`convert_` would replace, changing nothing; reads
+    shapes only, so an architecture without weights (``load_model(spec, weights=False)``)
+    checks a plan before any work.
+
+    Raises:
+        ValueError: what :func:`convert_` would raise (every problem named).
+    """
+    return [fqn for _, fqn in _selected(model, config or AlgebraConfig(), filter_fn)]
 
 
 def _shape(module: nn.Module, conv1d: bool) -> tuple[int, int]:

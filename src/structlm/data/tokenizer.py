@@ -73,4 +73,17 @@ def load_tokenizer(name: str = "gpt2") -> Any:
         return gpt2_tokenizer()
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(name)
+    if os.path.isdir(name):
+        if not any(os.path.exists(os.path.join(name, f)) for f in
+                   ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")):
+            raise ValueError(f"tokenizer {name!r}: the folder has no tokenizer files "
+                             "(tokenizer.json, tokenizer_config.json, ...)")
+    elif name.startswith(("/", ".", "~")) or name.count("/") > 1:  # a path, not a hub id
+        raise ValueError(f"tokenizer {name!r}: no such folder (expected 'gpt2', a tokenizer "
+                         "folder or a hub id)")
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"tokenizer {name!r} cannot be loaded (expected 'gpt2', a tokenizer "
+                         f"folder or a reachable hub id): {str(e).splitlines()[0][:200]}"
+                         ) from None

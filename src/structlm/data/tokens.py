@@ -145,7 +145,8 @@ def build_token_dataset(corpus: str, out_dir: str | os.PathLike[str], val_fracti
         if not rebuild:
             raise RunError(f"the token data in {out} was built from other input "
                            f"({', '.join(changed)} changed){': ' + why if why else ''}; "
-                           "restore the input, use another data_dir, or start over")
+                           "restore the input, use another data_dir, or start over (structlm "
+                           "train --restart)")
         print(f"rebuilding the token cache in {out}: {', '.join(changed)} changed", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     docs, removed = dedup_exact(raw)

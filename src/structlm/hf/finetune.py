@@ -37,7 +37,13 @@ from structlm.config import OneOf, Range, RunError, validated
 from structlm.hf.perplexity import perplexity
 from structlm.nn.factorized import LowRankLinear, OneSidedLinear, SharedBasisLinear
 
-__all__ = ["FinetuneConfig", "finetune", "load_state", "train_only", "trainable_parameters"]
+__all__ = ["GRAD_CLIP_RANGE", "FinetuneConfig", "finetune", "load_state", "train_only",
+           "trainable_parameters"]
+
+
+#: Gradient clipping: 0 turns it off; a positive norm below 1e-6 would shrink every Adam
+#: update far below its epsilon (the run would silently stop learning).
+GRAD_CLIP_RANGE = Range(ge=1e-6, also=0, note="0: no clipping")
 
 
 @dataclass
@@ -57,7 +63,7 @@ class FinetuneConfig:
     """Final rate as a fraction of the peak."""
     weight_decay: Annotated[float, Range(ge=0)] = 0.0
     """AdamW weight decay."""
-    grad_clip: Annotated[float, Range(ge=0, note="0: no clipping")] = 1.0
+    grad_clip: Annotated[float, GRAD_CLIP_RANGE] = 1.0
     """Gradient-norm clip."""
     batch_size: Annotated[int, Range(ge=1)] = 2
     """Windows per step."""

@@ -18,6 +18,7 @@ types are computed once per forward and shared by every FFN projection.
 
 from __future__ import annotations
 
+import os
 from typing import Any, ClassVar
 
 import torch
@@ -30,6 +31,7 @@ from structlm.algebra import get_algebra, is_dense, num_types, support_of
 from structlm.models.configuration_structlm import StructLMConfig
 from structlm.models.decode_step import BlockTensors, DecodeAccelerator
 from structlm.models.kv_cache import GrowingKVCache, use_growing_layers
+from structlm.models.saved_product import check_saved_product, write_saved_product
 from structlm.nn import (
     AlgebraLinear,
     DecodeLinear,
@@ -258,6 +260,23 @@ class StructLMPreTrainedModel(StructureTracked, PreTrainedModel):
 
     config_class = StructLMConfig
     base_model_prefix = "transformer"
+
+    def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+        """``PreTrainedModel.save_pretrained``, plus the product the weights compute
+        (:mod:`structlm.models.saved_product`)."""
+        out = super().save_pretrained(save_directory, *args, **kwargs)
+        write_saved_product(save_directory, self.config)
+        return out
+
+    @classmethod
+    def from_pretrained(cls, path: Any, *args: Any, **kwargs: Any) -> Any:
+        """``PreTrainedModel.from_pretrained``; a local folder whose ``config.json``
+        disagrees with the product its weights were saved for is refused."""
+        out = super().from_pretrained(path, *args, **kwargs)
+        model = out[0] if isinstance(out, tuple) else out
+        if os.path.isdir(str(path)):
+            check_saved_product(path, model.config)
+        return out
     _no_split_modules: ClassVar[list[str]] = ["StructLMBlock"]
     _supports_sdpa = True
 

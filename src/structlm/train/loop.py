@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 import torch
 from tqdm import tqdm
 
-from structlm.atomic import atomic_write_json
+from structlm.atomic import atomic_write_json, atomic_write_text
 from structlm.config import ConfigError, NonEmpty, OneOf, Range, RunError, validated
 from structlm.data.bpe import parse_tokenizer_spec
+from structlm.hf.finetune import GRAD_CLIP_RANGE
 from structlm.models.presets import PRESETS
 from structlm.nn.schedules import auto_schedule, check_type_coverage, get_schedule, type_counts
 from structlm.settings import local_rank
@@ -109,7 +110,7 @@ class TrainConfig:
     """AdamW beta1."""
     beta2: Annotated[float, Range(ge=0, lt=1)] = 0.95
     """AdamW beta2."""
-    grad_clip: Annotated[float, Range(ge=0, note="0: no clipping")] = 1.0
+    grad_clip: Annotated[float, GRAD_CLIP_RANGE] = 1.0
     """Largest global L2 norm of the gradients per optimiser step; ``0`` = no clipping."""
     eval_every: Annotated[int, _POS] = 50
     """Steps between validation evaluations."""
@@ -215,9 +216,11 @@ _OWN_MODEL_FIELDS = frozenset({"algebra", "type_schedule"})
 """Model config fields that ``TrainConfig`` sets from its own fields."""
 
 
-_RUNTIME_FIELDS = frozenset({"parallel", "threads", "save_every", "eval_every", "max_steps"})
+_RUNTIME_FIELDS = frozenset({"parallel", "threads", "save_every", "eval_every", "max_steps",
+                             "out_dir"})
 """Fields a run may resume with other values: how it executes (engine, threads), when it
-saves or evaluates, and ``max_steps`` (a longer run continues from its checkpoint with the
+saves or evaluates, where the run folder is now (a moved folder resumes; its token data is
+checked by content), and ``max_steps`` (a longer run continues from its checkpoint with the
 learning-rate schedule of the new length; a value below the checkpoint's step is
 refused). Checkpoints are the same for every engine."""
 
@@ -403,9 +406,10 @@ def _train(cfg: TrainConfig, rank: int, world: int, stop_after: int | None, prog
             diff = _run_differences(cfg_path.read_text(), cfg)
             if diff:
                 raise ValueError(f"{out} holds a run with a different config ({'; '.join(diff)})"
-                                 "; use another out_dir, or change only "
-                                 f"{sorted(_RUNTIME_FIELDS)}")
-        cfg_path.write_text(cfg_json)
+                                 "; use another out_dir, change only "
+                                 f"{sorted(_RUNTIME_FIELDS)}, or start over with --restart "
+                                 "(the old run is moved aside)")
+        atomic_write_text(cfg_path, cfg_json)
         _write_type_counts(out / "types.json", cfg)
         build_token_dataset(cfg.corpus, data_dir, cfg.val_fraction,
                             cfg.seed if cfg.data_seed is None else cfg.data_seed, cfg.heldout,

@@ -54,11 +54,13 @@ from structlm.convert.convert import AlgebraConfig, convert_
 from structlm.convert.typed_linear import TypedAlgebraLinear
 from structlm.experiments.convert.baselines import prune_ffn_width_
 from structlm.experiments.plot_throttle import PlotThrottle
+from structlm.folders import check_apart, run_folder_lock
 from structlm.hf.adapters import MatrixType, get_adapter, parse_types
 from structlm.hf.finetune import FinetuneConfig, finetune, trainable_parameters
 from structlm.hf.macs import projection_macs, projection_parameters
 from structlm.hf.pipeline import Prepared, evaluate_all, prepare, spread_windows
 from structlm.share.compress import CompressionConfig, compress_model
+from structlm.share.compress.io import source_chain
 
 __all__ = ["ConvertExperimentConfig", "planned_runs", "run_convert_experiment"]
 
@@ -276,15 +278,38 @@ def _check_macs(arms: list[dict[str, Any]], tol: float) -> None:
                                      f"{ref[key]:,.0f} ({dev:+.2%}; allowed −{tol:.0%}..0)")
 
 
+def _check_plan(cfg: ConvertExperimentConfig) -> None:
+    """Refuse a plan any of whose conversions cannot run on the model (widths not divisible
+    by an algebra's q, a fused projection split, ...), from the architecture alone."""
+    from structlm.convert import check_convertible
+    from structlm.hf.loading import load_model
+
+    arch = load_model(cfg.model, weights=False).model
+    for algebra in cfg.algebras:
+        for target in cfg.targets:
+            try:
+                check_convertible(arch, AlgebraConfig(algebra, cfg.schedule, target))
+            except ValueError as e:
+                raise ConfigError(f"algebra {algebra!r} on target {target!r}: {e}") from None
+
+
 def run_convert_experiment(cfg: ConvertExperimentConfig, out_dir: str | Path,
                            progress: bool = True) -> dict[str, Any]:
     """Run every arm and seed (resuming from ``out_dir/arms.json``); writes
     ``results.json``, ``report.md`` and plots. Returns the results."""
-    from structlm.experiments.convert.report import write_convert_report
-
     t0 = time.time()
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    check_apart(out, source_chain(cfg.model), "convert experiment folder")
+    _check_plan(cfg)  # every arm's conversion, before the first arm runs
+    with run_folder_lock(out, "convert experiment"):  # one writer per run folder
+        return _run_convert_experiment_locked(cfg, out, t0, progress)
+
+
+def _run_convert_experiment_locked(cfg: ConvertExperimentConfig, out: Path, t0: float,
+                                   progress: bool) -> dict[str, Any]:
+    """The body of the run, under the run folder's lock."""
+    from structlm.experiments.convert.report import write_convert_report
+
     atomic_write_text(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=1))
     prep = prepare(cfg.model, cfg.corpus, cfg.second_corpus, calib_tokens=cfg.calib_tokens,
                    eval_tokens=cfg.eval_tokens, progress=progress)

@@ -38,8 +38,10 @@ import torch
 from structlm.atomic import atomic_write_text, clean_json
 from structlm.config import ConfigError, Distinct, NonEmpty, Range, dataclass_from_dict, validated
 from structlm.experiments.plot_throttle import PlotThrottle
+from structlm.folders import check_apart, run_folder_lock
 from structlm.hf.adapters import MatrixType, get_adapter, parse_types
 from structlm.hf.finetune import FinetuneConfig, finetune
+from structlm.hf.loading import load_model
 from structlm.hf.pipeline import Prepared, evaluate_all, prepare, spread_windows
 from structlm.share.compress import (
     METHODS,
@@ -49,6 +51,7 @@ from structlm.share.compress import (
     get_method,
     plan_types,
 )
+from structlm.share.compress.io import source_chain
 from structlm.share.compress.methods import (
     BASIS_SHARING_METHOD,
     HYBRID_METHOD,
@@ -385,11 +388,22 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, progress: bool = 
     fine-tuning runs in priority order (seed 0 of every whole-model budget first), the
     report rewritten after each; ``analytic_only`` stops after the first phase. Writes
     ``experiment.json``, ``report.md`` and plots."""
-    from structlm.experiments.share.report import write_experiment_report
-
     t0 = time.time()
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    check_apart(out, [*source_chain(cfg.model),
+                      *(source_chain(cfg.second_model) if cfg.second_model else [])],
+                "share experiment folder")
+    if cfg.second_model:  # found and readable now, not after the first model's arms
+        load_model(cfg.second_model, weights=False)
+    with run_folder_lock(out, "share experiment"):  # one writer per run folder
+        return _run_experiment_locked(cfg, out, t0, progress, analytic_only)
+
+
+def _run_experiment_locked(cfg: ExperimentConfig, out: Path, t0: float, progress: bool,
+                           analytic_only: bool) -> dict[str, Any]:
+    """The body of the run, under the run folder's lock."""
+    from structlm.experiments.share.report import write_experiment_report
+
     atomic_write_text(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=1))
     cache = _ArmCache(out / "arms.json", cfg)
     prep = prepare(cfg.model, cfg.corpus, cfg.second_corpus, calib_tokens=cfg.calib_tokens,

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from structlm.atomic import atomic_write_text
 from structlm.config import (
     ConfigError,
     Distinct,
@@ -31,6 +32,7 @@ from structlm.config import (
     dataclass_from_dict,
     validated,
 )
+from structlm.folders import check_apart, run_folder_lock
 from structlm.hf.adapters import MATRIX_TYPES, SITE_OF, MatrixType, ModelAdapter, parse_types
 from structlm.hf.calibration import Calibration
 from structlm.hf.linalg import psd_sqrt, random_like_spectrum, thin_svd
@@ -45,6 +47,7 @@ from structlm.share.analysis.roles import (
 )
 from structlm.share.analysis.sinks import calibration_windows, sink_excluded_second_moments
 from structlm.share.analysis.subspaces import functional_matrices, per_side_k, subspace_scores
+from structlm.share.compress.io import source_chain
 
 __all__ = ["FUNCTIONAL_PRIMARY", "FUNCTIONAL_VARIANTS", "AnalysisConfig", "Thresholds",
            "run_analysis"]
@@ -344,17 +347,26 @@ def run_analysis(cfg: AnalysisConfig, out_dir: str | Path, progress: bool = True
                  ) -> dict[str, Any]:
     """Run the analysis and write ``results.json``, ``report.md`` and plots to
     ``out_dir``; returns the results."""
-    from structlm.share.analysis.report import write_report
-
     t0 = time.time()
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    check_apart(out, source_chain(cfg.model), "analysis folder")
+    with run_folder_lock(out, "analysis"):  # one writer per report folder
+        return _run_analysis_locked(cfg, out, t0, progress)
+
+
+def _run_analysis_locked(cfg: AnalysisConfig, out: Path, t0: float, progress: bool
+                         ) -> dict[str, Any]:
+    """:func:`run_analysis` under the folder's lock: the model and text are prepared (a
+    model or text that cannot be used fails here), then the thresholds are fixed in
+    ``config.json`` before any test runs."""
+    from structlm.share.analysis.report import write_report
+
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     prep = prepare(cfg.model, cfg.corpus, cfg.second_corpus, cfg.eval_fraction,
                    cfg.calib_tokens, cfg.eval_tokens, cfg.seq_len, cfg.batch_size, cfg.seed,
                    layers=cfg.layers, progress=progress)
+    atomic_write_text(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
     loaded, adapter, cal = prep.loaded, prep.adapter, prep.calibration
     assert cal is not None
     types = parse_types(cfg.types)
