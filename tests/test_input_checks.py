@@ -137,3 +137,13 @@ def test_presets_without_the_gpt2_vocabulary_are_refused_by_gpt2_commands(argv, 
     assert rc not in (0, None)
     assert "tokenises with GPT-2 (50,257 tokens): use one of ['cpu-small', 'paper-110m']" in (
         capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("widths", [[2.5, 5.5], [4.0, 4.0], [True, 7]])
+def test_fractional_or_boolean_group_widths_are_refused_not_truncated(widths) -> None:
+    from structlm import AlgebraLinear
+    from structlm.algebra import AlgebraError
+
+    with pytest.raises(AlgebraError, match=f"{widths[0]!r} is not an integer"):
+        AlgebraLinear(8, 8, "Q2", group_sizes=(widths, [4, 4]))
+    assert AlgebraLinear(8, 8, "Q2", group_sizes=([3, 5], [4, 4])).in_widths == (3, 5)

@@ -34,6 +34,10 @@ __all__ = ["AlgebraLinear"]
 
 
 def _check_widths(widths: Sequence[int], total: int, q: int, what: str) -> tuple[int, ...]:
+    bad = [v for v in widths if isinstance(v, bool) or not isinstance(v, int | np.integer)]
+    if bad:
+        raise AlgebraError(f"{what} group widths {list(widths)}: {bad[0]!r} is not an integer "
+                           "(a width counts features)")
     w = tuple(int(v) for v in widths)
     if len(w) != q:
         raise AlgebraError(f"{what} group widths {list(w)} have {len(w)} entries; need q={q}")
