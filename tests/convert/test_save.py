@@ -76,3 +76,21 @@ def test_config_is_checked_before_any_work() -> None:
     with pytest.raises(ValueError, match="eval_tokens: -1 is out of range: expected >= 0"):
         ConvertConfig(model="x", eval_tokens=-1)
     assert main(["convert", "x", "--out", "y", "--targets", "ffn"]) == 2
+
+
+def test_cli_calibrated_and_permuted_conversion(tiny_folder: str, tmp_path, capsys) -> None:
+    out = tmp_path / "calibrated"
+    assert main(["convert", tiny_folder, "--algebra", "Q2^2", "--targets", "mlp", "--out",
+                 str(out), "--init", "calibrated", "--permute", "--calib-tokens", "4096",
+                 "--eval-tokens", "600"]) == 0
+    rep = json.loads((out / REPORT).read_text())
+    conv = rep["conversion"]
+    assert conv["init"] == "calibrated" and conv["permute"] is True
+    assert conv["calibration"]["tokens"] == 4096 and len(conv["permutation"]) == 2
+    for name, m in conv["calibration"]["modules"].items():
+        assert m["calibrated"] <= m["copy"] * (1 + 1e-9), name
+        assert m["held_out"]["copy"] > 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert conversion_info(model)["init"] == "calibrated"
+    with pytest.raises(ValueError, match="permute: reorders FFN hidden units"):
+        ConvertConfig(model="x", targets="attn", permute=True)

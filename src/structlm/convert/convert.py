@@ -18,6 +18,7 @@ plain projection (already converted or compressed), a non-associative algebra.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from torch.utils.hooks import RemovableHandle
 from structlm.algebra import Algebra, AlgebraError, get_algebra, support_of
 from structlm.config import ConfigError
 from structlm.convert.typed_linear import PositionTypes, TypedAlgebraLinear, dense_from
-from structlm.hf.adapters import LinearSite, get_adapter, parse_types
+from structlm.hf.adapters import LinearSite, MatrixType, get_adapter, parse_types
 from structlm.nn.schedules import TypeSchedule, get_schedule
 from structlm.nn.structure import invalidate_fast_paths
 
@@ -37,6 +38,7 @@ __all__ = ["AlgebraConfig", "check_convertible", "conversion_info", "convert_",
            "install_from_pretrained_hook", "load_converted", "restore_conversion", "unconvert_"]
 
 CONFIG_KEY = "structlm_conversion"
+INITS = ("copy", "calibrated")
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,21 @@ class AlgebraConfig:
     """Matrix types converted: mlp (the FFN projections, the default), attn, all, or a
     list of q,k,v,o,mlp_in,mlp_out (a fused qkv needs q, k and v together, and becomes
     one algebra layer: see :func:`convert_`)."""
+    init: str = "copy"
+    """``copy``: every weight kept bit for bit (each type then drops the blocks its support
+    does not use); ``calibrated``: the blocks refitted so that every type's product
+    approximates the dense projection on calibration activations (float64, ridge toward
+    the dense weight, layer by layer: :mod:`structlm.convert.calibrate`). The parameter
+    count is the same either way; ``calibrated`` changes the values, and
+    :func:`convert_` then needs ``calibration`` token ids."""
+    ridge: float | None = None
+    """With ``init="calibrated"``: the relative ridge ``lambda = ridge * trace(G) / K``;
+    ``None`` chooses it per module from ``calibrate.RIDGES`` by the error on every 8th
+    calibration window, held out (then refits on all)."""
+    permute: bool = False
+    """Before converting, reorder every FFN's hidden units (a function-preserving
+    permutation) so that each type keeps as much of the calibration output as possible
+    (:mod:`structlm.convert.permute`; needs ``calibration`` ids and FFN targets)."""
 
     def __post_init__(self) -> None:
         try:
@@ -66,6 +83,16 @@ class AlgebraConfig:
                               "it changes nothing (use Q2, Q4, Q2^2, ...)")
         get_schedule(self.schedule, support.q)  # raises a ValueError naming the spec
         parse_types(self.targets)
+        if self.permute and not {MatrixType.MLP_IN, MatrixType.MLP_OUT} <= set(
+                parse_types(self.targets)):
+            raise ConfigError(f"permute: reorders FFN hidden units, so targets must hold "
+                              f"mlp_in and mlp_out (mlp or all), got {self.targets!r}")
+        if self.init not in INITS:
+            raise ConfigError(f"init: {self.init!r} is not valid: expected one of {INITS}")
+        if self.ridge is not None and not (isinstance(self.ridge, int | float)
+                                           and math.isfinite(self.ridge) and self.ridge > 0):
+            raise ConfigError(f"ridge: {self.ridge!r} is out of range: expected > 0, or "
+                              "None (chosen on held-out calibration windows)")
 
     def algebra_object(self) -> Algebra:
         return self.algebra if isinstance(self.algebra, Algebra) else get_algebra(self.algebra)
@@ -82,7 +109,9 @@ class AlgebraConfig:
         """The JSON-able description saved in the model's config (a custom
         :class:`Algebra` is marked: only a catalogue name can be rebuilt)."""
         return {"algebra": self.algebra_name, "schedule": self.schedule,
-                "targets": self.targets, "custom_algebra": isinstance(self.algebra, Algebra)}
+                "targets": self.targets, "custom_algebra": isinstance(self.algebra, Algebra),
+                "init": self.init, **({"ridge": self.ridge} if self.init != "copy" else {}),
+                **({"permute": True} if self.permute else {})}
 
     def type_schedule(self) -> TypeSchedule:
         return get_schedule(self.schedule, self.q)
@@ -98,6 +127,10 @@ class _Conversion:
     conv1d: bool
     hook: RemovableHandle
     """The position hook's handle (:func:`unconvert_` removes it through it)."""
+    calibration: dict[str, Any] | None = None
+    """The summary of a calibrated conversion (:func:`~structlm.convert.calibrate.calibrate_`)."""
+    permutation: dict[str, Any] | None = None
+    """Per layer, the FFN assignment cost before and after the permutation."""
 
 
 class _PositionHook:
@@ -120,10 +153,18 @@ class _PositionHook:
 
 
 def conversion_info(model: nn.Module) -> dict[str, Any] | None:
-    """The recorded conversion of ``model`` (algebra, schedule, targets, module names),
-    or ``None`` if it is not converted."""
+    """The recorded conversion of ``model`` (algebra, schedule, targets, init, module
+    names; after a calibrated conversion in this process, its summary), or ``None`` if it
+    is not converted."""
     conv = getattr(model, "_structlm_conversion", None)
-    return None if conv is None else {**conv.config.record(), "modules": list(conv.names)}
+    if conv is None:
+        return None
+    info = {**conv.config.record(), "modules": list(conv.names)}
+    if conv.calibration is not None:
+        info["calibration"] = conv.calibration
+    if conv.permutation is not None:
+        info["permutation"] = conv.permutation
+    return info
 
 
 def _selected(model: nn.Module, cfg: AlgebraConfig,
@@ -191,7 +232,8 @@ def _shape(module: nn.Module, conv1d: bool) -> tuple[int, int]:
 
 
 def convert_(model: nn.Module, config: AlgebraConfig | None = None,
-             filter_fn: Callable[[nn.Module, str], bool] | None = None) -> nn.Module:
+             filter_fn: Callable[[nn.Module, str], bool] | None = None,
+             calibration: Any = None, progress: bool = True) -> nn.Module:
     """Replace, in place, the chosen projections of ``model`` (a Hugging Face causal LM of
     a family with an adapter: LLaMA incl. SmolLM2, Mistral, Qwen2/3, Gemma 2/3 (also the
     text decoder of the multimodal Gemma 3), OLMo 2, Phi-3, GPT-2, StructLM) by
@@ -207,10 +249,54 @@ def convert_(model: nn.Module, config: AlgebraConfig | None = None,
     torchao's ``quantize_``). Position types follow the model's own position ids in every
     forward (cached decode, chunked prefill, left-padded ``generate()`` batches).
 
+    With ``config.init == "calibrated"``, ``calibration`` (token ids ``(n, T)`` or an
+    iterable of batches) drives a layer-by-layer refit of the converted blocks
+    (:mod:`structlm.convert.calibrate`; a progress bar unless ``progress=False``); its
+    summary (relative calibration error of the copy and of the fit, per module and type)
+    is in :func:`conversion_info`.
+
     Raises:
-        ValueError: for any target that cannot be converted (all named, nothing changed).
+        ValueError: for any target that cannot be converted (all named, nothing changed);
+            ``init="calibrated"`` without calibration ids, or ids with ``init="copy"``.
     """
     cfg = config or AlgebraConfig()
+    wants = cfg.init == "calibrated" or cfg.permute
+    if wants != (calibration is not None):
+        raise ValueError(f"init={cfg.init!r}, permute={cfg.permute} " + (
+            "needs calibration token ids (convert_(..., calibration=ids))"
+            if calibration is None else "keeps every weight: calibration ids are only used "
+            "with init='calibrated' or permute=True"))
+    permutation = None
+    if cfg.permute:
+        if getattr(model, "_structlm_conversion", None) is not None:
+            raise ValueError("the model is already converted; unconvert_ it first")
+        check_convertible(model, cfg, filter_fn)  # nothing changes if the targets are bad
+        from structlm.convert.permute import permute_ffn_
+
+        permutation = permute_ffn_(model, cfg.algebra_object(), cfg.type_schedule(),
+                                   calibration, progress)
+    _convert(model, cfg, filter_fn)
+    conv = model._structlm_conversion
+    conv.permutation = permutation
+    if calibration is not None:
+        from structlm.convert.calibrate import calibrate_
+
+        conv.calibration = calibrate_(model, conv.names, calibration, cfg.ridge, progress)
+        mods = conv.calibration["modules"].values()
+        model.config.__dict__[CONFIG_KEY]["calibration"] = {
+            "tokens": conv.calibration["tokens"], "ridge": cfg.ridge,
+            "mean_relative_error": {k: sum(m[k] for m in mods) / len(mods)
+                                    for k in ("copy", "calibrated")},
+            "held_out_mean_relative_error": {
+                k: sum(m["held_out"][k] for m in mods) / len(mods)
+                for k in ("copy", "calibrated")} if all("held_out" in m for m in mods)
+            else None}
+    return model
+
+
+def _convert(model: nn.Module, cfg: AlgebraConfig,
+             filter_fn: Callable[[nn.Module, str], bool] | None) -> nn.Module:
+    """:func:`convert_` without the calibration: the modules replaced, weights copied."""
     if getattr(model, "_structlm_conversion", None) is not None:
         raise ValueError(f"the model is already converted ({conversion_info(model)}); "
                          "unconvert_ it first")
@@ -286,9 +372,12 @@ def restore_conversion(model: nn.Module) -> nn.Module:
                       "the same Algebra object", UserWarning, stacklevel=3)
         return model
     modules = set(record.get("modules") or [])
-    cfg = AlgebraConfig(**{k: record[k] for k in ("algebra", "schedule", "targets")})
+    cfg = AlgebraConfig(**{k: record[k] for k in ("algebra", "schedule", "targets", "init",
+                                                  "ridge", "permute") if k in record})
     model.config.__dict__.pop(CONFIG_KEY, None)
-    convert_(model, cfg, filter_fn=lambda _m, name: name in modules)
+    _convert(model, cfg, filter_fn=lambda _m, name: name in modules)  # the saved weights
+    if "calibration" in record:
+        model.config.__dict__[CONFIG_KEY]["calibration"] = record["calibration"]
     if set(model._structlm_conversion.names) != modules:
         raise ValueError(f"the recorded converted modules {sorted(modules)} are not what the "
                          f"model offers ({sorted(model._structlm_conversion.names)})")

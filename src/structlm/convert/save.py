@@ -26,7 +26,7 @@ from typing import Annotated, Any
 
 import torch
 
-from structlm.config import ConfigError, NonEmpty, Range, dataclass_from_dict, validated
+from structlm.config import ConfigError, NonEmpty, OneOf, Range, dataclass_from_dict, validated
 from structlm.convert.convert import AlgebraConfig, conversion_info, convert_
 from structlm.convert.typed_linear import TypedAlgebraLinear
 from structlm.folders import check_apart
@@ -55,6 +55,16 @@ class ConvertConfig:
     """Position types (cyclic, block:<size>[:<period>], table:..., cross-layer:...)."""
     targets: Annotated[str, NonEmpty()] = "mlp"
     """Matrix types converted: mlp, attn, all, or a list of q,k,v,o,mlp_in,mlp_out."""
+    init: Annotated[str, OneOf("copy", "calibrated")] = "copy"
+    """copy: every weight kept; calibrated: each converted projection refitted, layer by
+    layer, to the dense one on ``calib_tokens`` calibration tokens
+    (:mod:`structlm.convert.calibrate`)."""
+    permute: bool = False
+    """Reorder the FFN hidden units first (function-preserving) so that each type keeps
+    as much calibration output as possible (needs mlp in ``targets``)."""
+    calib_tokens: Annotated[int, Range(ge=512, note="one 512-token window")] = 16384
+    """Calibration tokens (windows of the corpus's calibration documents) for ``init:
+    calibrated`` and ``permute``."""
     heal: FinetuneConfig = field(default_factory=_no_healing)
     """Healing after the change (``steps`` 0: none): the converted layers' weights
     trained on the corpus's calibration documents."""
@@ -71,7 +81,17 @@ class ConvertConfig:
         """Cross-field checks (each field's own range is checked by ``@validated``)."""
         if not isinstance(self.heal, FinetuneConfig):
             raise ConfigError(f"heal: {self.heal!r} is not a mapping of FinetuneConfig keys")
-        AlgebraConfig(self.algebra, self.schedule, self.targets)  # checks all three
+        self.algebra_config()  # checks the algebra, schedule, targets and permute
+
+    def algebra_config(self) -> AlgebraConfig:
+        """The :class:`AlgebraConfig` this conversion uses."""
+        return AlgebraConfig(self.algebra, self.schedule, self.targets, init=self.init,
+                             permute=self.permute)
+
+    @property
+    def uses_calibration(self) -> bool:
+        """Whether the conversion reads calibration windows."""
+        return self.init == "calibrated" or self.permute
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ConvertConfig:
@@ -100,7 +120,9 @@ def convert_and_save(cfg: ConvertConfig, out: str | Path, progress: bool = True
     heal = cfg.heal.steps > 0
     prep = prepare(cfg.model, cfg.corpus, cfg.second_corpus if cfg.eval_tokens else "",
                    eval_tokens=cfg.eval_tokens, seed=cfg.seed, calibrate=False,
-                   calib_tokens=max(cfg.heal.seq_len, 512), progress=progress)
+                   calib_tokens=max(cfg.heal.seq_len, 512,
+                                    cfg.calib_tokens if cfg.uses_calibration else 0),
+                   progress=progress)
     loaded = prep.loaded
     model = loaded.model
 
@@ -116,7 +138,8 @@ def convert_and_save(cfg: ConvertConfig, out: str | Path, progress: bool = True
     if cfg.eval_tokens:
         report["text"] = prep.text
         report["original"]["ppl"] = ppl()
-    convert_(model, AlgebraConfig(cfg.algebra, cfg.schedule, cfg.targets))
+    convert_(model, cfg.algebra_config(),
+             calibration=prep.calib_ids if cfg.uses_calibration else None, progress=progress)
     report["conversion"] = conversion_info(model)
     report["converted"] = {"projection_macs": float(projection_macs(model)),
                            "projection_parameters": projection_parameters(model)}
@@ -158,9 +181,14 @@ def _save(model: torch.nn.Module, tokenizer: Any, report: dict[str, Any], out: P
             tokenizer.save_pretrained(tmp)
         (tmp / REPORT).write_text(json.dumps(report, indent=1))
         back = AutoModelForCausalLM.from_pretrained(tmp, dtype=next(model.parameters()).dtype)
-        if conversion_info(back) != conversion_info(model):
-            raise RuntimeError(f"the saved folder loads back as {conversion_info(back)}, not "
-                               f"{conversion_info(model)}")
+        def record(m: torch.nn.Module) -> dict[str, Any] | None:
+            info = conversion_info(m)  # this process's summaries are not saved
+            return None if info is None else {k: v for k, v in info.items()
+                                              if k not in ("calibration", "permutation")}
+
+        if record(back) != record(model):
+            raise RuntimeError(f"the saved folder loads back as {record(back)}, not "
+                               f"{record(model)}")
         ids = torch.arange(1, 17)[None] % int(model.get_input_embeddings().weight.shape[0])
         with torch.no_grad():
             torch.testing.assert_close(back.eval()(ids).logits, model.eval()(ids).logits)
