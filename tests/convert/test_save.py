@@ -82,8 +82,18 @@ def test_cli_calibrated_and_permuted_conversion(tiny_folder: str, tmp_path, caps
     out = tmp_path / "calibrated"
     assert main(["convert", tiny_folder, "--algebra", "Q2^2", "--targets", "mlp", "--out",
                  str(out), "--init", "calibrated", "--permute", "--calib-tokens", "4096",
-                 "--eval-tokens", "600"]) == 0
+                 "--eval-tokens", "600", "--distill-steps", "3", "--distill-seq-len", "64",
+                 "--distill-batch-size", "2", "--distill-eval-every", "3",
+                 "--distill-eval-tokens", "128"]) == 0
+    assert "distilled" in capsys.readouterr().out
     rep = json.loads((out / REPORT).read_text())
+    curve = rep["distill_curve"]
+    assert [c["step"] for c in curve] == [0, 1, 2, 3] and curve[-1]["eval_ppl"] > 0
+    # the teacher took the permuted layout: the distillation starts from the calibrated
+    # student's own error (a relative error below 1), not from a scrambled comparison
+    assert 0 < curve[1]["loss"] < 1
+    assert set(rep["converted"]["ppl_distilled"]) == set(rep["original"]["ppl"])
+    assert not list(tmp_path.glob(".calibrated.*-state.pt"))
     conv = rep["conversion"]
     assert conv["init"] == "calibrated" and conv["permute"] is True
     assert conv["calibration"]["tokens"] == 4096 and len(conv["permutation"]) == 2

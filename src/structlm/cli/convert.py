@@ -17,8 +17,9 @@ def convert_config(args: argparse.Namespace) -> Any:
     from structlm.convert.save import ConvertConfig
 
     raw = {**read_yaml(args.config), "model": args.model, **args.flags.values(args)}
-    if args.heal_flags.values(args):
-        raw["heal"] = {**(raw.get("heal") or {}), **args.heal_flags.values(args)}
+    for key, flags in (("heal", args.heal_flags), ("distill", args.distill_flags)):
+        if flags.values(args):
+            raw[key] = {**(raw.get(key) or {}), **flags.values(args)}
     return ConvertConfig.from_dict(raw)
 
 
@@ -40,6 +41,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         if key in before:
             for text, value in before[key].items():
                 line = f"  {label} {text}: {value:.2f} -> {after[key][text]:.2f}"
+                if "ppl_distilled" in after:
+                    line += f" -> distilled {after['ppl_distilled'][text]:.2f}"
                 if "ppl_healed" in after:
                     line += f" -> healed {after['ppl_healed'][text]:.2f}"
                 print(line)
@@ -61,8 +64,13 @@ def add_convert_commands(sub: Any) -> None:
     cv.add_argument("--threads", type=positive_int, default=2)
     title = "{} fields (a flag given overrides the YAML's key)"
     cv.set_defaults(func=_cmd_convert,
-                    flags=add_dataclass_flags(cv, ConvertConfig, exclude=("model", "heal"),
+                    flags=add_dataclass_flags(cv, ConvertConfig,
+                                              exclude=("model", "heal", "distill"),
                                               title=title.format("ConvertConfig")),
+                    distill_flags=add_dataclass_flags(
+                        cv, FinetuneConfig, prefix="distill", exclude=("seed",),
+                        title=title.format("distillation FinetuneConfig") + " (--distill-"
+                        "steps 0: no distillation, the default; before healing)"),
                     heal_flags=add_dataclass_flags(
                         cv, FinetuneConfig, prefix="heal", exclude=("seed",),
                         title=title.format("healing FinetuneConfig") + " (--heal-steps 0: "

@@ -131,6 +131,8 @@ class _Conversion:
     """The summary of a calibrated conversion (:func:`~structlm.convert.calibrate.calibrate_`)."""
     permutation: dict[str, Any] | None = None
     """Per layer, the FFN assignment cost before and after the permutation."""
+    unit_orders: dict[int, Any] | None = None
+    """Per layer, the FFN hidden units' order the permutation chose (new -> old)."""
 
 
 class _PositionHook:
@@ -273,11 +275,14 @@ def convert_(model: nn.Module, config: AlgebraConfig | None = None,
         check_convertible(model, cfg, filter_fn)  # nothing changes if the targets are bad
         from structlm.convert.permute import permute_ffn_
 
+        orders: dict[int, Any] = {}
         permutation = permute_ffn_(model, cfg.algebra_object(), cfg.type_schedule(),
-                                   calibration, progress)
+                                   calibration, progress, orders)
     _convert(model, cfg, filter_fn)
     conv = model._structlm_conversion
     conv.permutation = permutation
+    if cfg.permute:
+        conv.unit_orders = orders
     if calibration is not None:
         from structlm.convert.calibrate import calibrate_
 

@@ -36,7 +36,7 @@ from structlm.algebra import split_widths, support_of
 from structlm.convert.calibrate import calibration_batches, type_masks
 from structlm.hf.adapters import MatrixType, get_adapter
 
-__all__ = ["assignment_cost", "permute_ffn_"]
+__all__ = ["apply_ffn_orders_", "assignment_cost", "permute_ffn_"]
 
 
 def _weight(module: nn.Module, conv1d: bool) -> torch.Tensor:
@@ -128,13 +128,32 @@ def _statistics(model: nn.Module, layers: list[dict[str, Any]], batches: list[to
 
 
 @torch.no_grad()
+def apply_ffn_orders_(model: nn.Module, orders: dict[int, torch.Tensor]) -> nn.Module:
+    """Reorder the FFN hidden units of ``model``'s layers by ``orders`` (layer index ->
+    new position -> old unit, as :func:`permute_ffn_` chose them): e.g. to give a dense
+    teacher the layout of a permuted, converted student."""
+    adapter = get_adapter(model)
+    for layer in adapter.layers:
+        if layer.index not in orders:
+            continue
+        for site in layer.linear_sites():
+            if site.types == (MatrixType.MLP_IN,):
+                _permute(site.module, orders[layer.index], adapter.conv1d_layout, rows=True)
+            elif site.types == (MatrixType.MLP_OUT,):
+                _permute(site.module, orders[layer.index], adapter.conv1d_layout, rows=False)
+    return model
+
+
+@torch.no_grad()
 def permute_ffn_(model: nn.Module, algebra: Any, schedule: Any, calibration: Any,
-                 progress: bool = True) -> dict[str, Any]:
+                 progress: bool = True,
+                 orders: dict[int, torch.Tensor] | None = None) -> dict[str, Any]:
     """Reorder every FFN's hidden units of the (dense) ``model`` in place so that the
     conversion to ``algebra`` (an :class:`~structlm.algebra.Algebra`) with position-type
     ``schedule`` (a :class:`~structlm.nn.schedules.TypeSchedule`) drops as little
     calibration error as possible; the dense function is unchanged. Returns per layer
-    the assignment cost of the identity order and of the chosen one.
+    the assignment cost of the identity order and of the chosen one; ``orders``, if
+    given, receives each layer's order (for :func:`apply_ffn_orders_`).
 
     Raises:
         ValueError: a fused gate/up projection, or widths ``q`` does not divide.
@@ -171,6 +190,8 @@ def permute_ffn_(model: nn.Module, algebra: Any, schedule: Any, calibration: Any
         chosen = torch.repeat_interleave(torch.arange(q), torch.tensor(list(uw)))
         before = float(cost[torch.arange(e["f"]), identity].sum())
         after = float(cost[order, chosen].sum())
+        if orders is not None:
+            orders[e["layer"]] = order
         for m in e["in"]:
             _permute(m, order, conv1d, rows=True)
         _permute(e["out"], order, conv1d, rows=False)

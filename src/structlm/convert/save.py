@@ -14,6 +14,7 @@ command runs again.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -28,6 +29,8 @@ import torch
 
 from structlm.config import ConfigError, NonEmpty, OneOf, Range, dataclass_from_dict, validated
 from structlm.convert.convert import AlgebraConfig, conversion_info, convert_
+from structlm.convert.distill import ModuleDistillation
+from structlm.convert.permute import apply_ffn_orders_
 from structlm.convert.typed_linear import TypedAlgebraLinear
 from structlm.folders import check_apart
 from structlm.hf.finetune import FinetuneConfig, finetune
@@ -65,6 +68,10 @@ class ConvertConfig:
     calib_tokens: Annotated[int, Range(ge=512, note="one 512-token window")] = 16384
     """Calibration tokens (windows of the corpus's calibration documents) for ``init:
     calibrated`` and ``permute``."""
+    distill: FinetuneConfig = field(default_factory=_no_healing)
+    """Layer-wise distillation before healing (``steps`` 0: none): the converted layers
+    trained to reproduce the dense layers' outputs (relative squared error per module,
+    :mod:`structlm.convert.distill`) on the corpus's calibration documents."""
     heal: FinetuneConfig = field(default_factory=_no_healing)
     """Healing after the change (``steps`` 0: none): the converted layers' weights
     trained on the corpus's calibration documents."""
@@ -79,8 +86,10 @@ class ConvertConfig:
 
     def __post_init__(self) -> None:
         """Cross-field checks (each field's own range is checked by ``@validated``)."""
-        if not isinstance(self.heal, FinetuneConfig):
-            raise ConfigError(f"heal: {self.heal!r} is not a mapping of FinetuneConfig keys")
+        for key in ("heal", "distill"):
+            if not isinstance(getattr(self, key), FinetuneConfig):
+                raise ConfigError(f"{key}: {getattr(self, key)!r} is not a mapping of "
+                                  "FinetuneConfig keys")
         self.algebra_config()  # checks the algebra, schedule, targets and permute
 
     def algebra_config(self) -> AlgebraConfig:
@@ -96,7 +105,8 @@ class ConvertConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ConvertConfig:
         """From a YAML mapping (unknown keys named; ``heal`` a partial mapping)."""
-        return dataclass_from_dict(cls, raw, {"heal": FinetuneConfig})
+        return dataclass_from_dict(cls, raw, {"heal": FinetuneConfig,
+                                              "distill": FinetuneConfig})
 
 
 def _check_out(out: Path, model: str) -> None:
@@ -120,7 +130,7 @@ def convert_and_save(cfg: ConvertConfig, out: str | Path, progress: bool = True
     heal = cfg.heal.steps > 0
     prep = prepare(cfg.model, cfg.corpus, cfg.second_corpus if cfg.eval_tokens else "",
                    eval_tokens=cfg.eval_tokens, seed=cfg.seed, calibrate=False,
-                   calib_tokens=max(cfg.heal.seq_len, 512,
+                   calib_tokens=max(cfg.heal.seq_len, cfg.distill.seq_len, 512,
                                     cfg.calib_tokens if cfg.uses_calibration else 0),
                    progress=progress)
     loaded = prep.loaded
@@ -138,6 +148,7 @@ def convert_and_save(cfg: ConvertConfig, out: str | Path, progress: bool = True
     if cfg.eval_tokens:
         report["text"] = prep.text
         report["original"]["ppl"] = ppl()
+    teacher = copy.deepcopy(model) if cfg.distill.steps > 0 else None  # the dense model
     convert_(model, cfg.algebra_config(),
              calibration=prep.calib_ids if cfg.uses_calibration else None, progress=progress)
     report["conversion"] = conversion_info(model)
@@ -145,10 +156,25 @@ def convert_and_save(cfg: ConvertConfig, out: str | Path, progress: bool = True
                            "projection_parameters": projection_parameters(model)}
     if cfg.eval_tokens:
         report["converted"]["ppl"] = ppl()
+    params = [p for m in model.modules() if isinstance(m, TypedAlgebraLinear)
+              for p in m.parameters()]
+    in_domain = next(iter(prep.eval_ids.values()), prep.calib_ids)
+    if teacher is not None:
+        orders = model._structlm_conversion.unit_orders
+        if orders:  # the teacher takes the student's hidden-unit layout (same function)
+            apply_ffn_orders_(teacher, orders)
+        dcfg = dataclasses.replace(cfg.distill, seed=cfg.seed)
+        torch.manual_seed(cfg.seed)
+        report["distill_curve"] = finetune(
+            model, prep.train_ids, spread_windows(in_domain, dcfg.eval_tokens), dcfg,
+            progress, state_path=_state_path(out, "distill"), params=params,
+            prefix=prep.window_prefix,
+            objective=ModuleDistillation(teacher, report["conversion"]["modules"]))
+        del teacher
+        model.eval()
+        if cfg.eval_tokens:
+            report["converted"]["ppl_distilled"] = ppl()
     if heal:
-        params = [p for m in model.modules() if isinstance(m, TypedAlgebraLinear)
-                  for p in m.parameters()]
-        in_domain = next(iter(prep.eval_ids.values()), prep.calib_ids)
         hcfg = dataclasses.replace(cfg.heal, seed=cfg.seed)
         torch.manual_seed(cfg.seed)
         report["heal_curve"] = finetune(model, prep.train_ids,
@@ -160,13 +186,15 @@ def convert_and_save(cfg: ConvertConfig, out: str | Path, progress: bool = True
             report["converted"]["ppl_healed"] = ppl()
     report["seconds"] = round(time.time() - t0, 1)
     _save(model, loaded.tokenizer, report, out)
-    _state_path(out).unlink(missing_ok=True)  # recorded in the folder now
+    for stage in ("distill", "heal"):
+        _state_path(out, stage).unlink(missing_ok=True)  # recorded in the folder now
     return report
 
 
-def _state_path(out: Path) -> Path:
-    """Where a killed healing run's state waits for the same command to resume it."""
-    return out.parent / f".{out.name}.heal-state.pt"
+def _state_path(out: Path, stage: str = "heal") -> Path:
+    """Where a killed healing (or distillation) run's state waits for the same command to
+    resume it."""
+    return out.parent / f".{out.name}.{stage}-state.pt"
 
 
 def _save(model: torch.nn.Module, tokenizer: Any, report: dict[str, Any], out: Path) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -145,10 +146,15 @@ def train_only(model: torch.nn.Module, params: list[torch.nn.Parameter]
 def finetune(model: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.Tensor,
              cfg: FinetuneConfig, progress: bool = True, state_path: Path | None = None,
              save_every: int = 10, params: list[torch.nn.Parameter] | None = None,
-             prefix: list[int] | None = None) -> list[dict[str, Any]]:
+             prefix: list[int] | None = None,
+             objective: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None
+             ) -> list[dict[str, Any]]:
     """Train the per-layer factors (or ``params``, everything else frozen); returns the
     curve (step, loss, lr, eval ppl). ``prefix``: ids every training window starts with
-    (the tokenizer's convention, :func:`structlm.hf.text.window_prefix`).
+    (the tokenizer's convention, :func:`structlm.hf.text.window_prefix`). ``objective``
+    (model, batch ``(B, T)``) -> scalar loss replaces the language-model loss (e.g. a
+    layer-wise distillation, :mod:`structlm.convert.distill`); the curve's evaluations
+    stay perplexities.
 
     With ``state_path``, the run saves its state every ``save_every`` steps and resumes
     from it (see the module docstring); the file is left in place for the caller to
@@ -213,8 +219,10 @@ def finetune(model: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.Te
         starts = torch.randint(0, n_windows, (cfg.batch_size,), generator=gen)
         batch = torch.stack([torch.cat([head, train_ids[s:s + body]])
                              for s in starts]).to(device)  # (B, seq_len + 1)
-        out = model(input_ids=batch, labels=batch, use_cache=False)
-        loss = out.loss  # HF shifts the labels: position t predicts token t + 1
+        if objective is None:  # HF shifts the labels: position t predicts token t + 1
+            loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+        else:
+            loss = objective(model, batch)
         lv = loss.item()
         if not math.isfinite(lv):
             last = next((c["loss"] for c in reversed(curve) if c.get("loss") is not None),
