@@ -128,14 +128,11 @@ def _student_t_half_width(xs: list[float]) -> float:
     return float(t.ppf(0.975, len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs)))
 
 
-def _load(path: str, preset: str, algebra: str, seed: int) -> Any:
+def _random_model(preset: str, algebra: str, seed: int) -> Any:
+    """A preset model with random weights (the same for both arms: seeded)."""
     from structlm.models import StructLMForCausalLM, config_from_preset
 
-    if path:
-        from structlm.hf.loading import load_model
-
-        return load_model(path)  # refuses missing, mis-shaped and non-finite weights
-    torch.manual_seed(seed)  # the same random weights for both models
+    torch.manual_seed(seed)
     return StructLMForCausalLM(config_from_preset(preset, algebra)).eval()
 
 
@@ -149,9 +146,10 @@ def _trained_pair(cfg: GenerateBenchConfig) -> tuple[Any, dict[str, Any]]:
     swapped pair would report the inverse speed-up) or with different tokenizers."""
     from structlm.algebra import is_dense
     from structlm.data import load_tokenizer
+    from structlm.hf.loading import check_tokenizer_fits, load_model
 
-    loaded = {"dense": _load(cfg.dense_model, cfg.preset, "dense", cfg.seed),
-              "algebra": _load(cfg.algebra_model, cfg.preset, cfg.algebra, cfg.seed)}
+    # load_model refuses missing, mis-shaped and non-finite weights
+    loaded = {"dense": load_model(cfg.dense_model), "algebra": load_model(cfg.algebra_model)}
     kinds = {k: _folder_algebra(v.model) for k, v in loaded.items()}
     if not is_dense(kinds["dense"]) or is_dense(kinds["algebra"]):
         raise ValueError(f"--dense-model {cfg.dense_model!r} computes with {kinds['dense']!r} "
@@ -171,10 +169,7 @@ def _trained_pair(cfg: GenerateBenchConfig) -> tuple[Any, dict[str, Any]]:
         tok = toks[0]
     models = {k: v.model.eval() for k, v in loaded.items()}
     for name, m in models.items():
-        vocab = int(m.get_input_embeddings().weight.shape[0])
-        if len(tok) > vocab:
-            raise ValueError(f"the tokenizer has {len(tok):,} tokens but the {name} model "
-                             f"only {vocab:,} embeddings: pass the tokenizer it was trained with")
+        check_tokenizer_fits(tok, m, f"the {name} model")
     return tok, models
 
 
@@ -244,8 +239,8 @@ def run_generate_bench(cfg: GenerateBenchConfig, out_prefix: str,
         tok, models = _trained_pair(cfg)
     else:
         tok = load_tokenizer(cfg.tokenizer)
-        models = {"dense": _load("", cfg.preset, "dense", cfg.seed),
-                  "algebra": _load("", cfg.preset, cfg.algebra, cfg.seed)}
+        models = {"dense": _random_model(cfg.preset, "dense", cfg.seed),
+                  "algebra": _random_model(cfg.preset, cfg.algebra, cfg.seed)}
     env = environment()
     rows: list[dict[str, Any]] = []
     prompt_len = statistics.mean(len(tok(p)["input_ids"]) for p in cfg.prompts)

@@ -73,7 +73,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     if args.model:
-        from structlm.hf.loading import load_model
+        from structlm.hf.loading import check_tokenizer_fits, load_model
 
         if not os.path.isfile(os.path.join(args.model, "config.json")):
             raise ValueError(f"--model {args.model!r}: no saved model there (expected a "
@@ -91,10 +91,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             raise ValueError(f"--model {args.model!r} has no tokenizer files (tokenizer.json, "
                              "tokenizer_config.json, ...): save the tokenizer the model was "
                              "trained with into the folder")
-        vocab = int(model.get_input_embeddings().weight.shape[0])
-        if len(tok) > vocab:
-            raise ValueError(f"--model {args.model!r}: its tokenizer has {len(tok):,} tokens but "
-                             f"the model only {vocab:,} embeddings: they do not belong together")
+        check_tokenizer_fits(tok, model, f"--model {args.model!r}")
     else:
         from structlm.data import gpt2_tokenizer
         from structlm.models import StructLMForCausalLM, config_from_preset

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from structlm.convert.hooks import StopForward, hooked, run_until_stopped
 from structlm.convert.typed_linear import TypedAlgebraLinear
 from structlm.hf.adapters import MatrixType, get_adapter
 from structlm.nn.structure import invalidate_fast_paths
@@ -179,10 +180,6 @@ def calibration_batches(calibration: Any, vocab_size: int, batch_size: int = 4
     return out
 
 
-class _Stop(Exception):
-    """Raised by a hook to end a forward early (its inputs have been seen)."""
-
-
 RIDGES = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)
 """The relative ridges ``ridge=None`` chooses from, per module, on held-out windows."""
 
@@ -243,16 +240,10 @@ def _capture(model: nn.Module, blocks: list[nn.Module], batches: list[torch.Tens
             calls.append((args[1:] if args else (),
                           {k: v for k, v in kwargs.items() if k != "hidden_states"}))
             if len(calls) == len(blocks):
-                raise _Stop
+                raise StopForward
 
-        handles = [b.register_forward_pre_hook(hook, with_kwargs=True) for b in blocks]
-        try:
-            model(input_ids=ids, use_cache=False)
-        except _Stop:
-            pass
-        finally:
-            for h in handles:
-                h.remove()
+        with hooked(blocks, hook, with_kwargs=True):
+            run_until_stopped(model, input_ids=ids, use_cache=False)
         rows = torch.arange(row, row + ids.shape[0])
         row += ids.shape[0]
         held = (rows % held_every == held_every - 1) if held_every else torch.zeros_like(
@@ -298,20 +289,13 @@ def _stage_moments(block: nn.Module, stage: list[TypedAlgebraLinear], batches: l
             entry[i] = entry[i] + current["parts"][i]
         current["seen"].add(id(module))
         if len(current["seen"]) == len(stage):
-            raise _Stop
+            raise StopForward
 
-    handles = [m.register_forward_pre_hook(hook) for m in stage]
-    try:
+    with hooked(stage, hook):
         for b in batches:
             current.clear()
             current.update(held=b.held_out, seen=set())
-            try:
-                _run_block(block, b, layer, source)
-            except _Stop:
-                pass
-    finally:
-        for h in handles:
-            h.remove()
+            run_until_stopped(_run_block, block, b, layer, source)
     return {k: (v[0], v[1], v[2]) for k, v in acc.items()}
 
 

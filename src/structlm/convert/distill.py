@@ -24,11 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from structlm.convert.hooks import StopForward, hooked, run_until_stopped
+
 __all__ = ["ModuleDistillation"]
-
-
-class _Stop(Exception):
-    """Ends a forward once the last compared module has run."""
 
 
 class ModuleDistillation:
@@ -58,22 +56,16 @@ class ModuleDistillation:
         """The outputs of ``names`` in ``model`` on ``batch`` (the forward stops after the
         last of them)."""
         outs: dict[str, torch.Tensor] = {}
+        name_of = {id(model.get_submodule(n)): n for n in self.names}
 
-        def hook(name: str):
-            def fn(_m: nn.Module, _args: Any, out: torch.Tensor) -> None:
-                outs[name] = out
-                if len(outs) == len(self.names):
-                    raise _Stop
-            return fn
+        def hook(module: nn.Module, _args: Any, out: torch.Tensor) -> None:
+            outs[name_of[id(module)]] = out
+            if len(outs) == len(self.names):
+                raise StopForward
 
-        handles = [model.get_submodule(n).register_forward_hook(hook(n)) for n in self.names]
-        try:
-            model(input_ids=batch, use_cache=False)
-        except _Stop:
-            pass
-        finally:
-            for h in handles:
-                h.remove()
+        modules = [model.get_submodule(n) for n in self.names]
+        with hooked(modules, hook, pre=False):
+            run_until_stopped(model, input_ids=batch, use_cache=False)
         if len(outs) != len(self.names):
             raise RuntimeError(f"modules {[n for n in self.names if n not in outs][:3]} did "
                                "not run in the forward")

@@ -25,6 +25,7 @@ gate/up projections (Phi-3) are refused: their groups cut across the two halves.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,7 @@ from tqdm import tqdm
 
 from structlm.algebra import split_widths, support_of
 from structlm.convert.calibrate import calibration_batches, type_masks
+from structlm.convert.hooks import hooked
 from structlm.hf.adapters import MatrixType, get_adapter
 
 __all__ = ["apply_ffn_orders_", "assignment_cost", "permute_ffn_"]
@@ -114,17 +116,13 @@ def _statistics(model: nn.Module, layers: list[dict[str, Any]], batches: list[to
             entry["h2"] += torch.stack([(h[ty == a] ** 2).sum(0) for a in range(q)])
         return hook
 
-    handles = []
-    for e in layers:
-        handles.append(e["in"][0].register_forward_pre_hook(hook_in(e)))
-        handles.append(e["out"].register_forward_pre_hook(hook_out(e)))
-    try:
+    with ExitStack() as stack:
+        for e in layers:
+            stack.enter_context(hooked([e["in"][0]], hook_in(e)))
+            stack.enter_context(hooked([e["out"]], hook_out(e)))
         for ids in tqdm(batches, desc="permutation statistics", unit="batch",
                         disable=not progress):
             model(input_ids=ids)
-    finally:
-        for h in handles:
-            h.remove()
 
 
 @torch.no_grad()

@@ -154,6 +154,19 @@ def _check_loaded(spec: str, model: Any, info: dict[str, Any]) -> None:
                          f"tensors ({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''})")
 
 
+def check_tokenizer_fits(tokenizer: Any, model: Any, what: str) -> None:
+    """Refuse a tokenizer with more tokens than ``model`` has embeddings (its ids would
+    index past the embedding: the two do not belong together); ``what`` names the model.
+
+    Raises:
+        ValueError: naming both sizes.
+    """
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    if len(tokenizer) > vocab:
+        raise ValueError(f"{what}: its tokenizer has {len(tokenizer):,} tokens but the model "
+                         f"only {vocab:,} embeddings: pass the tokenizer it was trained with")
+
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
