@@ -18,6 +18,7 @@ after any permutation (:func:`structlm.convert.permute.permute_ffn_`) and before
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,7 +27,7 @@ from torch import nn
 
 from structlm.convert.hooks import StopForward, hooked, run_until_stopped
 
-__all__ = ["ModuleDistillation"]
+__all__ = ["ModuleDistillation", "dense_teacher"]
 
 
 class ModuleDistillation:
@@ -87,3 +88,19 @@ def _has(model: nn.Module, name: str) -> bool:
     except AttributeError:
         return False
     return True
+
+
+def dense_teacher(original: nn.Module, converted: nn.Module) -> nn.Module:
+    """A copy of the dense ``original`` in the module layout of ``converted`` (a
+    :func:`~structlm.convert.convert_`-ed copy of it): the permutations the conversion
+    chose (:mod:`structlm.convert.permute`) applied, so every compared module computes
+    what the student's module computed before its product changed."""
+    from structlm.convert.permute import apply_ffn_orders_
+
+    conv = getattr(converted, "_structlm_conversion", None)
+    if conv is None:
+        raise ValueError("the student is not converted (no convert_ record)")
+    teacher = copy.deepcopy(original)
+    if conv.unit_orders:
+        apply_ffn_orders_(teacher, conv.unit_orders)
+    return teacher

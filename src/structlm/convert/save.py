@@ -29,8 +29,7 @@ import torch
 
 from structlm.config import ConfigError, NonEmpty, OneOf, Range, dataclass_from_dict, validated
 from structlm.convert.convert import AlgebraConfig, conversion_info, convert_
-from structlm.convert.distill import ModuleDistillation
-from structlm.convert.permute import apply_ffn_orders_
+from structlm.convert.distill import ModuleDistillation, dense_teacher
 from structlm.convert.typed_linear import TypedAlgebraLinear
 from structlm.folders import check_apart
 from structlm.hf.finetune import FinetuneConfig, finetune
@@ -148,7 +147,7 @@ def convert_and_save(cfg: ConvertConfig, out: str | Path, progress: bool = True
     if cfg.eval_tokens:
         report["text"] = prep.text
         report["original"]["ppl"] = ppl()
-    teacher = copy.deepcopy(model) if cfg.distill.steps > 0 else None  # the dense model
+    dense = copy.deepcopy(model) if cfg.distill.steps > 0 else None  # the teacher's source
     convert_(model, cfg.algebra_config(),
              calibration=prep.calib_ids if cfg.uses_calibration else None, progress=progress)
     report["conversion"] = conversion_info(model)
@@ -159,10 +158,9 @@ def convert_and_save(cfg: ConvertConfig, out: str | Path, progress: bool = True
     params = [p for m in model.modules() if isinstance(m, TypedAlgebraLinear)
               for p in m.parameters()]
     in_domain = next(iter(prep.eval_ids.values()), prep.calib_ids)
-    if teacher is not None:
-        orders = model._structlm_conversion.unit_orders
-        if orders:  # the teacher takes the student's hidden-unit layout (same function)
-            apply_ffn_orders_(teacher, orders)
+    if dense is not None:
+        teacher = dense_teacher(dense, model)  # the student's layout (same function)
+        del dense
         dcfg = dataclasses.replace(cfg.distill, seed=cfg.seed)
         torch.manual_seed(cfg.seed)
         report["distill_curve"] = finetune(

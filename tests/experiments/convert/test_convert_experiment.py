@@ -33,36 +33,55 @@ def test_reduced_convert_experiment(tmp_path) -> None:
     load_model("smollm2").tokenizer.save_pretrained(src)
     ex = ConvertExperimentConfig(model=str(src), calib_tokens=1024, eval_tokens=600,
                                  algebras=["Q4"], targets=["mlp", "attn"],
+                                 variants=["calibrated+permute+distill", "copy"],
+                                 attn_variants=["calibrated+distill"],
                                  mac_tolerance=0.05,  # rank rounding on tiny matrices
+                                 plateau_steps=2,
                                  heal=FinetuneConfig(steps=2, eval_every=2, seq_len=64,
-                                                     batch_size=2, eval_tokens=128))
+                                                     batch_size=2, eval_tokens=128),
+                                 distill=FinetuneConfig(steps=3, eval_every=3, seq_len=64,
+                                                        batch_size=2, eval_tokens=128))
     res = run_convert_experiment(ex, tmp_path / "out", progress=False)
     arms = res["arms"]
     names = [(a["target"], a["arm"]) for a in arms]
-    assert names == [("mlp", "dense (control)"), ("mlp", "Q4"), ("mlp", "prune to Q4 MACs"),
-                     ("mlp", "svd at Q4 MACs"), ("attn", "dense (control)"), ("attn", "Q4"),
-                     ("attn", "svd at Q4 MACs")]
+    best = "Q4 calibrated+permute+distill"
+    assert names == [("mlp", best), ("mlp", "prune to Q4 MACs"), ("mlp", "svd at Q4 MACs"),
+                     ("mlp", "Q4 copy"), ("mlp", "dense (control)"),
+                     ("attn", "Q4 calibrated+distill"), ("attn", "svd at Q4 MACs"),
+                     ("attn", "dense (control)")]
     orig = res["original"]["projection_macs"]
     attn, ffn = 2 * (64 * 64 * 2 + 32 * 64 * 2), 2 * 3 * 64 * 96
     assert orig == attn + ffn
     by = {(a["target"], a["arm"]): a for a in arms}
-    assert by[("mlp", "Q4")]["projection_macs"] == attn + 7 / 16 * ffn
-    assert by[("mlp", "prune to Q4 MACs")]["projection_macs"] == attn + 7 / 16 * ffn
-    assert by[("attn", "Q4")]["projection_macs"] == 7 / 16 * attn + ffn
+    for name in ("Q4 copy", best, "prune to Q4 MACs"):
+        assert by[("mlp", name)]["projection_macs"] == attn + 7 / 16 * ffn
+    assert by[("attn", "Q4 calibrated+distill")]["projection_macs"] == 7 / 16 * attn + ffn
     for a in arms:
         assert [c["step"] for c in a["curve"]] == [0, 1, 2]  # the same healing for every arm
         assert a["heal"]["steps"] == 2 and a["trained_parameters"] > 0
         assert set(a["ppl_changed"]) == set(a["ppl_healed"]) == {
             "in_domain:austen", "other_domain:shakespeare"}
-    assert by[("mlp", "Q4")]["projection_parameters"] == orig  # every weight kept
+        # distillation only in the +distill variants, before healing
+        distils = a["variant"].endswith("distill")
+        assert ("distill_curve" in a) == ("ppl_distilled" in a) == distils
+        if distils:
+            assert [c["step"] for c in a["distill_curve"]] == [0, 1, 2, 3]
+    assert by[("mlp", "Q4 copy")]["projection_parameters"] == orig  # every weight kept
+    assert by[("mlp", best)]["projection_parameters"] == orig
+    # the calibrated start is fitted (its summary kept) and permuted; the copy is neither
+    conv = by[("mlp", best)]["conversion"]
+    assert conv["calibration"]["modules"] and conv["permutation"]
+    assert "conversion" in by[("mlp", "Q4 copy")] and not by[("mlp", "Q4 copy")]["conversion"]
     # the dense control trains the same modules as the conversion
     assert by[("mlp", "dense (control)")]["trained_parameters"] == \
-        by[("mlp", "Q4")]["trained_parameters"] == ffn
+        by[("mlp", "Q4 copy")]["trained_parameters"] == ffn
     report = (tmp_path / "out" / "report.md").read_text()
-    assert "Q4 budget, `in_domain:austen`: Q4" in report and "one seed: no verdict" in report
+    assert f"Q4 budget, `in_domain:austen`: {best} " in report
+    assert "one seed: no verdict" in report
+    assert "Q4 copy " in report and f" vs {best}" in report  # each start step vs the last
     assert (tmp_path / "out" / "ppl_vs_macs.png").stat().st_size > 1000
     assert (tmp_path / "out" / "healing_curves.png").stat().st_size > 1000
-    assert "| mlp | Q4 | " in report.split("## Healing curves")[1]  # last two evaluations
+    assert "| mlp | Q4 copy | 0 | 0: " in report.split("## Healing curves")[1]  # plateau rows
     # a rerun resumes: every arm is read back from arms.json, nothing recomputed
     before = json.loads((tmp_path / "out" / "arms.json").read_text())
     again = run_convert_experiment(ex, tmp_path / "out", progress=False)
@@ -73,12 +92,12 @@ def test_reduced_convert_experiment(tmp_path) -> None:
     more = dataclasses.replace(ex, targets=["mlp"], seeds=[0, 1], seed_targets=["mlp"])
     res2 = run_convert_experiment(more, tmp_path / "out", progress=False)
     runs2 = [(a["arm"], a["seed"]) for a in res2["arms"]]
-    assert runs2 == [("dense (control)", 0), ("Q4", 0), ("prune to Q4 MACs", 0),
-                     ("svd at Q4 MACs", 0), ("Q4", 1), ("prune to Q4 MACs", 1),
-                     ("svd at Q4 MACs", 1)]
-    assert res2["arms"][1]["seconds"] == by[("mlp", "Q4")]["seconds"]  # reused
+    assert runs2 == [(best, 0), ("prune to Q4 MACs", 0), ("svd at Q4 MACs", 0),
+                     ("Q4 copy", 0), ("dense (control)", 0), (best, 1), ("prune to Q4 MACs", 1),
+                     ("svd at Q4 MACs", 1), ("Q4 copy", 1)]
+    assert res2["arms"][0]["seconds"] == by[("mlp", best)]["seconds"]  # reused
     report2 = (tmp_path / "out" / "report.md").read_text()
-    assert "| dense (control) | 1 |" in report2 and "| Q4 | 2 |" in report2
+    assert "| dense (control) | 1 |" in report2 and f"| {best} | 2 |" in report2
     # the two equal-MAC baselines are compared with each other too, by the same rule
     assert "- Q4 budget, `in_domain:austen`: prune to Q4 MACs " in report2
     assert " vs svd at Q4 MACs: " in report2
@@ -128,6 +147,27 @@ def test_seed_targets_heal_only_their_arms_with_every_seed() -> None:
     assert len(later) == 2 * 6  # 2 algebras x (algebra, prune, svd), seeds 1 and 2
     assert [s for _, s in runs] == [0] * 12 + [1] * 6 + [2] * 6  # seed by seed
     assert all(a.kind != "dense" and a.target == "mlp" for a, s in runs if s > 0)
+    # seed_variants: of the algebra arms, only the named variants get the further seeds
+    cfg = ConvertExperimentConfig(seeds=[0, 1], targets=["mlp"], seed_targets=["mlp"],
+                                  variants=["calibrated+permute+distill", "copy"],
+                                  seed_variants=["calibrated+permute+distill"],
+                                  distill=FinetuneConfig(steps=5))
+    later = [a.name for a, s in planned_runs(cfg) if s == 1]
+    assert later == ["Q2^2 calibrated+permute+distill", "prune to Q2^2 MACs",
+                     "svd at Q2^2 MACs", "Q4 calibrated+permute+distill", "prune to Q4 MACs",
+                     "svd at Q4 MACs"]
+    first = [a.name for a, s in planned_runs(cfg) if s == 0]
+    assert first[:4] == ["Q2^2 calibrated+permute+distill", "prune to Q2^2 MACs",
+                         "svd at Q2^2 MACs", "Q2^2 copy"]  # the main arm and baselines first
+    cfg = ConvertExperimentConfig(targets=["mlp", "attn"], attn_algebras=["Q4"])
+    attn = [a.budget for a, _ in planned_runs(cfg) if a.target == "attn"]
+    assert attn == ["Q4", "Q4", ""]  # the algebra arm, svd, the dense control
+    with pytest.raises(Exception, match=r"attn_algebras \['Q8'\]: expected some of"):
+        ConvertExperimentConfig(attn_algebras=["Q8"])
+    with pytest.raises(Exception, match=r"distill.steps: 0 is out of range"):
+        ConvertExperimentConfig(variants=["calibrated+distill"])
+    with pytest.raises(Exception, match=r"seed_variants \['calibrated'\]"):
+        ConvertExperimentConfig(variants=["copy"], seed_variants=["calibrated"])
     every = planned_runs(ConvertExperimentConfig(seeds=[0, 1]))
     assert len(every) == 2 * 12
     with pytest.raises(Exception, match="seed_targets"):

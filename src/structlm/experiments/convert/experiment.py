@@ -2,26 +2,24 @@
 compare it with equal-MAC baselines healed the same way.
 
 For every target (``mlp``: the FFN projections; ``attn``: the attention projections)
-and every algebra, the arms are:
+and every algebra, the arms (:mod:`structlm.experiments.convert.arms`) are the algebra
+conversion in each of its start ``variants`` (``copy``, ``calibrated``,
+``calibrated+permute``, ``...+distill``), FFN-width pruning (``prune``, FFN only) and
+whitened low-rank factorisation (``svd``) at the same projection MACs, and the unchanged
+model healed the same way (``dense``, the control that separates repair from domain
+adaptation).
 
-* ``<algebra>`` — :func:`~structlm.convert.convert_` (parameters kept, product changed);
-* ``prune`` (FFN only) — :func:`~structlm.experiments.convert.baselines.prune_ffn_width_` to the
-  width whose projection MACs equal the algebra's;
-* ``svd`` — per-layer whitened low-rank factorisation of the target matrices
-  (``share.compress`` method ``svd``) at the same projection MACs;
-* ``dense`` (once per target) — the original model healed the same way: the control
-  that separates repair from domain adaptation (healing on in-domain text improves an
-  unchanged model too).
-
-Every arm starts from a fresh copy of the loaded model, is evaluated right after the
-change (``changed``) and after healing (``healed``): the same :class:`FinetuneConfig`
-(steps, rates, batches of calibration text, seed), training the parameters of the
-changed modules (the same modules for the dense control). Projection MACs per token are
-asserted equal to the algebra arm's within ``mac_tolerance``. Perplexity uses the share
-pipeline's protocol (≥ ``eval_tokens`` scored tokens per text, windows drawn across all
-held-out documents, float64 sums), in-domain and on the other-domain text. Finished arms
-are kept in ``arms.json`` (a killed run resumes; a healing run in progress keeps its
-state every 10 steps).
+Every arm starts from a fresh copy of the loaded model and is evaluated right after the
+change (``changed``), after distillation for the ``+distill`` variants (``distilled``:
+``distill`` steps of layer-wise distillation toward the dense modules, on top of the
+healing budget) and after healing (``healed``): the same :class:`FinetuneConfig` for
+every arm (steps, rates, batches of calibration text, seed), training the parameters of
+the changed modules (the same modules for the dense control). Projection MACs per token
+are asserted equal to the algebra arm's within ``mac_tolerance``. Perplexity uses the
+share pipeline's protocol (>= ``eval_tokens`` scored tokens per text, windows drawn
+across all held-out documents, float64 sums), in-domain and on the other-domain text.
+Finished arms are kept in ``arms.json`` (a killed run resumes; distillation and healing
+runs in progress keep their state every 25 steps).
 """
 
 from __future__ import annotations
@@ -33,7 +31,6 @@ import itertools
 import json
 import time
 from dataclasses import dataclass, field
-from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -50,28 +47,39 @@ from structlm.config import (
     dataclass_from_dict,
     validated,
 )
-from structlm.convert.convert import AlgebraConfig, convert_
-from structlm.convert.typed_linear import TypedAlgebraLinear
-from structlm.experiments.convert.baselines import prune_ffn_width_
+from structlm.convert.convert import AlgebraConfig
+from structlm.convert.distill import ModuleDistillation, dense_teacher
+from structlm.experiments.convert.arms import (
+    BASELINES,
+    VARIANTS,
+    Arm,
+    change_model,
+    mac_ratio,
+    variant_parts,
+)
 from structlm.experiments.plot_throttle import PlotThrottle
 from structlm.folders import check_apart, run_folder_lock
-from structlm.hf.adapters import MatrixType, get_adapter, parse_types
-from structlm.hf.finetune import FinetuneConfig, finetune, trainable_parameters
+from structlm.hf.adapters import get_adapter, parse_types
+from structlm.hf.finetune import FinetuneConfig, finetune
 from structlm.hf.macs import projection_macs, projection_parameters
 from structlm.hf.pipeline import Prepared, evaluate_all, prepare, spread_windows
-from structlm.share.compress import CompressionConfig, compress_model
 from structlm.share.compress.io import source_chain
 
 __all__ = ["ConvertExperimentConfig", "planned_runs", "run_convert_experiment"]
 
-BASELINES = ("prune", "svd")
+SAVE_EVERY = 25  # steps between the saved states of a distillation or healing run
 
 
 def _heal_default() -> FinetuneConfig:
     return FinetuneConfig(steps=100, warmup=5, eval_every=25)
 
 
+def _no_distill() -> FinetuneConfig:
+    return FinetuneConfig(steps=0, warmup=10, eval_every=50)
+
+
 _TARGET = Annotated[str, OneOf("mlp", "attn")]
+_VARIANT = Annotated[str, OneOf(*VARIANTS)]
 
 
 @dataclass
@@ -99,11 +107,28 @@ class ConvertExperimentConfig:
     baselines: Annotated[list[Annotated[str, OneOf(*BASELINES)]], Distinct()] = field(
         default_factory=lambda: list(BASELINES))
     """Equal-MAC baselines: prune (FFN width; mlp only) and/or svd (low rank)."""
+    variants: Annotated[list[_VARIANT], NonEmpty(), Distinct()] = field(
+        default_factory=lambda: ["copy"])
+    """How the FFN algebra arms start, one arm per variant (``copy``: every weight kept;
+    ``calibrated``: refitted on calibration activations; ``+permute``: units permuted
+    first; ``+distill``: layer-wise distillation before healing)."""
+    attn_variants: Annotated[list[_VARIANT] | None, NonEmpty(), Distinct()] = None
+    """The same for the attention algebra arms (``None``: ``variants``)."""
+    attn_algebras: Annotated[list[str] | None, NonEmpty(), Distinct()] = None
+    """The budgets (some of ``algebras``) of the attention arms (``None``: all)."""
     dense_control: bool = True
     """Also heal the unchanged model the same way (the domain-adaptation control)."""
     heal: FinetuneConfig = field(default_factory=_heal_default)
     """Healing of every arm (the same for all; only the trained modules differ; at least
     one step)."""
+    distill: FinetuneConfig = field(default_factory=_no_distill)
+    """Layer-wise distillation of the ``+distill`` variants before their healing (at
+    least one step when a variant distils)."""
+    plateau_steps: Annotated[int, Range(ge=1)] = 50
+    """The plateau check of every healing curve looks this many steps back..."""
+    plateau_change: Annotated[float, Range(gt=0, lt=1)] = 0.02
+    """...and calls the curve flat when its in-domain perplexity changed by less than
+    this fraction there (reported per arm, with the learning rate at that point)."""
     seeds: Annotated[list[Annotated[int, Range(ge=0)]], NonEmpty(), Distinct()] = field(
         default_factory=lambda: [0])
     """Healing seeds (batch order)."""
@@ -111,6 +136,8 @@ class ConvertExperimentConfig:
     """Targets whose algebra and baseline arms are healed with every seed (the verdict
     rule needs at least two per arm); every other arm, the dense controls included, with
     ``seeds[0]`` only. ``None``: every arm with every seed."""
+    seed_variants: Annotated[list[_VARIANT] | None, Distinct()] = None
+    """Of those algebra arms, the variants healed with every seed (``None``: all)."""
     mac_tolerance: Annotated[float, Range(ge=0, lt=1)] = 0.01
     """Baselines' projection MACs must lie within this fraction below the algebra's."""
 
@@ -120,6 +147,10 @@ class ConvertExperimentConfig:
             raise ConfigError(f"heal: {self.heal!r} is not a mapping of FinetuneConfig keys")
         for name in self.algebras:
             AlgebraConfig(name, self.schedule)  # raises naming a bad algebra or schedule
+        stray = [a for a in self.attn_algebras or [] if a not in self.algebras]
+        if stray:
+            raise ConfigError(f"attn_algebras {stray}: expected some of the algebras "
+                              f"{self.algebras}")
         bad_seed_targets = [t for t in self.seed_targets or [] if t not in self.targets]
         if bad_seed_targets:
             raise ConfigError(f"seed_targets {bad_seed_targets}: expected some of the "
@@ -132,130 +163,119 @@ class ConvertExperimentConfig:
         if self.heal.steps < 1:
             raise ConfigError(f"heal.steps: {self.heal.steps} is out of range: expected >= 1 "
                               "(every arm is healed)")
+        if not isinstance(self.distill, FinetuneConfig):
+            raise ConfigError(f"distill: {self.distill!r} is not a mapping of FinetuneConfig "
+                              "keys")
+        distils = [v for v in self.variants + (self.attn_variants or [])
+                   if variant_parts(v)[2]]
+        if distils and self.distill.steps < 1:
+            raise ConfigError(f"distill.steps: {self.distill.steps} is out of range: variants "
+                              f"{distils} distil, so expected >= 1")
+        unused = [v for v in self.seed_variants or []
+                  if v not in self.variants + (self.attn_variants or [])]
+        if unused:
+            raise ConfigError(f"seed_variants {unused}: expected some of the variants "
+                              f"{self.variants + (self.attn_variants or [])}")
+
+    def algebras_for(self, target: str) -> list[str]:
+        """The budgets of the arms on ``target``."""
+        return (self.attn_algebras or self.algebras) if target == "attn" else self.algebras
+
+    def variants_for(self, target: str) -> list[str]:
+        """The algebra arms' variants on ``target``."""
+        return (self.attn_variants or self.variants) if target == "attn" else self.variants
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ConvertExperimentConfig:
-        return dataclass_from_dict(cls, raw, {"heal": FinetuneConfig})
+        return dataclass_from_dict(cls, raw, {"heal": FinetuneConfig,
+                                              "distill": FinetuneConfig})
 
 
-@dataclass(frozen=True)
-class _Arm:
-    kind: str  # algebra | prune | svd | dense
-    target: str
-    budget: str  # the algebra whose MACs the arm matches ("" for the dense control)
-
-    @property
-    def name(self) -> str:
-        return {"algebra": self.budget, "prune": f"prune to {self.budget} MACs",
-                "svd": f"svd at {self.budget} MACs", "dense": "dense (control)"}[self.kind]
-
-
-def _arms(cfg: ConvertExperimentConfig) -> list[_Arm]:
+def _arms(cfg: ConvertExperimentConfig) -> list[Arm]:
+    """Per target: per algebra its first variant (the main arm), its baselines, its other
+    variants; then the dense control."""
     arms = []
     for target in cfg.targets:
+        for alg in cfg.algebras_for(target):
+            variants = [Arm("algebra", target, alg, v) for v in cfg.variants_for(target)]
+            arms += variants[:1] + [Arm(b, target, alg) for b in cfg.baselines
+                                    if not (b == "prune" and target != "mlp")] + variants[1:]
         if cfg.dense_control:
-            arms.append(_Arm("dense", target, ""))
-        for alg in cfg.algebras:
-            arms.append(_Arm("algebra", target, alg))
-            arms += [_Arm(b, target, alg) for b in cfg.baselines
-                     if not (b == "prune" and target != "mlp")]
+            arms.append(Arm("dense", target, ""))
     return arms
 
 
-def planned_runs(cfg: ConvertExperimentConfig) -> list[tuple[_Arm, int]]:
+def planned_runs(cfg: ConvertExperimentConfig) -> list[tuple[Arm, int]]:
     """Every (arm, seed) the experiment runs, seed by seed: every arm with ``seeds[0]``
     first (an interrupted run still has every row of the table once), then the further
-    seeds of the arms in ``seed_targets`` (``None``: every arm with every seed)."""
+    seeds of the arms in ``seed_targets`` (``None``: every arm with every seed) whose
+    variant is in ``seed_variants`` (``None``: every variant)."""
     runs = []
     for i, seed in enumerate(cfg.seeds):
         for arm in _arms(cfg):
-            every_seed = cfg.seed_targets is None or (
-                arm.kind != "dense" and arm.target in cfg.seed_targets)
+            every_seed = (cfg.seed_targets is None or (
+                arm.kind != "dense" and arm.target in cfg.seed_targets)) and (
+                arm.kind != "algebra" or cfg.seed_variants is None
+                or arm.variant in cfg.seed_variants)
             if i == 0 or every_seed:
                 runs.append((arm, seed))
     return runs
-
-
-def _target_types(target: str) -> set[MatrixType]:
-    return set(parse_types(target))
-
-
-def _site_parameters(model: nn.Module, target: str) -> list[nn.Parameter]:
-    """Parameters of the target projections (the modules at the adapter's sites)."""
-    types = _target_types(target)
-    return [p for layer in get_adapter(model).layers for site in layer.linear_sites()
-            if types & set(site.types) for p in site.module.parameters()]
-
-
-def _change(model: nn.Module, arm: _Arm, prep: Prepared, cfg: ConvertExperimentConfig
-            ) -> list[nn.Parameter]:
-    """Apply ``arm`` to ``model`` in place; returns the parameters healing trains."""
-    if arm.kind == "dense":
-        return _site_parameters(model, arm.target)
-    rho = AlgebraConfig(arm.budget, cfg.schedule, arm.target)
-    if arm.kind == "algebra":
-        convert_(model, rho)
-        return [p for m in model.modules() if isinstance(m, TypedAlgebraLinear)
-                for p in m.parameters()]
-    ratio = _mac_ratio(rho)
-    assert prep.calibration is not None
-    if arm.kind == "prune":
-        f = get_adapter(model).layers[0].weight(MatrixType.MLP_OUT).shape[1]
-        keep = int(ratio * f)  # floor: never above the algebra's MACs
-        prune_ffn_width_(model, prep.calibration, keep)
-        return _site_parameters(model, "mlp")
-    compress_model(get_adapter(model), prep.calibration,
-                   CompressionConfig(method="svd", types=arm.target,
-                                     target_reduction=float(1 - ratio)),
-                   calib_tokens=prep.calib_ids)
-    return trainable_parameters(model)
-
-
-def _mac_ratio(cfg: AlgebraConfig) -> Fraction:
-    from structlm.algebra import support_of
-
-    support = support_of(cfg.algebra_object())
-    return support.mac_ratio((1,) * support.q, (1,) * support.q)  # balanced type mix
 
 
 def _ppl(model: nn.Module, prep: Prepared) -> dict[str, float]:
     return {k: v["ppl"] for k, v in evaluate_all(model, prep.eval_ids, progress=False).items()}
 
 
-def _run_arm(arm: _Arm, seed: int, prep: Prepared, cfg: ConvertExperimentConfig,
+def _run_arm(arm: Arm, seed: int, prep: Prepared, cfg: ConvertExperimentConfig,
              state_path: Path, progress: bool) -> dict[str, Any]:
     t0 = time.time()
     model = copy.deepcopy(prep.loaded.model)
-    params = _change(model, arm, prep, cfg)
+    params, conversion = change_model(model, arm, prep, cfg.schedule, progress)
     if arm.kind in BASELINES:  # before hours of healing, and before anything is recorded
         _check_budget(arm, float(projection_macs(model)), prep, cfg)
     out: dict[str, Any] = {
         "arm": arm.name, "kind": arm.kind, "target": arm.target, "budget": arm.budget,
-        "seed": seed, "projection_macs": float(projection_macs(model)),
+        "variant": arm.variant, "seed": seed,
+        "projection_macs": float(projection_macs(model)),
         "projection_parameters": projection_parameters(model),
         "trained_parameters": sum(p.numel() for p in params),
         "ppl_changed": _ppl(model, prep)}
-    torch.manual_seed(seed)
+    if conversion is not None:
+        out["conversion"] = {k: conversion[k] for k in ("calibration", "permutation")
+                             if k in conversion}
     in_domain = next(iter(prep.eval_ids.values()))
+    if arm.distills:
+        teacher = dense_teacher(prep.loaded.model, model)
+        distill = dataclasses.replace(cfg.distill, seed=seed)
+        torch.manual_seed(seed)
+        out["distill_curve"] = finetune(
+            model, prep.train_ids, spread_windows(in_domain, distill.eval_tokens), distill,
+            progress, state_path=state_path.with_suffix(".distill.pt"), save_every=SAVE_EVERY,
+            params=params, prefix=prep.window_prefix,
+            objective=ModuleDistillation(teacher, conversion["modules"] if conversion else []))
+        del teacher
+        out["distill"] = dataclasses.asdict(distill)
+        out["ppl_distilled"] = _ppl(model, prep)
+    torch.manual_seed(seed)
     heal = dataclasses.replace(cfg.heal, seed=seed)
     out["curve"] = finetune(model, prep.train_ids, spread_windows(in_domain, heal.eval_tokens),
-                            heal, progress, state_path=state_path, params=params,
-                            prefix=prep.window_prefix)
+                            heal, progress, state_path=state_path, save_every=SAVE_EVERY,
+                            params=params, prefix=prep.window_prefix)
     out["heal"] = dataclasses.asdict(heal)
     out["ppl_healed"] = _ppl(model, prep)
     out["seconds"] = time.time() - t0
     return out
 
 
-def _check_budget(arm: _Arm, macs: float, prep: Prepared,
+def _check_budget(arm: Arm, macs: float, prep: Prepared,
                   cfg: ConvertExperimentConfig) -> None:
     """A baseline's projection MACs within ``mac_tolerance`` below the algebra's,
     computed from the original model: ``original − (1 − rho) · target MACs``."""
     original = prep.loaded.model
-    types = _target_types(arm.target)
+    types = set(parse_types(arm.target))
     target = sum(site.module.weight.numel() for layer in get_adapter(original).layers
                  for site in layer.linear_sites() if types & set(site.types))
-    rho = _mac_ratio(AlgebraConfig(arm.budget, cfg.schedule, arm.target))
+    rho = mac_ratio(AlgebraConfig(arm.budget, cfg.schedule, arm.target))
     budget = float(projection_macs(original) - (1 - rho) * target)
     dev = macs / budget - 1
     if not -cfg.mac_tolerance <= dev <= 1e-9:
@@ -265,9 +285,19 @@ def _check_budget(arm: _Arm, macs: float, prep: Prepared,
 
 
 def _check_macs(arms: list[dict[str, Any]], tol: float) -> None:
-    """Every baseline within ``tol`` below its algebra arm's projection MACs."""
-    ref = {(a["target"], a["budget"], a["seed"]): a["projection_macs"] for a in arms
-           if a["kind"] == "algebra"}
+    """Every algebra variant at one budget with the same projection MACs and parameters;
+    every baseline within ``tol`` below its algebra arm's projection MACs."""
+    ref: dict[tuple[str, str, int], float] = {}
+    params: dict[tuple[str, str], int] = {}
+    for a in arms:
+        if a["kind"] != "algebra":
+            continue
+        key = (a["target"], a["budget"], a["seed"])
+        if ref.setdefault(key, a["projection_macs"]) != a["projection_macs"] or params.setdefault(
+                key[:2], a["projection_parameters"]) != a["projection_parameters"]:
+            raise AssertionError(f"{a['arm']} on {a['target']}: projection MACs / parameters "
+                                 f"{a['projection_macs']:,.0f} / {a['projection_parameters']:,}"
+                                 f" differ from another variant's at the same budget")
     for a in arms:
         key = (a["target"], a["budget"], a["seed"])
         if a["kind"] in BASELINES and key in ref:
@@ -285,12 +315,14 @@ def _check_plan(cfg: ConvertExperimentConfig) -> None:
     from structlm.hf.loading import load_model
 
     arch = load_model(cfg.model, weights=False).model
-    for algebra in cfg.algebras:
-        for target in cfg.targets:
-            try:
-                check_convertible(arch, AlgebraConfig(algebra, cfg.schedule, target))
-            except ValueError as e:
-                raise ConfigError(f"algebra {algebra!r} on target {target!r}: {e}") from None
+    for arm in _arms(cfg):
+        if arm.kind != "algebra":
+            continue
+        try:
+            check_convertible(arch, arm.algebra_config(cfg.schedule))
+        except (ValueError, ConfigError) as e:
+            raise ConfigError(f"algebra {arm.budget!r} on target {arm.target!r} (variant "
+                              f"{arm.variant}): {e}") from None
 
 
 def run_convert_experiment(cfg: ConvertExperimentConfig, out_dir: str | Path,
@@ -326,8 +358,10 @@ def _run_convert_experiment_locked(cfg: ConvertExperimentConfig, out: Path, t0: 
         "original": {"projection_macs": float(original),
                      "projection_parameters": projection_parameters(prep.loaded.model),
                      "ppl": _ppl(prep.loaded.model, prep)}}
-    def key_of(arm: _Arm, seed: int) -> str:
-        return json.dumps({**base, **dataclasses.asdict(arm), "seed": seed}, sort_keys=True)
+    def key_of(arm: Arm, seed: int) -> str:
+        distill = {"distill": dataclasses.asdict(cfg.distill)} if arm.distills else {}
+        return json.dumps({**base, **dataclasses.asdict(arm), **distill, "seed": seed},
+                          sort_keys=True)
 
     runs = [(arm, seed, key_of(arm, seed)) for arm, seed in planned_runs(cfg)]
     # results and report list the runs seed by seed in arm order, whatever order they ran in
@@ -355,5 +389,6 @@ def _run_convert_experiment_locked(cfg: ConvertExperimentConfig, out: Path, t0: 
         done[key] = clean_json(_run_arm(arm, seed, prep, cfg, state, progress))
         atomic_write_text(arms_path, json.dumps(done))
         state.unlink(missing_ok=True)
+        state.with_suffix(".distill.pt").unlink(missing_ok=True)
         write(final=all(k in done for _, _, k in runs))
     return res

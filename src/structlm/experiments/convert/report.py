@@ -12,7 +12,7 @@ from typing import Any
 from structlm.atomic import atomic_write_text
 from structlm.plotting import save_figure
 
-__all__ = ["verdict", "write_convert_report"]
+__all__ = ["plateau", "verdict", "write_convert_report"]
 
 RULE = ("Verdict rule (set before the runs): at one MAC budget and on one text, arm A is "
         "better than arm B when A's healed perplexities over the seeds all lie below B's "
@@ -25,6 +25,25 @@ def _group(arms: list[dict[str, Any]]) -> dict[tuple[str, str, str], list[dict[s
     for a in arms:
         out.setdefault((a["target"], a["arm"], a["budget"]), []).append(a)
     return out
+
+
+def _pairs(groups: dict[tuple[str, str, str], list[dict[str, Any]]], target: str, budget: str
+           ) -> list[tuple[str, list[dict[str, Any]], str, list[dict[str, Any]]]]:
+    """The comparisons at one budget: every algebra arm against every baseline and the
+    dense control, the baselines against each other, and each algebra variant against
+    the one before it (what each step of the start adds)."""
+    def of(kinds: tuple[str, ...], budgets: tuple[str, ...]) -> list[tuple[str, Any]]:
+        return [(k[1], v) for k, v in groups.items()
+                if k[0] == target and k[2] in budgets and v[0]["kind"] in kinds]
+
+    algebra = of(("algebra",), (budget,))
+    others = of(("prune", "svd"), (budget,))
+    dense = of(("dense",), ("",))
+    pairs = [(*a, *b) for a in algebra for b in others + dense]
+    pairs += [(*others[i], *others[j]) for i in range(len(others))
+              for j in range(i + 1, len(others))]
+    pairs += [(*algebra[i + 1], *algebra[i]) for i in range(len(algebra) - 1)]
+    return pairs
 
 
 def _recovered(original: float, changed: float, healed: float) -> float | None:
@@ -72,12 +91,21 @@ def write_convert_report(res: dict[str, Any], cfg: Any, out: Path,
         lines += [res["model_note"], ""]
     lines += [f"Schedule `{cfg.schedule}`; healing: {cfg.heal.steps} steps × "
               f"{cfg.heal.batch_size} × {cfg.heal.seq_len} tokens of `{cfg.corpus}` "
-              f"calibration text, lr {cfg.heal.lr} ({cfg.heal.lr_scaling}), the changed "
+              f"calibration text, lr {cfg.heal.lr} ({cfg.heal.lr_scaling}; {cfg.heal.warmup} "
+              f"warm-up steps, then cosine to {cfg.heal.min_lr_ratio}× the peak), the changed "
               f"modules' parameters trained (the same modules for the dense control; the "
               f"svd arms train their factors, with any biases frozen as in the share "
               f"fine-tuning); seeds {_seeds_text(cfg)}. Baselines are checked against the "
               f"algebra's projection MACs (within {cfg.mac_tolerance:.0%} below) before "
               f"healing.", ""]
+    distill = getattr(cfg, "distill", None)
+    if distill is not None and distill.steps:
+        lines += [f"The `+distill` variants are first trained {distill.steps} steps × "
+                  f"{distill.batch_size} × {distill.seq_len} tokens to reproduce the dense "
+                  f"modules' outputs (mean relative squared error per converted module, "
+                  f"lr {distill.lr}, {distill.lr_scaling}, cosine to {distill.min_lr_ratio}"
+                  f"× after {distill.warmup} warm-up steps), then healed like every arm: "
+                  f"these steps come on top of the common healing budget.", ""]
     for name in texts:
         d = res["text"].get(name, {})
         lines.append(f"- `{name}`: {d.get('tokens', '?')} scored tokens in "
@@ -94,40 +122,35 @@ def write_convert_report(res: dict[str, Any], cfg: Any, out: Path,
             continue
         lines += [f"## {target}", "",
                   "| arm | seeds | MACs / token (× original) | projection params | trained "
-                  "params | " + " | ".join(f"{t}: changed → healed (recovered)" for t in texts)
+                  "params | " + " | ".join(f"{t}: changed → distilled → healed (recovered)"
+                                           for t in texts)
                   + " |", "|---|---:|---:|---:|---:|" + "---:|" * len(texts)]
         for (_, arm, _), runs in rows:
             r0 = runs[0]
             cells = []
             for t in texts:
                 ch = statistics.fmean(r["ppl_changed"][t] for r in runs)
+                di = (statistics.fmean(r["ppl_distilled"][t] for r in runs)
+                      if all("ppl_distilled" in r for r in runs) else None)
                 he = statistics.fmean(r["ppl_healed"][t] for r in runs)
                 rec = _recovered(orig["ppl"][t], ch, he)
-                cells.append(f"{_fmt(ch)} → {_fmt(he)} ({'—' if rec is None else f'{rec:.0%}'})")
+                cells.append(f"{_fmt(ch)} → {_fmt(di)} → {_fmt(he)} "
+                             f"({'—' if rec is None else f'{rec:.0%}'})")
             lines.append(f"| {arm} | {len(runs)} | {r0['projection_macs']:,.0f} "
                          f"({r0['projection_macs'] / orig['projection_macs']:.3f}) | "
                          f"{r0['projection_parameters']:,} | {r0['trained_parameters']:,} | "
                          + " | ".join(cells) + " |")
         lines += ["", "Which is better at each budget (healed perplexity):", ""]
         for alg in cfg.algebras:
-            mine = groups.get((target, alg, alg))
-            if not mine:
-                continue
-            others = [(k[1], v) for k, v in groups.items()
-                      if k[0] == target and k[2] in (alg, "") and k[1] != alg]
-            baselines = [(k[1], v) for k, v in groups.items()
-                         if k[0] == target and k[2] == alg and k[1] != alg]
-            pairs = [(alg, mine, other, runs) for other, runs in others] + [
-                (*baselines[i], *baselines[j]) for i in range(len(baselines))
-                for j in range(i + 1, len(baselines))]  # the baselines against each other
             for t in texts:
-                for name_a, runs_a, name_b, runs_b in pairs:
+                for name_a, runs_a, name_b, runs_b in _pairs(groups, target, alg):
                     lines.append(f"- {alg} budget, `{t}`: " + verdict(
                         [r["ppl_healed"][t] for r in runs_a],
                         [r["ppl_healed"][t] for r in runs_b], name_a, name_b))
         lines.append("")
     lines += ["![perplexity vs MACs](ppl_vs_macs.png)", ""]
-    lines += _curve_lines(res.get("arms", []))
+    lines += _curve_lines(res.get("arms", []), getattr(cfg, "plateau_steps", 50),
+                          getattr(cfg, "plateau_change", 0.02))
     atomic_write_text(out / "report.md", "\n".join(lines))
     if plots:
         _plot(res, texts, out / "ppl_vs_macs.png")
@@ -139,28 +162,48 @@ def _evals(run: dict[str, Any]) -> list[tuple[int, float]]:
     return [(c["step"], c["eval_ppl"]) for c in run["curve"] if c.get("eval_ppl") is not None]
 
 
-def _curve_lines(arms: list[dict[str, Any]]) -> list[str]:
-    """Has healing plateaued? The in-domain perplexity at the last two evaluations of
-    every arm (mean over its seeds) and the change between them."""
+def plateau(run: dict[str, Any], steps: int, change: float
+            ) -> tuple[int, float, int, float, float, bool] | None:
+    """The plateau check of one healing curve: ``(s0, ppl0, s1, ppl1, lr ratio, flat)``
+    with ``s1`` the last evaluation, ``s0`` the last one at least ``steps`` before it,
+    the lowest learning rate between them as a fraction of the peak, and ``flat`` when
+    the perplexity changed by less than ``change`` there at a rate that had not decayed
+    (>= 0.99 of the peak). ``None`` when the curve is too short."""
+    pts = _evals(run)
+    if len(pts) < 2:
+        return None
+    s1, p1 = pts[-1]
+    earlier = [(s, p) for s, p in pts if s <= s1 - steps]
+    if not earlier:
+        return None
+    s0, p0 = earlier[-1]
+    peak = run["heal"]["lr"]
+    lrs = [c["lr"] for c in run["curve"] if s0 < c["step"] <= s1 and c.get("lr") is not None]
+    lr = min(lrs) / peak if lrs and peak else 1.0
+    return s0, p0, s1, p1, lr, abs(p1 / p0 - 1) < change and lr >= 0.99
+
+
+def _curve_lines(arms: list[dict[str, Any]], steps: int, change: float) -> list[str]:
+    """Has healing plateaued? :func:`plateau` for every arm and seed."""
     rows = []
     for (target, arm, _), runs in _group(arms).items():
-        pts = [_evals(r) for r in runs]
-        if any(len(p) < 2 for p in pts):
-            continue
-        (s0, _), (s1, _) = pts[0][-2], pts[0][-1]
-        a = statistics.fmean(p[-2][1] for p in pts)
-        b = statistics.fmean(p[-1][1] for p in pts)
-        rows.append(f"| {target} | {arm} | {a:,.2f} | {b:,.2f} | {b / a - 1:+.1%} |")
-        step_names = (s0, s1)
+        for r in runs:
+            p = plateau(r, steps, change)
+            if p is None:
+                continue
+            s0, p0, s1, p1, lr, flat = p
+            rows.append(f"| {target} | {arm} | {r['seed']} | {s0}: {p0:,.2f} | {s1}: {p1:,.2f}"
+                        f" | {p1 / p0 - 1:+.1%} | {lr:.2f} | {'yes' if flat else '**no**'} |")
     if not rows:
         return []
     return ["## Healing curves", "",
-            "In-domain perplexity on the healing run's own evaluation windows (fewer "
-            "tokens than the table's, so not comparable with it) at the last two "
-            "evaluations, mean over seeds: a large last change means healing had not "
-            "plateaued at this step count.", "",
-            f"| target | arm | step {step_names[0]} | step {step_names[1]} | change |",
-            "|---|---|---:|---:|---:|", *rows, "",
+            f"In-domain perplexity on the healing run's own evaluation windows (fewer "
+            f"tokens than the table's, so not comparable with it) at the last evaluation "
+            f"and {steps} steps before it; flat = changed by less than {change:.0%} there "
+            f"at a learning rate that had not decayed (lowest rate in that stretch / "
+            f"peak >= 0.99).", "",
+            "| target | arm | seed | step: ppl | step: ppl | change | lr / peak | flat |",
+            "|---|---|---:|---:|---:|---:|---:|---|", *rows, "",
             "![healing curves](healing_curves.png)", ""]
 
 
