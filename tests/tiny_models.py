@@ -54,6 +54,8 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "qwen3": {"head_dim": 12},
     "olmo2": {},
     "phi3": {},
+    "qwen2": {},  # q/k/v biases
+    "mistral": {},
 }
 
 

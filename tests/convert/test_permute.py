@@ -68,6 +68,14 @@ def test_convert_with_permute_records_it_and_the_fit_starts_closer() -> None:
     copy_err = [sum(m["copy"] for m in conversion_info(x)["calibration"]["modules"].values())
                 for x in (plain, permuted)]
     assert copy_err[1] < copy_err[0]  # the permuted copy already drops less
+    # permute with init="copy" reorders and keeps every weight (no refit, no summary)
+    kept = convert_(copy.deepcopy(dense), AlgebraConfig("Q2^2", "cyclic", "mlp", permute=True),
+                    calibration=ids, progress=False)
+    assert "calibration" not in conversion_info(kept)
+    order = kept._structlm_conversion.unit_orders[1]
+    torch.testing.assert_close(kept.model.layers[1].mlp.down_proj.weight,
+                               dense.model.layers[1].mlp.down_proj.weight[:, order],
+                               rtol=0, atol=0)
 
 
 def test_permute_refuses_fused_gate_up_and_non_ffn_targets() -> None:
@@ -77,7 +85,10 @@ def test_permute_refuses_fused_gate_up_and_non_ffn_targets() -> None:
     with pytest.raises(ValueError, match="fused"):
         convert_(tiny_family("phi3"), AlgebraConfig("Q2^2", "cyclic", "mlp", permute=True),
                  calibration=ids, progress=False)
-    with pytest.raises(ConfigError, match="permute: reorders FFN hidden units"):
+    with pytest.raises(ConfigError, match="permute: reorders FFN hidden units or attention "
+                                          "heads, so targets must hold"):
+        AlgebraConfig("Q2^2", "cyclic", "q,k,mlp_in", permute=True)
+    with pytest.raises(ConfigError, match="set groups='heads'"):
         AlgebraConfig("Q2^2", "cyclic", "attn", permute=True)
     with pytest.raises(ValueError, match="needs calibration token ids"):
         convert_(tiny_llama(), AlgebraConfig("Q2^2", "cyclic", "mlp", permute=True))

@@ -103,4 +103,8 @@ def test_cli_calibrated_and_permuted_conversion(tiny_folder: str, tmp_path, caps
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert conversion_info(model)["init"] == "calibrated"
     with pytest.raises(ValueError, match="permute: reorders FFN hidden units"):
+        ConvertConfig(model="x", targets="q,v", permute=True)
+    with pytest.raises(ValueError, match="set groups='heads'"):
         ConvertConfig(model="x", targets="attn", permute=True)
+    assert ConvertConfig(model="x", targets="attn", permute=True,
+                         groups="heads").algebra_config().groups == "heads"

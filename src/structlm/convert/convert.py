@@ -39,6 +39,9 @@ __all__ = ["AlgebraConfig", "check_convertible", "conversion_info", "convert_",
 
 CONFIG_KEY = "structlm_conversion"
 INITS = ("copy", "calibrated")
+GROUPS = ("equal", "heads")
+_ATTN = {MatrixType.Q, MatrixType.K, MatrixType.V, MatrixType.O}
+_FFN = {MatrixType.MLP_IN, MatrixType.MLP_OUT}
 
 
 @dataclass(frozen=True)
@@ -69,9 +72,16 @@ class AlgebraConfig:
     ``None`` chooses it per module from ``calibrate.RIDGES`` by the error on every 8th
     calibration window, held out (then refits on all)."""
     permute: bool = False
-    """Before converting, reorder every FFN's hidden units (a function-preserving
-    permutation) so that each type keeps as much of the calibration output as possible
-    (:mod:`structlm.convert.permute`; needs ``calibration`` ids and FFN targets)."""
+    """Before converting, reorder every FFN's hidden units (with FFN targets) and every
+    layer's attention heads (with q, k, v and o targets; ``groups="heads"``), a
+    function-preserving permutation, so that each type keeps as much of the calibration
+    output as possible (:mod:`structlm.convert.permute`, :mod:`structlm.convert.heads`;
+    needs ``calibration`` ids)."""
+    groups: str = "equal"
+    """``equal``: every projection split into ``q`` equal groups; ``heads``: the head side
+    of the attention projections (Q/K/V outputs, O inputs) in groups of whole heads
+    where there are at least ``q`` heads (:mod:`structlm.convert.heads`; separate
+    q/k/v/o projections and attention targets)."""
 
     def __post_init__(self) -> None:
         try:
@@ -83,10 +93,20 @@ class AlgebraConfig:
                               "it changes nothing (use Q2, Q4, Q2^2, ...)")
         get_schedule(self.schedule, support.q)  # raises a ValueError naming the spec
         parse_types(self.targets)
-        if self.permute and not {MatrixType.MLP_IN, MatrixType.MLP_OUT} <= set(
-                parse_types(self.targets)):
-            raise ConfigError(f"permute: reorders FFN hidden units, so targets must hold "
-                              f"mlp_in and mlp_out (mlp or all), got {self.targets!r}")
+        types = set(parse_types(self.targets))
+        if self.groups not in GROUPS:
+            raise ConfigError(f"groups: {self.groups!r} is not valid: expected one of "
+                              f"{GROUPS}")
+        if self.groups == "heads" and not types & _ATTN:
+            raise ConfigError(f"groups: 'heads' aligns the attention projections' groups to "
+                              f"heads, but targets {self.targets!r} hold none of q, k, v, o")
+        if self.permute and not (_FFN <= types or _ATTN <= types):
+            raise ConfigError(f"permute: reorders FFN hidden units or attention heads, so "
+                              f"targets must hold mlp_in and mlp_out (mlp) or q, k, v and o "
+                              f"(attn), got {self.targets!r}")
+        if self.permute and _ATTN <= types and self.groups != "heads":
+            raise ConfigError(f"permute with attention targets ({self.targets!r}) moves "
+                              "whole heads between groups: set groups='heads'")
         if self.init not in INITS:
             raise ConfigError(f"init: {self.init!r} is not valid: expected one of {INITS}")
         if self.ridge is not None and not (isinstance(self.ridge, int | float)
@@ -111,7 +131,8 @@ class AlgebraConfig:
         return {"algebra": self.algebra_name, "schedule": self.schedule,
                 "targets": self.targets, "custom_algebra": isinstance(self.algebra, Algebra),
                 "init": self.init, **({"ridge": self.ridge} if self.init != "copy" else {}),
-                **({"permute": True} if self.permute else {})}
+                **({"permute": True} if self.permute else {}),
+                **({"groups": self.groups} if self.groups != "equal" else {})}
 
     def type_schedule(self) -> TypeSchedule:
         return get_schedule(self.schedule, self.q)
@@ -133,6 +154,8 @@ class _Conversion:
     """Per layer, the FFN assignment cost before and after the permutation."""
     unit_orders: dict[int, Any] | None = None
     """Per layer, the FFN hidden units' order the permutation chose (new -> old)."""
+    head_orders: dict[int, Any] | None = None
+    """Per layer, the (query, K/V) head orders the permutation chose (new -> old)."""
 
 
 class _PositionHook:
@@ -184,6 +207,11 @@ def _selected(model: nn.Module, cfg: AlgebraConfig,
                 continue
             fqn = names[id(site.module)]
             if filter_fn is not None and not filter_fn(site.module, fqn):
+                continue
+            if cfg.groups == "heads" and len(site.types) > 1 and set(site.types) & _ATTN:
+                problems.append(f"{fqn} computes {'/'.join(t.value for t in site.types)} in "
+                                "one matrix: head-aligned groups (groups='heads') need "
+                                "separate q/k/v/o projections")
                 continue
             if hit != set(site.types):
                 problems.append(f"{fqn} computes {'/'.join(t.value for t in site.types)} in "
@@ -273,17 +301,27 @@ def convert_(model: nn.Module, config: AlgebraConfig | None = None,
         if getattr(model, "_structlm_conversion", None) is not None:
             raise ValueError("the model is already converted; unconvert_ it first")
         check_convertible(model, cfg, filter_fn)  # nothing changes if the targets are bad
+        from structlm.convert.heads import permute_heads_
         from structlm.convert.permute import permute_ffn_
 
+        types = set(parse_types(cfg.targets))
         orders: dict[int, Any] = {}
-        permutation = permute_ffn_(model, cfg.algebra_object(), cfg.type_schedule(),
-                                   calibration, progress, orders)
+        heads: dict[int, Any] = {}
+        permutation = {}
+        if _FFN <= types:
+            permutation.update(permute_ffn_(model, cfg.algebra_object(), cfg.type_schedule(),
+                                            calibration, progress, orders))
+        if _ATTN <= types:
+            permutation.update(permute_heads_(model, cfg.algebra_object(),
+                                              cfg.type_schedule(), calibration, progress,
+                                              heads))
     _convert(model, cfg, filter_fn)
     conv = model._structlm_conversion
     conv.permutation = permutation
     if cfg.permute:
         conv.unit_orders = orders
-    if calibration is not None:
+        conv.head_orders = heads
+    if cfg.init == "calibrated":  # (permute alone reorders; the copied weights stay)
         from structlm.convert.calibrate import calibrate_
 
         conv.calibration = calibrate_(model, conv.names, calibration, cfg.ridge, progress)
@@ -311,11 +349,18 @@ def _convert(model: nn.Module, cfg: AlgebraConfig,
     source = PositionTypes(cfg.type_schedule())
 
     algebra = cfg.algebra_object()
+    shape = None
+    if cfg.groups == "heads":
+        from structlm.convert.heads import attention_shape, site_widths
+
+        shape = attention_shape(model)
     for site, _ in chosen:
         module = site.module
         conv1d = adapter.conv1d_layout and type(module).__name__ == "Conv1D"
         n_in, n_out = _shape(module, conv1d)
+        widths = None if shape is None else site_widths(site.types, n_in, n_out, shape, cfg.q)
         new = TypedAlgebraLinear(n_in, n_out, algebra, bias=module.bias is not None,
+                                 group_sizes=widths,
                                  device=module.weight.device, dtype=module.weight.dtype,
                                  source=source, layer_index=site.layer, conv1d_layout=conv1d)
         new.weight.data.copy_(module.weight.t() if conv1d else module.weight)
@@ -378,7 +423,8 @@ def restore_conversion(model: nn.Module) -> nn.Module:
         return model
     modules = set(record.get("modules") or [])
     cfg = AlgebraConfig(**{k: record[k] for k in ("algebra", "schedule", "targets", "init",
-                                                  "ridge", "permute") if k in record})
+                                                  "ridge", "permute", "groups")
+                                 if k in record})
     model.config.__dict__.pop(CONFIG_KEY, None)
     _convert(model, cfg, filter_fn=lambda _m, name: name in modules)  # the saved weights
     if "calibration" in record:

@@ -95,6 +95,7 @@ def dense_teacher(original: nn.Module, converted: nn.Module) -> nn.Module:
     :func:`~structlm.convert.convert_`-ed copy of it): the permutations the conversion
     chose (:mod:`structlm.convert.permute`) applied, so every compared module computes
     what the student's module computed before its product changed."""
+    from structlm.convert.heads import apply_head_orders_
     from structlm.convert.permute import apply_ffn_orders_
 
     conv = getattr(converted, "_structlm_conversion", None)
@@ -103,4 +104,6 @@ def dense_teacher(original: nn.Module, converted: nn.Module) -> nn.Module:
     teacher = copy.deepcopy(original)
     if conv.unit_orders:
         apply_ffn_orders_(teacher, conv.unit_orders)
+    if conv.head_orders:
+        apply_head_orders_(teacher, conv.head_orders)
     return teacher

@@ -38,7 +38,7 @@ from structlm.convert.calibrate import calibration_batches, type_masks
 from structlm.convert.hooks import hooked
 from structlm.hf.adapters import MatrixType, get_adapter
 
-__all__ = ["apply_ffn_orders_", "assignment_cost", "permute_ffn_"]
+__all__ = ["apply_ffn_orders_", "assignment_cost", "input_cost", "output_cost", "permute_ffn_"]
 
 
 def _weight(module: nn.Module, conv1d: bool) -> torch.Tensor:
@@ -47,21 +47,18 @@ def _weight(module: nn.Module, conv1d: bool) -> torch.Tensor:
     return w.t() if conv1d else w
 
 
-def assignment_cost(proj_in: Sequence[torch.Tensor], proj_out: torch.Tensor,
-                    x_moments: torch.Tensor, h_squares: torch.Tensor, mask: np.ndarray,
-                    hidden_widths: Sequence[int], unit_widths: Sequence[int]) -> torch.Tensor:
-    """``(F, q)`` float64: the cost of unit ``j`` in group ``g`` (module docstring).
+def input_cost(proj_in: Sequence[torch.Tensor], x_moments: torch.Tensor, mask: np.ndarray,
+               hidden_widths: Sequence[int]) -> torch.Tensor:
+    """``(F, q)`` float64: the input projections' part of the cost of output row ``j`` in
+    group ``g`` (module docstring), each projection relative to its dense output energy.
 
     Args:
         proj_in: the input projections' weights ``(F, H)`` (gate, up; or one).
-        proj_out: the output projection's weight ``(H, F)``.
-        x_moments: ``(q, H, H)`` per-type second moments of the FFN's input.
-        h_squares: ``(q, F)`` per-type sums of each hidden unit's squared activation.
-        hidden_widths: the ``H`` side's groups; ``unit_widths``: the ``F`` side's.
+        x_moments: ``(q, H, H)`` per-type second moments of their input.
+        hidden_widths: the ``H`` side's groups.
     """
     q = mask.shape[0]
-    f = proj_out.shape[1]
-    cost = torch.zeros(f, q, dtype=torch.float64)
+    cost = torch.zeros(proj_in[0].shape[0], q, dtype=torch.float64)
     for a in proj_in:
         a = a.to(torch.float64)
         total = sum(float(((a @ x_moments[t]) * a).sum()) for t in range(q)) or 1.0
@@ -70,6 +67,21 @@ def assignment_cost(proj_in: Sequence[torch.Tensor], proj_out: torch.Tensor,
             for t in range(q):
                 m = a * dropped[t]
                 cost[:, g] += ((m @ x_moments[t]) * m).sum(1) / total
+    return cost
+
+
+def output_cost(proj_out: torch.Tensor, h_squares: torch.Tensor, mask: np.ndarray,
+                hidden_widths: Sequence[int]) -> torch.Tensor:
+    """``(F, q)`` float64: the output projection's part of the cost of input column ``j``
+    in group ``g`` (module docstring), relative to its dense output energy.
+
+    Args:
+        proj_out: the output projection's weight ``(H, F)``.
+        h_squares: ``(q, F)`` per-type sums of each input unit's squared activation.
+        hidden_widths: the ``H`` side's groups.
+    """
+    q = mask.shape[0]
+    cost = torch.zeros(proj_out.shape[1], q, dtype=torch.float64)
     b = proj_out.to(torch.float64)
     ho = np.concatenate([[0], np.cumsum(hidden_widths)]).tolist()
     col = torch.stack([(b[ho[d]:ho[d + 1]] ** 2).sum(0) for d in range(q)])  # (q, F)
@@ -79,6 +91,23 @@ def assignment_cost(proj_in: Sequence[torch.Tensor], proj_out: torch.Tensor,
         for t in range(q):
             cost[:, g] += h_squares[t] * ((1.0 - keep[t, g]) @ col) / total
     return cost
+
+
+def assignment_cost(proj_in: Sequence[torch.Tensor], proj_out: torch.Tensor,
+                    x_moments: torch.Tensor, h_squares: torch.Tensor, mask: np.ndarray,
+                    hidden_widths: Sequence[int], unit_widths: Sequence[int]) -> torch.Tensor:
+    """``(F, q)`` float64: the cost of unit ``j`` in group ``g`` (module docstring):
+    :func:`input_cost` + :func:`output_cost`.
+
+    Args:
+        proj_in: the input projections' weights ``(F, H)`` (gate, up; or one).
+        proj_out: the output projection's weight ``(H, F)``.
+        x_moments: ``(q, H, H)`` per-type second moments of the FFN's input.
+        h_squares: ``(q, F)`` per-type sums of each hidden unit's squared activation.
+        hidden_widths: the ``H`` side's groups; ``unit_widths``: the ``F`` side's.
+    """
+    return (input_cost(proj_in, x_moments, mask, hidden_widths)
+            + output_cost(proj_out, h_squares, mask, hidden_widths))
 
 
 def _solve(cost: torch.Tensor, widths: Sequence[int]) -> torch.Tensor:

@@ -62,8 +62,12 @@ class ConvertConfig:
     layer, to the dense one on ``calib_tokens`` calibration tokens
     (:mod:`structlm.convert.calibrate`)."""
     permute: bool = False
-    """Reorder the FFN hidden units first (function-preserving) so that each type keeps
-    as much calibration output as possible (needs mlp in ``targets``)."""
+    """Reorder the FFN hidden units (mlp targets) and attention heads (attn targets, with
+    ``groups: heads``) first, function-preserving, so that each type keeps as much
+    calibration output as possible."""
+    groups: Annotated[str, OneOf("equal", "heads")] = "equal"
+    """equal: q equal groups per projection; heads: the attention projections' head side
+    in groups of whole heads (:mod:`structlm.convert.heads`)."""
     calib_tokens: Annotated[int, Range(ge=512, note="one 512-token window")] = 16384
     """Calibration tokens (windows of the corpus's calibration documents) for ``init:
     calibrated`` and ``permute``."""
@@ -94,7 +98,7 @@ class ConvertConfig:
     def algebra_config(self) -> AlgebraConfig:
         """The :class:`AlgebraConfig` this conversion uses."""
         return AlgebraConfig(self.algebra, self.schedule, self.targets, init=self.init,
-                             permute=self.permute)
+                             permute=self.permute, groups=self.groups)
 
     @property
     def uses_calibration(self) -> bool:

@@ -34,7 +34,7 @@ def test_reduced_convert_experiment(tmp_path) -> None:
     ex = ConvertExperimentConfig(model=str(src), calib_tokens=1024, eval_tokens=600,
                                  algebras=["Q4"], targets=["mlp", "attn"],
                                  variants=["calibrated+permute+distill", "copy"],
-                                 attn_variants=["calibrated+distill"],
+                                 attn_variants=["calibrated+permute+distill"],
                                  mac_tolerance=0.05,  # rank rounding on tiny matrices
                                  plateau_steps=2,
                                  heal=FinetuneConfig(steps=2, eval_every=2, seq_len=64,
@@ -47,7 +47,7 @@ def test_reduced_convert_experiment(tmp_path) -> None:
     best = "Q4 calibrated+permute+distill"
     assert names == [("mlp", best), ("mlp", "prune to Q4 MACs"), ("mlp", "svd at Q4 MACs"),
                      ("mlp", "Q4 copy"), ("mlp", "dense (control)"),
-                     ("attn", "Q4 calibrated+distill"), ("attn", "svd at Q4 MACs"),
+                     ("attn", best), ("attn", "svd at Q4 MACs"),
                      ("attn", "dense (control)")]
     orig = res["original"]["projection_macs"]
     attn, ffn = 2 * (64 * 64 * 2 + 32 * 64 * 2), 2 * 3 * 64 * 96
@@ -55,7 +55,8 @@ def test_reduced_convert_experiment(tmp_path) -> None:
     by = {(a["target"], a["arm"]): a for a in arms}
     for name in ("Q4 copy", best, "prune to Q4 MACs"):
         assert by[("mlp", name)]["projection_macs"] == attn + 7 / 16 * ffn
-    assert by[("attn", "Q4 calibrated+distill")]["projection_macs"] == 7 / 16 * attn + ffn
+    assert by[("attn", best)]["projection_macs"] == 7 / 16 * attn + ffn
+    assert any(k.endswith("heads") for k in by[("attn", best)]["conversion"]["permutation"])
     for a in arms:
         assert [c["step"] for c in a["curve"]] == [0, 1, 2]  # the same healing for every arm
         assert a["heal"]["steps"] == 2 and a["trained_parameters"] > 0

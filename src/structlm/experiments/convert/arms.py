@@ -6,7 +6,8 @@ An arm is one way to reach a MAC budget on one target (``mlp`` or ``attn``):
 * ``algebra`` — :func:`~structlm.convert.convert_` to the budget's algebra, started by
   one of the :data:`VARIANTS`: ``copy`` (every weight kept), ``calibrated`` (the blocks
   refitted to the dense projection on calibration activations, layer by layer),
-  ``+permute`` (a function-preserving permutation of FFN units / attention heads first),
+  ``+permute`` (a function-preserving permutation of FFN units first; on attention, of
+  whole heads, with the groups aligned to heads: :mod:`structlm.convert.heads`),
   ``+distill`` (layer-wise distillation toward the dense modules before healing);
 * ``prune`` (FFN only) — FFN-width pruning to the budget's MACs;
 * ``svd`` — whitened low-rank factorisation of the target at the budget's MACs;
@@ -70,7 +71,9 @@ class Arm:
         if self.kind != "algebra":
             return AlgebraConfig(self.budget, schedule, self.target)
         init, permute, _ = variant_parts(self.variant)
-        return AlgebraConfig(self.budget, schedule, self.target, init=init, permute=permute)
+        heads = permute and self.target == "attn"  # whole heads move between head groups
+        return AlgebraConfig(self.budget, schedule, self.target, init=init, permute=permute,
+                             groups="heads" if heads else "equal")
 
 
 def _site_parameters(model: nn.Module, target: str) -> list[nn.Parameter]:
