@@ -160,6 +160,6 @@ def test_head_options_are_refused_where_they_cannot_apply() -> None:
         AlgebraConfig("Q2^2", "cyclic", "mlp", groups="heads")
     with pytest.raises(ConfigError, match="groups: 'rows' is not valid"):
         AlgebraConfig("Q2^2", "cyclic", "attn", groups="rows")
-    with pytest.raises(ValueError, match="head-aligned groups .* need separate q/k/v/o"):
+    with pytest.raises(ValueError, match=r"head-aligned groups .* need separate q/k/v/o"):
         convert_(tiny_gpt2(), AlgebraConfig("Q4", "cyclic", "attn", groups="heads"))
     assert attention_shape(tiny_gpt2()).heads == 4
