@@ -18,8 +18,11 @@ the changed modules (the same modules for the dense control). Projection MACs pe
 are asserted equal to the algebra arm's within ``mac_tolerance``. Perplexity uses the
 share pipeline's protocol (>= ``eval_tokens`` scored tokens per text, windows drawn
 across all held-out documents, float64 sums), in-domain and on the other-domain text.
-Finished arms are kept in ``arms.json`` (a killed run resumes; distillation and healing
-runs in progress keep their state every 25 steps).
+For the algebra arms, the error of every converted module against the dense model
+(:func:`~structlm.convert.diagnose.module_errors`: on its own input and at its place in
+the model, per position type) is measured on held-out in-domain windows right after the
+change and after healing. Finished arms are kept in ``arms.json`` (a killed run
+resumes; distillation and healing runs in progress keep their state every 25 steps).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from structlm.config import (
     validated,
 )
 from structlm.convert.convert import AlgebraConfig
+from structlm.convert.diagnose import module_errors
 from structlm.convert.distill import ModuleDistillation, dense_teacher
 from structlm.experiments.convert.arms import (
     BASELINES,
@@ -68,6 +72,7 @@ from structlm.share.compress.io import source_chain
 __all__ = ["ConvertExperimentConfig", "planned_runs", "run_convert_experiment"]
 
 SAVE_EVERY = 25  # steps between the saved states of a distillation or healing run
+DIAGNOSE_WINDOWS = 8  # held-out in-domain windows of the per-module error breakdown
 
 
 def _heal_default() -> FinetuneConfig:
@@ -244,16 +249,19 @@ def _run_arm(arm: Arm, seed: int, prep: Prepared, cfg: ConvertExperimentConfig,
         out["conversion"] = {k: conversion[k] for k in ("calibration", "permutation")
                              if k in conversion}
     in_domain = next(iter(prep.eval_ids.values()))
+    teacher = dense_teacher(prep.loaded.model, model) if conversion is not None else None
+    probe = in_domain[:DIAGNOSE_WINDOWS]  # held-out windows: where the error sits
+    if teacher is not None:
+        out["module_errors_changed"] = module_errors(model, teacher, probe)
     if arm.distills:
-        teacher = dense_teacher(prep.loaded.model, model)
+        assert teacher is not None and conversion is not None
         distill = dataclasses.replace(cfg.distill, seed=seed)
         torch.manual_seed(seed)
         out["distill_curve"] = finetune(
             model, prep.train_ids, spread_windows(in_domain, distill.eval_tokens), distill,
             progress, state_path=state_path.with_suffix(".distill.pt"), save_every=SAVE_EVERY,
             params=params, prefix=prep.window_prefix,
-            objective=ModuleDistillation(teacher, conversion["modules"] if conversion else []))
-        del teacher
+            objective=ModuleDistillation(teacher, conversion["modules"]))
         out["distill"] = dataclasses.asdict(distill)
         out["ppl_distilled"] = _ppl(model, prep)
     torch.manual_seed(seed)
@@ -263,6 +271,8 @@ def _run_arm(arm: Arm, seed: int, prep: Prepared, cfg: ConvertExperimentConfig,
                             params=params, prefix=prep.window_prefix)
     out["heal"] = dataclasses.asdict(heal)
     out["ppl_healed"] = _ppl(model, prep)
+    if teacher is not None:
+        out["module_errors_healed"] = module_errors(model, teacher, probe)
     out["seconds"] = time.time() - t0
     return out
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from structlm.atomic import atomic_write_text
+from structlm.experiments.convert.breakdown import breakdown_lines, plot_breakdown
 from structlm.plotting import save_figure
 
 __all__ = ["plateau", "verdict", "write_convert_report"]
@@ -151,8 +152,10 @@ def write_convert_report(res: dict[str, Any], cfg: Any, out: Path,
     lines += ["![perplexity vs MACs](ppl_vs_macs.png)", ""]
     lines += _curve_lines(res.get("arms", []), getattr(cfg, "plateau_steps", 50),
                           getattr(cfg, "plateau_change", 0.02))
+    lines += breakdown_lines(res.get("arms", []))
     atomic_write_text(out / "report.md", "\n".join(lines))
     if plots:
+        plot_breakdown(res.get("arms", []), out / "module_errors.png")
         _plot(res, texts, out / "ppl_vs_macs.png")
         _plot_curves(res.get("arms", []), cfg.targets, out / "healing_curves.png")
 
