@@ -265,9 +265,12 @@ def _plot(res: dict[str, Any], texts: list[str], path: Path) -> None:
             line = ax.plot([x], [he], m, label=f"{arm} ({target})")[0]
             ax.plot([x, x], [ch, he], color=line.get_color(), lw=0.8, alpha=0.6)
             ax.plot([x], [ch], m, mfc="none", color=line.get_color())
+            if all("ppl_distilled" in r for r in runs):
+                di = statistics.fmean(r["ppl_distilled"][t] for r in runs)
+                ax.plot([x], [di], "x", color=line.get_color())
         ax.set_yscale("log")
         ax.set_xlabel("projection MACs / token (× original)")
-        ax.set_ylabel("perplexity (hollow: changed, filled: healed)")
+        ax.set_ylabel("perplexity (hollow: changed, x: distilled, filled: healed)")
         ax.set_title(t)
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7, loc="upper right")
