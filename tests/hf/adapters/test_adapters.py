@@ -41,7 +41,7 @@ MODELS = {"gpt2": (_gpt2, GPT2Adapter), "llama": (_llama, LlamaAdapter),
           "structlm": (_structlm, StructLMAdapter),
           **{mt: (lambda mt=mt: tiny_family(mt), Phi3Adapter if mt == "phi3" else LlamaAdapter)
              for mt in FAMILY_OVERRIDES}}
-SEPARATE_QKV = {"llama", "gemma2", "gemma3_text", "gemma3", "qwen3", "olmo2"}
+SEPARATE_QKV = {"llama", "gemma2", "gemma3_text", "gemma3", "qwen3", "olmo2", "qwen2", "mistral"}
 
 
 def _ids() -> torch.Tensor:
