@@ -71,7 +71,7 @@ def test_head_groups_convert_save_and_restore(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "olmo2", "gemma2", "gemma3_text",
-                                    "mistral"])
+                                    "gemma3", "mistral"])
 def test_the_head_permutation_keeps_the_dense_function(family) -> None:
     model = (tiny_llama(num_attention_heads=8, num_key_value_heads=2, hidden_size=32)
              if family == "llama" else tiny_family(family, num_attention_heads=8,
