@@ -20,6 +20,8 @@ from typing import Any
 def _arm(rep: dict[str, Any]) -> str:
     conv, cfg = rep["conversion"], rep["config"]
     parts = [f"{conv['algebra']} {conv['targets']}", conv.get("init", "copy")]
+    if conv.get("groups") == "heads":
+        parts.append("head groups")
     if conv.get("permute"):
         parts.append("permuted")
     if cfg.get("distill", {}).get("steps"):
