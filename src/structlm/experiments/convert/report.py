@@ -90,10 +90,12 @@ def write_convert_report(res: dict[str, Any], cfg: Any, out: Path,
     lines = [f"# structlm experiment convert: {res['model']}", ""]
     if res.get("model_note"):
         lines += [res["model_note"], ""]
+    after = ("constant" if cfg.heal.min_lr_ratio == 1
+             else f"cosine to {cfg.heal.min_lr_ratio}× the peak")
     lines += [f"Schedule `{cfg.schedule}`; healing: {cfg.heal.steps} steps × "
               f"{cfg.heal.batch_size} × {cfg.heal.seq_len} tokens of `{cfg.corpus}` "
               f"calibration text, lr {cfg.heal.lr} ({cfg.heal.lr_scaling}; {cfg.heal.warmup} "
-              f"warm-up steps, then cosine to {cfg.heal.min_lr_ratio}× the peak), the changed "
+              f"warm-up steps, then {after}), the changed "
               f"modules' parameters trained (the same modules for the dense control; the "
               f"svd arms train their factors, with any biases frozen as in the share "
               f"fine-tuning); seeds {_seeds_text(cfg)}. Baselines are checked against the "
