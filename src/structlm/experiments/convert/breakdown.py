@@ -23,17 +23,25 @@ def _where(name: str) -> tuple[int, str]:
     return (int(m.group(1)) if m else -1), name.rsplit(".", 1)[-1]
 
 
-def _by(errors: dict[str, dict[str, Any]], key: str, part: int) -> dict[Any, float]:
-    """Mean of ``errors[*][key]`` grouped by layer (``part`` 0) or kind (``part`` 1)."""
+def _by(errors: dict[str, dict[str, Any]], key: str, part: int, how: Any = statistics.median
+        ) -> dict[Any, float]:
+    """``how`` (median by default: one outlying layer must not stand for all) of
+    ``errors[*][key]`` grouped by layer (``part`` 0) or kind (``part`` 1)."""
     groups: dict[Any, list[float]] = {}
     for name, e in errors.items():
         groups.setdefault(_where(name)[part], []).append(e[key])
-    return {k: statistics.fmean(v) for k, v in groups.items()}
+    return {k: how(v) for k, v in groups.items()}
 
 
 def _per_type(errors: dict[str, dict[str, Any]], key: str) -> list[float]:
     rows = [e[key + "_per_type"] for e in errors.values()]
     return [statistics.fmean(col) for col in zip(*rows, strict=True)]
+
+
+def _cell(changed: dict[str, Any], healed: dict[str, Any], key: str, kind: str) -> str:
+    """``median [max]`` over the layers, changed → healed."""
+    return (f"{_by(changed, key, 1)[kind]:.3f} [{_by(changed, key, 1, max)[kind]:.3f}] → "
+            f"{_by(healed, key, 1)[kind]:.3f} [{_by(healed, key, 1, max)[kind]:.3f}]")
 
 
 def breakdown_lines(arms: list[dict[str, Any]]) -> list[str]:
@@ -50,21 +58,20 @@ def breakdown_lines(arms: list[dict[str, Any]]) -> list[str]:
              "held-out in-domain windows (4,096 tokens): *local* = `|y - A x|² / |A x|²` "
              "on the module's own input (`A` the dense weight), *drift* = `|y - y_dense|² "
              "/ |y_dense|²` at its place in the model (every earlier module's error "
-             "included). Means over the modules, right after the change → after healing "
-             "(first seed).", ""]
+             "included). Medians over the layers [largest], right after the change → after "
+             "healing (first seed); per type and per layer, means.", ""]
     for (target, arm), r in runs.items():
         ch, he = r["module_errors_changed"], r["module_errors_healed"]
         lines += [f"### {arm} ({target})", "",
                   "| projection | local | drift |", "|---|---:|---:|"]
         for kind in _by(he, "local", 1):
-            lines.append(f"| {kind} | {_by(ch, 'local', 1)[kind]:.3f} → "
-                         f"{_by(he, 'local', 1)[kind]:.3f} | {_by(ch, 'drift', 1)[kind]:.3f}"
-                         f" → {_by(he, 'drift', 1)[kind]:.3f} |")
+            lines.append(f"| {kind} | {_cell(ch, he, 'local', kind)} | "
+                         f"{_cell(ch, he, 'drift', kind)} |")
         types_c, types_h = _per_type(ch, "drift"), _per_type(he, "drift")
         lines += ["", "Drift per position type: " + ", ".join(
             f"type {t}: {c:.3f} → {h:.3f}" for t, (c, h) in enumerate(
                 zip(types_c, types_h, strict=True))) + ".", ""]
-        layers = _by(he, "drift", 0)
+        layers = _by(he, "drift", 0, statistics.fmean)
         worst = sorted(layers, key=layers.__getitem__, reverse=True)[:5]
         lines += ["Largest drift after healing (layer: mean over its projections): "
                   + ", ".join(f"{k}: {layers[k]:.3f}" for k in worst) + ".", ""]
