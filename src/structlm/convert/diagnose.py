@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from structlm.convert.hooks import StopForward, hooked, run_until_stopped
+from structlm.convert.permute import _weight
 from structlm.convert.typed_linear import TypedAlgebraLinear
 
 __all__ = ["module_errors"]
@@ -76,7 +77,8 @@ def module_errors(student: nn.Module, teacher: nn.Module, ids: torch.Tensor,
         pos = torch.arange(batch.shape[1]).expand(batch.shape[0], -1)
         for name, sm, tm in zip(names, s_mods, t_mods, strict=True):
             x, y = seen[name]
-            dense = F.linear(x, _dense_weight(tm), getattr(tm, "bias", None))
+            conv1d = type(tm).__name__ == "Conv1D"  # GPT-2 stores (in, out)
+            dense = F.linear(x, _weight(tm, conv1d), getattr(tm, "bias", None))
             types = schedule.at_layer(sm.layer_index)(pos).reshape(-1)
             d = dense.reshape(-1, dense.shape[-1]).double()
             ys = y.reshape(-1, y.shape[-1]).double()
@@ -93,10 +95,4 @@ def module_errors(student: nn.Module, teacher: nn.Module, ids: torch.Tensor,
             "local_per_type": (s[0] / s[1].clamp_min(1e-300)).tolist(),
             "drift_per_type": (s[2] / s[3].clamp_min(1e-300)).tolist()}
     return out
-
-
-def _dense_weight(module: nn.Module) -> torch.Tensor:
-    """The ``(out, in)`` weight of a dense Linear or GPT-2 Conv1D."""
-    w = module.weight
-    return w.t() if type(module).__name__ == "Conv1D" else w
 

@@ -38,6 +38,15 @@ def _per_type(errors: dict[str, dict[str, Any]], key: str) -> list[float]:
     return [statistics.fmean(col) for col in zip(*rows, strict=True)]
 
 
+def _first_runs(arms: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """Per (target, arm), its first run that has the per-module errors."""
+    runs: dict[tuple[str, str], dict[str, Any]] = {}
+    for a in arms:
+        if "module_errors_healed" in a:
+            runs.setdefault((a["target"], a["arm"]), a)
+    return runs
+
+
 def _cell(changed: dict[str, Any], healed: dict[str, Any], key: str, kind: str) -> str:
     """``median [max]`` over the layers, changed → healed."""
     return (f"{_by(changed, key, 1)[kind]:.3f} [{_by(changed, key, 1, max)[kind]:.3f}] → "
@@ -47,10 +56,7 @@ def _cell(changed: dict[str, Any], healed: dict[str, Any], key: str, kind: str) 
 def breakdown_lines(arms: list[dict[str, Any]]) -> list[str]:
     """The report section: one block per algebra arm (its first seed) that has the
     per-module errors."""
-    runs = {}
-    for a in arms:
-        if "module_errors_healed" in a:
-            runs.setdefault((a["target"], a["arm"]), a)
+    runs = _first_runs(arms)
     if not runs:
         return []
     lines = ["## Where the error sits", "",
@@ -84,10 +90,7 @@ def plot_breakdown(arms: list[dict[str, Any]], path: Path) -> None:
     row of panels per algebra arm (first seed)."""
     from structlm.plotting import pyplot
 
-    runs = {}
-    for a in arms:
-        if "module_errors_healed" in a:
-            runs.setdefault((a["target"], a["arm"]), a)
+    runs = _first_runs(arms)
     if not runs:
         return
     plt = pyplot()
