@@ -6,7 +6,8 @@ and reuses them when the meta matches — including a SHA-1 of the corpus's docu
 and texts, so a changed corpus is re-tokenised (and says so; a cache written before the
 fingerprint existed is adopted once and fingerprinted). Exact duplicate documents (after
 whitespace and case normalisation) are removed first; the validation split is a
-deterministic set of whole documents.
+deterministic set of whole documents — drawn per part for a ``+``-joined corpus, so every
+part is validated on its own held-out documents (:meth:`TokenDataset.val_parts`).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from structlm.data.bpe import parse_tokenizer_spec
 from structlm.data.corpora import Document, load_corpus
 from structlm.data.tokenizer import gpt2_encoding
 
-__all__ = ["TokenDataset", "build_token_dataset", "corpus_fingerprint", "dedup_exact",
-           "split_documents"]
+__all__ = ["TokenDataset", "build_token_dataset", "corpus_fingerprint", "corpus_parts",
+           "dedup_exact", "split_documents"]
 
 _VERSION = 1
 
@@ -91,7 +92,10 @@ def _encoder(tokenizer_dir: Path | None) -> tuple[Any, int]:
     return encode, int(tok.eos_token_id)
 
 
-def _write_tokens(path: Path, docs: list[Document], tokenizer_dir: Path | None = None) -> int:
+def _write_tokens(path: Path, docs: list[Document], tokenizer_dir: Path | None = None
+                  ) -> list[int]:
+    """Write ``docs`` (each followed by end-of-text) to ``path``; returns each document's
+    token count, its end-of-text included."""
     encode, eot = _encoder(tokenizer_dir)
     ids = encode([d.text for d in docs]) if docs else []
     total = sum(len(x) + 1 for x in ids)
@@ -105,7 +109,30 @@ def _write_tokens(path: Path, docs: list[Document], tokenizer_dir: Path | None =
     arr.flush()
     del arr
     os.replace(tmp, path)
-    return total
+    return [len(x) + 1 for x in ids]
+
+
+def corpus_parts(corpus: str) -> list[str]:
+    """The ``+``-joined parts of a corpus spec, stripped (``"austen + bible"`` ->
+    ``["austen", "bible"]``)."""
+    return [p.strip() for p in corpus.split("+")]
+
+
+def _split_by_part(docs: list[Document], part_of: dict[int, str], parts: list[str],
+                   val_fraction: float, seed: int
+                   ) -> tuple[list[Document], list[tuple[str, list[Document]]]]:
+    """Training documents and, per corpus part, its validation documents: every part is
+    split on its own (:func:`split_documents`), so each part with two or more documents
+    has at least one held out — a pooled draw could leave a small part (Austen's six
+    novels) without any."""
+    train: list[Document] = []
+    val: list[tuple[str, list[Document]]] = []
+    for part in dict.fromkeys(parts):
+        mine = [d for d in docs if part_of[id(d)] == part]
+        t, v = split_documents(mine, val_fraction, seed)
+        train += t
+        val.append((part, v))
+    return train, val
 
 
 def build_token_dataset(corpus: str, out_dir: str | os.PathLike[str], val_fraction: float = 0.1,
@@ -128,7 +155,13 @@ def build_token_dataset(corpus: str, out_dir: str | os.PathLike[str], val_fracti
             "tokenizer": "gpt2-r50k" if bpe_vocab is None else f"bpe:{bpe_vocab}",
             "val_fraction": val_fraction, "seed": seed, "heldout": heldout}
     meta_path = out / "meta.json"
-    raw = load_corpus(corpus)
+    parts = corpus_parts(corpus)
+    if len(parts) > 1:
+        want["split"] = "per-part"  # each part's documents are split on their own
+    loaded = [(part, load_corpus(part)) for part in parts] if len(parts) > 1 else [
+        (corpus, load_corpus(corpus))]
+    raw = [d for _, docs in loaded for d in docs]
+    part_of = {id(d): part for part, docs in loaded for d in docs}
     want["content_sha1"] = corpus_fingerprint(raw)
     # keyed on the held-out texts' content too: an edited held-out file is re-read
     want["heldout_sha1"] = corpus_fingerprint(load_corpus(heldout)) if heldout else ""
@@ -150,7 +183,12 @@ def build_token_dataset(corpus: str, out_dir: str | os.PathLike[str], val_fracti
         print(f"rebuilding the token cache in {out}: {', '.join(changed)} changed", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     docs, removed = dedup_exact(raw)
-    train, val = split_documents(docs, val_fraction, seed)
+    if len(parts) > 1:
+        train, val_parts = _split_by_part(docs, part_of, parts, val_fraction, seed)
+        val = [d for _, v in val_parts for d in v]
+    else:
+        train, val = split_documents(docs, val_fraction, seed)
+        val_parts = [(corpus, val)]
     contaminated: list[tuple[str, int, float]] = []
     if heldout:
         from structlm.data.decontam import decontaminate
@@ -164,11 +202,18 @@ def build_token_dataset(corpus: str, out_dir: str | os.PathLike[str], val_fracti
         tok_dir = out / "tokenizer"
         train_bpe([d.text for d in train], bpe_vocab, tok_dir)
     meta = dict(want)
+    val_lengths = _write_tokens(out / "val.bin", val, tok_dir)
+    ranges, start, first = [], 0, 0
+    for part, v in val_parts:  # the parts' documents are consecutive in val.bin
+        end = start + sum(val_lengths[first:first + len(v)])
+        ranges.append({"part": part, "documents": [d.name for d in v], "start": start,
+                       "end": end})
+        start, first = end, first + len(v)
     meta.update(
         duplicates_removed=removed, decontaminated=contaminated,
         train_documents=[d.name for d in train], val_documents=[d.name for d in val],
-        train_tokens=_write_tokens(out / "train.bin", train, tok_dir),
-        val_tokens=_write_tokens(out / "val.bin", val, tok_dir),
+        train_tokens=sum(_write_tokens(out / "train.bin", train, tok_dir)),
+        val_tokens=sum(val_lengths), val_parts=ranges,
         vocab_size=50257 if tok_dir is None else bpe_vocab,
         eot_token=_encoder(tok_dir)[1],
     )
@@ -229,6 +274,15 @@ class TokenDataset:
         if split not in self._maps:
             raise ValueError(f"unknown split {split!r}: expected 'train' or 'val'")
         return self._maps[split]
+
+    def val_parts(self) -> dict[str, np.ndarray]:
+        """The validation tokens of each corpus part (``shakespeare+austen`` ->
+        ``{"shakespeare": ..., "austen": ...}``), in ``val.bin`` order; a one-part corpus
+        (or a build that predates the per-part record) is one part, the whole split."""
+        val = self.tokens("val")
+        ranges = self.meta.get("val_parts") or [
+            {"part": self.meta.get("corpus", "val"), "start": 0, "end": len(val)}]
+        return {r["part"]: val[r["start"]:r["end"]] for r in ranges}
 
     def batch(self, split: str, batch_size: int, seq_len: int, gen: torch.Generator
               ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 from transformers import PretrainedConfig
 
-from structlm.config import ConfigError, Range, coerce
+from structlm.config import ConfigError, OneOf, Range, coerce
 
 __all__ = ["FIELD_TYPES", "StructLMConfig", "check_config_values"]
 
@@ -20,6 +20,7 @@ FIELD_TYPES: dict[str, Any] = {
     "structured_scores": bool, "layer_norm_epsilon": Annotated[float, Range(gt=0)],
     "initializer_range": Annotated[float, Range(gt=0)], "tie_word_embeddings": bool,
     "bos_token_id": _TOKEN_ID, "eos_token_id": _TOKEN_ID, "pad_token_id": _TOKEN_ID,
+    "algebra_init": Annotated[str, OneOf("dense", "variance-matched")],
 }
 """The type and valid range of every :class:`StructLMConfig` field a caller sets (what
 ``TrainConfig.model_overrides`` may hold)."""
@@ -61,6 +62,12 @@ class StructLMConfig(PretrainedConfig):
             (:mod:`structlm.nn.structured_scores`); off by default, as in the paper's LM.
         layer_norm_epsilon: LayerNorm epsilon.
         initializer_range: std of the normal initialisation.
+        algebra_init: ``"dense"`` (every weight ``N(0, initializer_range^2)``, as a dense
+            layer) or ``"variance-matched"``: an algebra projection's weights get the std
+            scaled by ``1/sqrt(f)`` per output feature, ``f`` the fraction of the input a
+            row of that output group sees, averaged over the position types (9/16 on
+            average for ``Q2^2``), so each output's variance at init matches a dense
+            layer's for unit-variance inputs. Dense projections are unaffected.
     """
 
     model_type = "structlm"
@@ -81,6 +88,7 @@ class StructLMConfig(PretrainedConfig):
         tie_word_embeddings: bool = True,
         bos_token_id: int = 50256,
         eos_token_id: int = 50256,
+        algebra_init: str = "dense",
         **kwargs: Any,
     ) -> None:
         given = {"vocab_size": vocab_size, "n_positions": n_positions,
@@ -91,7 +99,7 @@ class StructLMConfig(PretrainedConfig):
                  "layer_norm_epsilon": layer_norm_epsilon,
                  "initializer_range": initializer_range,
                  "tie_word_embeddings": tie_word_embeddings, "bos_token_id": bos_token_id,
-                 "eos_token_id": eos_token_id}
+                 "eos_token_id": eos_token_id, "algebra_init": algebra_init}
         if "pad_token_id" in kwargs:
             given["pad_token_id"] = kwargs["pad_token_id"]
         c = check_config_values(given)  # types and ranges, named
@@ -137,5 +145,6 @@ class StructLMConfig(PretrainedConfig):
                                  f"divisible by {q}")
         self.layer_norm_epsilon = layer_norm_epsilon
         self.initializer_range = initializer_range
+        self.algebra_init = c["algebra_init"]
         super().__init__(tie_word_embeddings=tie_word_embeddings, bos_token_id=bos_token_id,
                          eos_token_id=eos_token_id, **kwargs)

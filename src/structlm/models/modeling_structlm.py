@@ -293,6 +293,11 @@ class StructLMPreTrainedModel(StructureTracked, PreTrainedModel):
         std = self.config.initializer_range
         if isinstance(module, nn.Linear | AlgebraLinear):
             nn.init.normal_(module.weight, mean=0.0, std=std)
+            if (isinstance(module, AlgebraLinear)
+                    and getattr(self.config, "algebra_init", "dense") == "variance-matched"):
+                with torch.no_grad():  # (N, K) rows scaled by 1/sqrt(input fraction seen)
+                    module.weight.mul_(module.input_fraction().rsqrt()[:, None].to(
+                        module.weight.dtype))
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):

@@ -133,6 +133,16 @@ class AlgebraLinear(StructureTracked, nn.Module):
             bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
             nn.init.uniform_(self.bias, -bound, bound)
 
+    def input_fraction(self) -> torch.Tensor:
+        """``(N,)`` float64: per output feature, the fraction of the ``K`` input features a
+        row of its output group multiplies, averaged over the ``q`` position types (a
+        uniform type mix): ``mean_alpha sum_beta mask[alpha, beta, delta] s_beta / K``.
+        A dense layer is 1 everywhere; ``Q2^2``'s mean is 9/16."""
+        mask = torch.from_numpy(self.support.mask.astype(np.float64))  # (q, q_in, q_out)
+        s = torch.tensor(self.in_widths, dtype=torch.float64)
+        per_group = (mask * s[None, :, None]).sum(1).mean(0) / self.in_features  # (q_out,)
+        return per_group.repeat_interleave(torch.tensor(self.out_widths))
+
     @classmethod
     def from_linear(cls, linear: nn.Linear, algebra: str | Algebra = "Q4",
                     **kwargs: object) -> AlgebraLinear:

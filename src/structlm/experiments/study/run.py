@@ -1,9 +1,11 @@
 """``structlm experiment study CONFIG.yaml``: train every arm of a study, evaluate, report.
 
-Runs go in a fixed order (the first seed of every arm, then the further seeds); each run
-is an ordinary resumable :func:`~structlm.train.loop.train` run in
-``OUT/runs/<arm>/seed<k>``, and a finished run's whole-split validation loss is kept in
-its ``final.json``, so an interrupted study restarted with the same command continues
+Runs go in a fixed order (the learning-rate sweep's runs first; then per budget,
+ascending, the first seed of every arm, then the further seeds); each run is an ordinary
+resumable :func:`~structlm.train.loop.train` run in ``OUT/runs/<arm>/seed<k>`` (a
+one-budget study without a sweep) or ``OUT/runs/<arm>/steps<N>-lr<rate>/seed<k>``, and a
+finished run's whole-split validation loss (per corpus part and pooled) is kept in its
+``final.json``, so an interrupted study restarted with the same command continues
 where it stopped (a run mid-way resumes from its last checkpoint). One process writes a
 study folder at a time (a lock file). The report is rewritten after every run.
 """
@@ -17,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from structlm.atomic import atomic_write_json
-from structlm.experiments.study.config import ArmSpec, StudyConfig, run_summary
+from structlm.experiments.study.config import Run, StudyConfig, chosen_rates, run_summary
 from structlm.train.checkpoint import run_folder_lock
 
-__all__ = ["run_study", "run_summary"]
+__all__ = ["chosen_rates", "run_study", "run_summary"]
 
 
 def _check_same_study(out: Path, cfg: StudyConfig) -> None:
@@ -64,21 +66,43 @@ def _train_seconds(metrics: Path) -> float:
     return total + last
 
 
-def _finish_run(cfg: StudyConfig, arm: ArmSpec, seed: int, data: Any, progress: bool
-                ) -> dict[str, Any]:
+def validation_losses(model: Any, data: Any, seq_len: int, batch_size: int, progress: bool
+                      ) -> dict[str, Any]:
+    """Whole-split validation loss: for a one-part corpus the split; for a ``+``-joined
+    corpus each part's held-out documents on their own (no window spans two parts) and the
+    pooled loss, the token-weighted mean of the parts (float64 sums)."""
+    from structlm.train.evaluate import split_loss
+
+    parts = data.val_parts()
+    if len(parts) == 1:
+        ev = split_loss(model, data.tokens("val"), seq_len, batch_size, progress)
+        return {**ev, "parts": {}}
+    per = {}
+    for name, tokens in parts.items():
+        if len(tokens) < 2:
+            raise ValueError(f"corpus part {name!r} has no held-out document to validate "
+                             "on: raise val_fraction or give it more documents")
+        per[name] = split_loss(model, tokens, seq_len, batch_size, progress)
+    scored = sum(v["tokens"] for v in per.values())
+    loss = sum(v["loss"] * v["tokens"] for v in per.values()) / scored
+    return {"loss": loss, "tokens": scored, "windows": sum(v["windows"] for v in per.values()),
+            "parts": {k: {"loss": v["loss"], "tokens": v["tokens"]} for k, v in per.items()}}
+
+
+def _finish_run(cfg: StudyConfig, r: Run, data: Any, progress: bool) -> dict[str, Any]:
     """Whole-split validation loss and the run's facts, written to ``final.json``."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from structlm.models.cost import model_cost, parameter_count
-    from structlm.train.evaluate import split_loss
 
-    rc = cfg.run_config(arm, seed)
+    arm, seed = r.arm, r.seed
+    rc = cfg.run_config_of(r)
     run = Path(rc.out_dir)
     torch.set_num_threads(rc.threads)
     model = AutoModelForCausalLM.from_pretrained(run / "model").eval()
     t0 = time.perf_counter()
-    ev = split_loss(model, data.tokens("val"), rc.seq_len, cfg.eval_batch_size, progress)
+    ev = validation_losses(model, data, rc.seq_len, cfg.eval_batch_size, progress)
     mcfg = model.config
     cost = model_cost(mcfg)
     dec = cost["decode_macs_per_token"]
@@ -88,7 +112,8 @@ def _finish_run(cfg: StudyConfig, arm: ArmSpec, seed: int, data: Any, progress: 
     train_tokens = rc.max_steps * rc.batch_size * rc.seq_len * rc.grad_accum
     seconds = _train_seconds(run / "metrics.csv")
     summary = {
-        "arm": arm.name, "seed": seed, "algebra": arm.algebra,
+        "arm": arm.name, "seed": seed, "algebra": arm.algebra, "steps": rc.max_steps,
+        "lr": rc.lr, "init": arm.init, "val_parts": ev["parts"],
         "ffn_width": mcfg.intermediate_size, "type_schedule": rc.model_schedule(),
         "structured_scores": arm.structured_scores,
         "val_loss": ev["loss"], "val_tokens": ev["tokens"], "val_windows": ev["windows"],
@@ -111,7 +136,8 @@ def _finish_run(cfg: StudyConfig, arm: ArmSpec, seed: int, data: Any, progress: 
 
 def _generation(cfg: StudyConfig, out: Path, progress: bool) -> None:
     """Fixed-length generation throughput of the first dense-reference run against the
-    first run of the first algebra arm (batch 1, the existing decode kernels)."""
+    first run of the first algebra arm at the largest budget (batch 1, the existing
+    decode kernels)."""
     from structlm.bench.generate import GenerateBenchConfig, run_generate_bench
 
     if (out / "generate.csv").exists():
@@ -120,7 +146,13 @@ def _generation(cfg: StudyConfig, out: Path, progress: bool) -> None:
     alg = next((a for a in cfg.arms if not a.is_dense), None)
     if dense is None or alg is None:
         return
-    paths = {a.name: Path(cfg.run_config(a, a.seeds[0]).out_dir) / "model" for a in (dense, alg)}
+    runs = cfg.main_runs(chosen_rates(cfg))
+    last = max(cfg.all_budgets())
+    first = {r.arm.name: r for r in reversed(runs) if r.steps == last}
+    if dense.name not in first or alg.name not in first:
+        return
+    paths = {a.name: Path(cfg.run_config_of(first[a.name]).out_dir) / "model"
+             for a in (dense, alg)}
     if not all(p.exists() for p in paths.values()):
         return
     bench = GenerateBenchConfig(preset=cfg.preset, algebra=alg.algebra,
@@ -133,16 +165,27 @@ def _generation(cfg: StudyConfig, out: Path, progress: bool) -> None:
     run_generate_bench(bench, str(out / "generate"), progress)
 
 
+def _train_and_finish(cfg: StudyConfig, r: Run, data: Any, progress: bool) -> None:
+    from structlm.experiments.study.report import write_report
+    from structlm.train.loop import train
+
+    train(cfg.run_config_of(r), progress=progress)
+    s = _finish_run(cfg, r, data, progress)
+    print(f"[study] {r.arm.name} ({r.steps} steps, lr {r.lr:g}) seed {r.seed}: validation "
+          f"loss {s['val_loss']:.4f} on {s['val_tokens']:,} tokens "
+          f"({s['train_tokens_per_s']} tokens/s)", flush=True)
+    write_report(cfg, data)
+
+
 def run_study(cfg: StudyConfig, progress: bool = True) -> Path:
     """Train, evaluate and report every run of ``cfg`` (resuming); returns ``report.md``."""
     from structlm.data.tokens import build_token_dataset
     from structlm.experiments.study.report import write_report
-    from structlm.train.loop import train
 
     out = Path(cfg.out_dir)
     with run_folder_lock(out, "study"):
         _check_same_study(out, cfg)
-        first = cfg.run_config(*cfg.runs()[0])
+        first = cfg.run_config(cfg.arms[0], cfg.arms[0].seeds[0], lr=1.0)
         data = build_token_dataset(cfg.corpus, first.data_dir, first.val_fraction,
                                    cfg.data_seed, "", cfg.tokenizer)
         val = int(data.meta["val_tokens"])
@@ -150,15 +193,22 @@ def run_study(cfg: StudyConfig, progress: bool = True) -> Path:
             raise ValueError(f"the validation split has {val:,} tokens, fewer than "
                              f"min_val_tokens={cfg.min_val_tokens:,}: raise val_fraction or "
                              "use a larger corpus")
-        runs = cfg.runs()
-        for i, (arm, seed) in enumerate(runs, 1):
-            if run_summary(cfg, arm, seed) is not None:
+        empty = [k for k, v in data.val_parts().items() if len(v) < 2]
+        if empty:
+            raise ValueError(f"corpus parts {empty} have no held-out document: raise "
+                             "val_fraction or give them more documents")
+        sweep = cfg.sweep_runs()
+        for i, r in enumerate(sweep, 1):
+            if run_summary(cfg, r) is None:
+                print(f"[study] sweep run {i}/{len(sweep)}: {r.arm.name} lr {r.lr:g}, "
+                      f"{r.steps} steps, seed {r.seed}", flush=True)
+                _train_and_finish(cfg, r, data, progress)
+        runs = cfg.main_runs(chosen_rates(cfg))
+        for i, r in enumerate(runs, 1):
+            if run_summary(cfg, r) is not None:
                 continue
-            print(f"[study] run {i}/{len(runs)}: {arm.name} seed {seed}", flush=True)
-            train(cfg.run_config(arm, seed), progress=progress)
-            s = _finish_run(cfg, arm, seed, data, progress)
-            print(f"[study] {arm.name} seed {seed}: validation loss {s['val_loss']:.4f} on "
-                  f"{s['val_tokens']:,} tokens ({s['train_tokens_per_s']} tokens/s)", flush=True)
-            write_report(cfg, data)
+            print(f"[study] run {i}/{len(runs)}: {r.arm.name}, {r.steps} steps, lr {r.lr:g}, "
+                  f"seed {r.seed}", flush=True)
+            _train_and_finish(cfg, r, data, progress)
         _generation(cfg, out, progress)
         return write_report(cfg, data)
