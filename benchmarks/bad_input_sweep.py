@@ -71,6 +71,13 @@ def _old_files(root: Path) -> dict[str, str]:
         "study_dup": w("study_dup.yaml", "out_dir: x\narms:\n  - {name: a}\n  - {name: a}\n"),
         "study_same": w("study_same.yaml", "out_dir: x\narms:\n  - {name: a}\n  - {name: b}\n"),
         "study_nodir": w("study_nodir.yaml", "arms:\n  - {name: a}\n"),
+        "study_nosweep": w("study_nosweep.yaml", "out_dir: x\narms:\n  - {name: a, lr: sweep}\n"),
+        "study_wide_dense": w("study_wide_dense.yaml",
+                              "out_dir: x\narms:\n  - {name: a, ffn: dense-macs}\n"),
+        "study_budgets": w("study_budgets.yaml", "out_dir: x\nbudgets: [10]\ntrain: "
+                           "{max_steps: 5}\narms:\n  - {name: a}\n"),
+        "study_init": w("study_init.yaml", "out_dir: x\narms:\n  - {name: a, algebra: Q4, "
+                        "init: scaled}\n"),
         "garbage_model": str(garbage),
         "empty_model": str(empty),
     }
@@ -99,6 +106,8 @@ def _old_cases(f: dict[str, str]) -> list[list[str]]:
         ["experiment", "study", f["missing"]], ["experiment", "study", f["study_dup"]],
         ["experiment", "study", f["study_same"]], ["experiment", "study", f["study_nodir"]],
         ["experiment", "study", f["study_dup"], "--max-steps", "0"],
+        ["experiment", "study", f["study_nosweep"]], ["experiment", "study", f["study_wide_dense"]],
+        ["experiment", "study", f["study_budgets"]], ["experiment", "study", f["study_init"]],
         ["share", "analyze", "smollm2", "--layers", "0,0,1"],
         ["share", "analyze", "smollm2", "--layers", "5-2"],
         ["share", "analyze", "smollm2", "--config", f["missing"]],
