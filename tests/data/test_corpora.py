@@ -94,3 +94,13 @@ def test_hf_json_builder_on_a_local_file(tmp_path: Path) -> None:
         load_corpus(f"hf:json:{data}")
     with pytest.raises(ValueError, match="bad Hugging Face corpus"):
         load_corpus("hf:json:")
+
+
+def test_django_is_the_pinned_package_source_one_document_per_file() -> None:
+    docs = {d.name: d.text for d in load_corpus("django")}
+    assert len(docs) == 732  # measured: every non-empty .py file of django/ in 5.1.4
+    assert all(n.startswith("django/") and not n.endswith(".py") for n in docs)
+    assert "class QuerySet(AltersData):" in docs["django/db/models/query"]
+    assert 'VERSION = (5, 1, 4, "final", 0)' in docs["django/__init__"]
+    assert not any("/tests/" in n for n in docs)  # the project's test suite is outside
+    assert 5_400_000 < sum(len(t) for t in docs.values()) < 5_700_000  # measured: 5,542,708

