@@ -74,12 +74,15 @@ def check_layers(layers: list[int], num_layers: int | None = None) -> None:
 def prepare(model: str, corpus: str, second_corpus: str = "", eval_fraction: float = 0.25,
             calib_tokens: int = 32768, eval_tokens: int = 8192, seq_len: int = 512,
             batch_size: int = 4, seed: int = 0, layers: list[int] | None = None,
-            calibrate: bool = True, progress: bool = True) -> Prepared:
+            calibrate: bool = True, progress: bool = True,
+            calib_seed: int | None = None) -> Prepared:
     """Load ``model``, split ``corpus`` by document, draw ``calib_tokens // seq_len``
     calibration windows across all calibration documents and enough evaluation windows
     to score ``eval_tokens`` tokens across all evaluation documents (in-domain and, if
     given, ``second_corpus``'s evaluation part), seeded by ``seed``; calibrate ``layers``
-    (cached on disk, keyed on the model's weights and the exact calibration tokens)."""
+    (cached on disk, keyed on the model's weights and the exact calibration tokens).
+    ``calib_seed`` (default ``seed``) draws the calibration windows alone: another draw
+    from the same calibration documents, the split and evaluation windows unchanged."""
     loaded = load_model(model)
     if loaded.tokenizer is None:
         raise ValueError(f"model {model!r} has no tokenizer: text experiments need one")
@@ -92,8 +95,8 @@ def prepare(model: str, corpus: str, second_corpus: str = "", eval_fraction: flo
     split = split_corpus(corpus, eval_fraction, seed)
     calib_tok = tokenize_documents(loaded.tokenizer, split.calibration)
     prefix = window_prefix(loaded.tokenizer)  # the tokenizer's own convention, per window
-    calib = sample_windows(split.calibration, calib_tok, calib_tokens // seq_len, seq_len, seed,
-                           prefix)
+    calib = sample_windows(split.calibration, calib_tok, calib_tokens // seq_len, seq_len,
+                           seed if calib_seed is None else calib_seed, prefix)
     prep = Prepared(loaded, adapter, split, calib.windows, torch.cat(calib_tok),
                     window_prefix=prefix)
     prep.text["calibration:" + corpus] = calib.describe()
@@ -115,6 +118,7 @@ def prepare(model: str, corpus: str, second_corpus: str = "", eval_fraction: flo
                    "calibration_tokens": tensor_fingerprint(prep.calib_ids)}
         meta = {**content, "model": loaded.model_id, "corpus": corpus,
                 "calib_tokens": calib_tokens, "seed": seed,
+                **({} if calib_seed is None else {"calib_seed": calib_seed}),
                 "documents": [d.name for d in split.calibration],
                 "sampling": "windows across documents"}
         key = hashlib.sha1(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]

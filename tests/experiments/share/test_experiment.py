@@ -104,6 +104,42 @@ def test_reduced_experiment(tmp_path) -> None:
     assert again["whole_model"][0]["arms"] == res["whole_model"][0]["arms"]
 
 
+def test_calibration_draws_and_analytic_only_methods(tmp_path) -> None:
+    """Two calibration draws: the whole-model arms are compressed from each, the fine-tuned
+    ranges span seeds × draws; methods left out of finetune_methods stay analytic."""
+    src = tmp_path / "tiny"
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=3, hidden_size=64, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=96, vocab_size=49152,
+                      max_position_embeddings=512, tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(src)
+    load_model("smollm2").tokenizer.save_pretrained(src)
+    ex = ExperimentConfig(model=str(src), calib_tokens=1024, eval_tokens=600,
+                          reductions=[0.5], multi_seed_reductions=[], seeds=[0],
+                          calib_seeds=[0, 7], methods=["shared", "svd"],
+                          finetune_methods=["svd"], seed_regime=False, scope=False,
+                          residual_rank=2, budget_tolerance=0.05,
+                          finetune=FinetuneConfig(steps=2, eval_every=2, seq_len=64,
+                                                  batch_size=2, eval_tokens=128))
+    res = run_experiment(ex, tmp_path / "out", progress=False)
+    by = {e["method"]: e for e in res["whole_model"]}
+    assert list(by) == ["shared", "svd"]  # one entry per method and budget, not per draw
+    svd, shared = by["svd"], by["shared"]
+    assert sorted(a["calib_seed"] for a in svd["arms"]) == [0, 7]
+    assert all(svd["finetuned"][t]["n"] == 2 for t in res["eval_texts"])
+    assert set(svd["analytic_by_draw"]) == {"0", "7"}
+    first, second = (svd["analytic_by_draw"][k]["in_domain:austen"] for k in ("0", "7"))
+    assert first != second  # another draw of calibration windows, another compression
+    assert shared["finetuned"]["in_domain:austen"] == {}
+    assert "ppl_finetuned" not in shared["arms"][0] and len(shared["analytic_by_draw"]) == 2
+    assert res["finetuned_runs"] == {"done": 2, "planned": 2}
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "over 2 draws]" in report and "Calibration draws [0, 7]" in report
+    assert "Fine-tuned methods: ['svd']" in report
+    with pytest.raises(ValueError, match=r"finetune_methods: \['hybrid'\] are not among"):
+        ExperimentConfig(methods=["svd"], finetune_methods=["hybrid"])
+
+
 def test_verdict_rule() -> None:
     from structlm.experiments.share.report import recovered, verdict
 
@@ -148,9 +184,14 @@ def test_plateau_rule() -> None:
     rows = plateau_rows(res)
     assert len(rows) == 2
     assert rows[0].startswith("| seed regime | svd | 2 | 50 → 100 | 50.00 | 49.60 | -0.8% "
-                              "| plateaued | — |")
+                              "| — | plateaued | — |")
     assert rows[1] == ("| whole model −20% | shared | 1 | 50 → 100 | 50.00 | 45.00 | "
-                       "-10.0% | still moving | — |")
+                       "-10.0% | — | still moving | — |")
+    # the learning rate of the last interval over the peak: a decayed rate is shown
+    for c, lr in zip(res["whole_model"][0]["arms"][0]["curve"], (1.0, 1.0, 1.0, 0.1),
+                     strict=True):
+        c["lr"] = lr
+    assert "| -10.0% | 0.10 | still moving |" in plateau_rows(res)[1]
     # a run that got worse while training: its last evaluation 20% above its best (50)
     res["whole_model"][0]["arms"] = [arm(60.0), arm(45.0)]
     assert plateau_rows(res)[1].endswith("| still moving | 1 of 2 (up to +20%) |")

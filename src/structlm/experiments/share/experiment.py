@@ -104,6 +104,14 @@ class ExperimentConfig:
     multi_seed_reductions: Annotated[list[_FRACTION], Distinct()] = field(
         default_factory=lambda: [0.2, 0.4])
     """Reductions fine-tuned with every seed; the others with ``seeds[0]`` only."""
+    calib_seeds: Annotated[list[Annotated[int, Range(ge=0)]], NonEmpty(), Distinct()] = field(
+        default_factory=lambda: [0])
+    """Calibration draws (seeded windows from the same calibration documents): the
+    whole-model regime runs at each, so its ranges span fine-tuning seeds × draws; the
+    seed regime, the scope arms and the evaluation windows use the first."""
+    finetune_methods: Annotated[list[str], Distinct()] | None = None
+    """Whole-model methods that are fine-tuned (``None``: every method); the others are
+    compressed and evaluated only."""
     residual_rank: Annotated[int, Range(ge=0)] = 32
     """Rank of the hybrid's per-layer residual."""
     group_size: Annotated[int, Range(ge=1)] = 2
@@ -136,6 +144,11 @@ class ExperimentConfig:
             if not isinstance(getattr(self, key), FinetuneConfig):
                 raise ConfigError(f"{key}: {getattr(self, key)!r} is not a mapping of "
                                   "FinetuneConfig keys")
+        if self.finetune_methods is not None:
+            bad = [m for m in self.finetune_methods if m not in self.methods]
+            if bad:
+                raise ConfigError(f"finetune_methods: {bad} are not among methods "
+                                  f"{self.methods}")
         for key in ("methods", "seed_methods"):
             bad = [m for m in getattr(self, key) if m not in METHODS]
             if bad:
@@ -240,6 +253,9 @@ class _ArmCache:
         self.done: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
 
     def _key(self, prep: Prepared, ccfg: CompressionConfig, **extra: Any) -> str:
+        draw = _calib_seed(prep)
+        if draw:  # the first draw's keys predate the field: they stay as they were
+            extra = {**extra, "calib_seed": draw}
         return json.dumps({**self.base, "model": prep.loaded.model_id,
                            "compression": dataclasses.asdict(ccfg), **extra}, sort_keys=True)
 
@@ -283,6 +299,12 @@ class _ArmCache:
         return self.tuned_key(prep, ccfg, ft, seed) in self.done
 
 
+def _calib_seed(prep: Prepared) -> int:
+    """The calibration draw ``prep`` was prepared with (the split's seed, 0, unless
+    another draw was asked for)."""
+    return int(prep.calibration.meta.get("calib_seed", 0)) if prep.calibration else 0
+
+
 def _summary(arms: list[dict[str, Any]], key: str, name: str) -> dict[str, float]:
     vals = [a[key][name] for a in arms if key in a]
     if not vals:
@@ -309,10 +331,12 @@ class _Cell:
     seeds: list[int]
     priority: list[int]
     """Per seed: its place in the fine-tuning order (lower first)."""
+    prep: Prepared | None = None
+    """The calibration draw of a whole-model cell (``None``: the first)."""
 
 
-def _cells(cfg: ExperimentConfig, prep: Prepared, cache: _ArmCache,
-           progress: bool) -> tuple[list[_Cell], dict[str, Any]]:
+def _cells(cfg: ExperimentConfig, prep: Prepared, cache: _ArmCache, progress: bool,
+           draws: list[Prepared] | None = None) -> tuple[list[_Cell], dict[str, Any]]:
     """Every setting (the analytic phase runs as they are made: the seed regime's other
     methods need the shared arm's storage)."""
     cells: list[_Cell] = []
@@ -333,15 +357,17 @@ def _cells(cfg: ExperimentConfig, prep: Prepared, cache: _ArmCache,
                                [10 + 100 * i for i in range(n_s)]))
     for j, red in enumerate(cfg.reductions):
         multi = red in cfg.multi_seed_reductions
-        seeds = cfg.seeds if multi else cfg.seeds[:1]
-        for method in cfg.methods:
-            ccfg = CompressionConfig(method=method, types=cfg.types, target_reduction=red,
-                                     residual_rank=cfg.residual_rank,
-                                     group_size=cfg.group_size,
-                                     update=cfg.update and method == BASIS_SHARING_METHOD.name)
-            first = 0 if multi else 5  # seed 0 of the multi-seed budgets first
-            cells.append(_Cell("whole", ccfg, cfg.finetune, seeds,
-                               [first + j + 100 * i for i in range(len(seeds))]))
+        for d, draw in enumerate([None, *(draws or [])]):
+            for method in cfg.methods:
+                tuned = cfg.finetune_methods is None or method in cfg.finetune_methods
+                seeds = (cfg.seeds if multi else cfg.seeds[:1]) if tuned else []
+                ccfg = CompressionConfig(method=method, types=cfg.types, target_reduction=red,
+                                         residual_rank=cfg.residual_rank,
+                                         group_size=cfg.group_size,
+                                         update=cfg.update and method == BASIS_SHARING_METHOD.name)
+                first = 0 if multi else 5  # seed 0 of the multi-seed budgets first
+                cells.append(_Cell("whole", ccfg, cfg.finetune, seeds,
+                                   [first + j + 100 * i + d for i in range(len(seeds))], draw))
     if cfg.scope:
         for method in (SHARED_METHOD.name, HYBRID_METHOD.name):
             for types in ("attn", "mlp", "all"):
@@ -350,7 +376,7 @@ def _cells(cfg: ExperimentConfig, prep: Prepared, cache: _ArmCache,
                                          residual_rank=cfg.residual_rank)
                 cells.append(_Cell("scope", ccfg, cfg.finetune, cfg.seeds[:1], [50]))
     for c in cells:
-        a = cache.analytic(prep, c.ccfg, progress)
+        a = cache.analytic(c.prep or prep, c.ccfg, progress)
         if c.section == "whole":
             _check_budget(a, (1 - c.ccfg.target_reduction) * a["original_parameters"],
                           cfg.budget_tolerance)
@@ -362,16 +388,30 @@ def _assemble(cfg: ExperimentConfig, prep: Prepared, cache: _ArmCache, cells: li
     """Sections of the results from whatever the cache holds now."""
     out: dict[str, Any] = {"whole_model": [], "scope": []}
     seed_entries = []
+    whole: dict[tuple[str, float | None], dict[str, Any]] = {}
     for c in cells:
-        a = cache.analytic(prep, c.ccfg, False)
-        a = {**a, "token_macs_ratio": token_macs_ratio(prep, c.ccfg, a)}
-        arms = [{**a, **cache.tuned(prep, c.ccfg, c.ft, s, False)}
-                for s in c.seeds if cache.has_tuned(prep, c.ccfg, c.ft, s)]
+        p = c.prep or prep
+        a = cache.analytic(p, c.ccfg, False)
+        a = {**a, "token_macs_ratio": token_macs_ratio(p, c.ccfg, a),
+             "calib_seed": _calib_seed(p)}
+        arms = [{**a, **cache.tuned(p, c.ccfg, c.ft, s, False)}
+                for s in c.seeds if cache.has_tuned(p, c.ccfg, c.ft, s)]
+        if c.section == "whole" and c.prep is not None:  # another draw of an entry
+            e = whole[(c.ccfg.method, c.ccfg.target_reduction)]
+            e["analytic_by_draw"][str(_calib_seed(p))] = a["ppl_analytic"]
+            e["seeds_planned"] += [f"{s} (draw {_calib_seed(p)})" for s in c.seeds]
+            if arms:
+                e["arms"] = [x for x in e["arms"] if "ppl_finetuned" in x] + arms
+                tuned = [x for x in e["arms"] if "ppl_finetuned" in x]
+                e["finetuned"] = {t: _summary(tuned, "ppl_finetuned", t) for t in texts}
+            continue
         entry = {"method": c.ccfg.method, "reduction": c.ccfg.target_reduction,
                  "arms": arms or [a], "analytic": a["ppl_analytic"],
                  "finetuned": {t: _summary(arms, "ppl_finetuned", t) for t in texts},
-                 "seeds_planned": c.seeds}
+                 "seeds_planned": list(c.seeds)}
         if c.section == "whole":
+            entry["analytic_by_draw"] = {str(_calib_seed(p)): a["ppl_analytic"]}
+            whole[(c.ccfg.method, c.ccfg.target_reduction)] = entry
             out["whole_model"].append(entry)
         elif c.section == "seed":
             seed_entries.append(entry)
@@ -399,6 +439,14 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, progress: bool = 
         return _run_experiment_locked(cfg, out, t0, progress, analytic_only)
 
 
+def _draw(cfg: ExperimentConfig, calib_seed: int, progress: bool) -> Prepared:
+    """The model, split, evaluation windows and one calibration draw (``calib_seed``);
+    the split and evaluation windows are the same for every draw."""
+    return prepare(cfg.model, cfg.corpus, cfg.second_corpus, calib_tokens=cfg.calib_tokens,
+                   eval_tokens=cfg.eval_tokens, progress=progress,
+                   calib_seed=None if calib_seed == 0 else calib_seed)
+
+
 def _run_experiment_locked(cfg: ExperimentConfig, out: Path, t0: float, progress: bool,
                            analytic_only: bool) -> dict[str, Any]:
     """The body of the run, under the run folder's lock."""
@@ -406,8 +454,7 @@ def _run_experiment_locked(cfg: ExperimentConfig, out: Path, t0: float, progress
 
     atomic_write_text(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=1))
     cache = _ArmCache(out / "arms.json", cfg)
-    prep = prepare(cfg.model, cfg.corpus, cfg.second_corpus, calib_tokens=cfg.calib_tokens,
-                   eval_tokens=cfg.eval_tokens, progress=progress)
+    prep = _draw(cfg, cfg.calib_seeds[0], progress)
     texts = list(prep.eval_ids)
     res: dict[str, Any] = {"model": prep.loaded.model_id, "model_note": prep.loaded.note,
                            "split": prep.split.describe(), "eval_texts": texts,
@@ -415,14 +462,17 @@ def _run_experiment_locked(cfg: ExperimentConfig, out: Path, t0: float, progress
                            "calibration": dict(prep.calibration.meta if prep.calibration
                                                else {})}
     res["ppl_original"] = _ppl(prep.loaded.model, prep)
-    cells, info = _cells(cfg, prep, cache, progress)
+    draws = [_draw(cfg, s, progress) for s in cfg.calib_seeds[1:]]
+    res["calib_seeds"] = list(cfg.calib_seeds)
+    cells, info = _cells(cfg, prep, cache, progress, draws)
 
     throttle = PlotThrottle()
 
     def write(final: bool = False) -> dict[str, Any]:
         res.update(_assemble(cfg, prep, cache, cells, info, texts))
         # distinct runs: the scope's "all" arms are whole-model arms already
-        runs = {cache.tuned_key(prep, c.ccfg, c.ft, s) for c in cells for s in c.seeds}
+        runs = {cache.tuned_key(c.prep or prep, c.ccfg, c.ft, s) for c in cells
+                for s in c.seeds}
         res["finetuned_runs"] = {"done": len(runs & cache.done.keys()),
                                  "planned": len(runs)}
         res["seconds"] = time.time() - t0
@@ -448,7 +498,7 @@ def _run_experiment_locked(cfg: ExperimentConfig, out: Path, t0: float, progress
                     for s, p in zip(c.seeds, c.priority, strict=True)), key=lambda x: (x[0], x[1]))
     for _, i, s in queue:
         c = cells[i]
-        if c.ft.steps > 0 and not cache.has_tuned(prep, c.ccfg, c.ft, s):
-            cache.tuned(prep, c.ccfg, c.ft, s, progress)
+        if c.ft.steps > 0 and not cache.has_tuned(c.prep or prep, c.ccfg, c.ft, s):
+            cache.tuned(c.prep or prep, c.ccfg, c.ft, s, progress)
             write()
     return write(final=True)

@@ -4,8 +4,10 @@ energy against perplexity, and of the fine-tuning curves.
 
 Rules (fixed before any run, applied per text whatever they say):
 
-* **winner at a budget**: among the methods fine-tuned with ≥ 2 seeds, the one with the
-  lowest mean wins only if its whole seed range lies below every other method's range;
+* **winner at a budget**: among the methods fine-tuned with ≥ 2 seeds (with several
+  calibration draws, a "seed" is a fine-tuning seed × draw pair, so the range spans both
+  sources of variance), the one with the lowest mean wins only if its whole seed range
+  lies below every other method's range;
   otherwise "ranges overlap" (the best mean is named, no winner is called). With one
   seed, or before fine-tuning (deterministic), only the ordering is reported;
 * **test 5** (fine-tuning repairs): lives if fine-tuning undoes ≥ 50% of the
@@ -93,9 +95,18 @@ def _whole_table(res: dict[str, Any], text: str) -> list[str]:
         rec_o = _rec(res, e, other) if other else float("nan")
         lines.append(f"| {e['reduction']:.0%} | {e['method']} | "
                      f"{a0['stored_parameters'] / a0['original_parameters']:.4f} | "
-                     f"{_macs(a0)} | {energy:.3f} | {_f(e['analytic'][text])} | {_ft(ft)} | "
+                     f"{_macs(a0)} | {energy:.3f} | {_analytic(e, text)} | {_ft(ft)} | "
                      f"{_pct(rec)} | {_pct(rec_o)} |")
     return lines
+
+
+def _analytic(e: dict[str, Any], text: str) -> str:
+    """The analytic perplexity (the first calibration draw), with the range over draws
+    when there are several."""
+    by = [v[text] for v in (e.get("analytic_by_draw") or {}).values()]
+    if len(by) < 2:
+        return _f(e["analytic"][text])
+    return f"{_f(e['analytic'][text])} [{_f(min(by))}–{_f(max(by))} over {len(by)} draws]"
 
 
 def _macs(arm: dict[str, Any]) -> str:
@@ -202,9 +213,22 @@ def plateau_rows(res: dict[str, Any]) -> list[str]:
         where = regime if regime == "seed regime" else f"{regime} −{e['reduction']:.0%}"
         rule = "plateaued" if abs(b / a - 1) < PLATEAU_CHANGE else "still moving"
         rows.append(f"| {where} | {e['method']} | {len(pts)} | {pts[0][-2][0]} → "
-                    f"{pts[0][-1][0]} | {a:,.2f} | {b:,.2f} | {b / a - 1:+.1%} | {rule} | "
-                    f"{_above_best(pts)} |")
+                    f"{pts[0][-1][0]} | {a:,.2f} | {b:,.2f} | {b / a - 1:+.1%} | "
+                    f"{_lr_share(e)} | {rule} | {_above_best(pts)} |")
     return rows
+
+
+def _lr_share(e: dict[str, Any]) -> str:
+    """The lowest learning rate of the last evaluation interval over the peak (first
+    fine-tuned arm): a plateau at a decayed rate may only mean the rate stopped it."""
+    arm = next((a for a in e["arms"] if a.get("curve")), None)
+    if arm is None:
+        return "—"
+    ev = [c["step"] for c in arm["curve"] if c.get("eval_ppl") is not None]
+    lrs = [c["lr"] for c in arm["curve"] if c.get("lr") is not None
+           and len(ev) >= 2 and ev[-2] < c["step"] <= ev[-1]]
+    peak = max((c["lr"] for c in arm["curve"] if c.get("lr") is not None), default=0.0)
+    return f"{min(lrs) / peak:.2f}" if lrs and peak else "—"
 
 
 def _above_best(pts: list[list[tuple[int, float]]]) -> str:
@@ -225,8 +249,10 @@ def _plateau_lines(res: dict[str, Any], text: str) -> list[str]:
             f"mean over seeds; the rule: a change under {PLATEAU_CHANGE:.0%} is a plateau. "
             f"*Ended above best*: seeds whose last evaluation is more than "
             f"{PLATEAU_CHANGE:.0%} above their own best (training made them worse: unstable).",
-            "", "| setting | method | seeds | steps | before | last | change | rule | "
-            "ended above best |", "|---|---|---:|---|---:|---:|---:|---|---|", *rows, ""]
+            "*lr*: the lowest learning rate of that interval over the run's peak (a plateau "
+            "at a decayed rate may only mean the rate stopped training).",
+            "", "| setting | method | seeds | steps | before | last | change | lr | rule | "
+            "ended above best |", "|---|---|---:|---|---:|---:|---:|---:|---|---|", *rows, ""]
 
 
 def _plots(res: dict[str, Any], out: Path) -> None:
@@ -339,7 +365,12 @@ def write_experiment_report(res: dict[str, Any], cfg: Any, out: Path,
               f"arms: {ft_text(sft)}. Seeds {cfg.seeds} at {cfg.multi_seed_reductions} and "
               f"in the seed regime, seed {cfg.seeds[0]} elsewhere. `basis-sharing`: groups of "
               f"{cfg.group_size} consecutive layers, update step "
-              f"{'on' if cfg.update else 'off'}.", "",
+              f"{'on' if cfg.update else 'off'}."
+              + (f" Calibration draws {cfg.calib_seeds} (the whole-model regime runs at "
+                 "each; its fine-tuned ranges span seeds × draws)."
+                 if len(getattr(cfg, "calib_seeds", [0])) > 1 else "")
+              + (f" Fine-tuned methods: {cfg.finetune_methods} (the others analytic only)."
+                 if getattr(cfg, "finetune_methods", None) is not None else ""), "",
               "Rules" + (__doc__ or "Rules").split("Rules", 1)[1].rstrip(), ""]
     lines += _text_lines(res)
     for text in res["eval_texts"]:
