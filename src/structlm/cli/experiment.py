@@ -49,6 +49,15 @@ def _cmd_share(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_transfer(args: argparse.Namespace) -> int:
+    from structlm.experiments.share.transfer import load_results, write_transfer_report
+
+    a = load_results(args.analysis[0], args.experiment[0])
+    b = load_results(args.analysis[1], args.experiment[1])
+    print(f"{write_transfer_report(a, b, args.out)} written")
+    return 0
+
+
 def convert_experiment_config(args: argparse.Namespace) -> Any:
     """The ConvertExperimentConfig of ``experiment convert``: the YAML, then the flags."""
     from structlm.experiments.convert.experiment import ConvertExperimentConfig
@@ -125,6 +134,16 @@ def add_experiment_commands(sub: Any) -> None:
                     seed_ft_flags=add_dataclass_flags(
                         sh, FinetuneConfig, prefix="seed-finetune",
                         title="FinetuneConfig fields of the seed regime's arms"))
+
+    tr = ex.add_parser("transfer", help="test 8: two models' shared-basis findings side by "
+                       "side (does each transfer?)")
+    tr.add_argument("--analysis", nargs=2, required=True, metavar=("A", "B"),
+                    help="the two `structlm share analyze` folders (results.json)")
+    tr.add_argument("--experiment", nargs=2, required=True, metavar=("A", "B"),
+                    help="the two `structlm experiment share` folders (experiment.json), "
+                         "in the same model order")
+    tr.add_argument("--out", default="share-transfer")
+    tr.set_defaults(func=_cmd_transfer)
 
     cv = ex.add_parser("convert", help="convert a pretrained model, heal it, and compare "
                        "equal-MAC baselines healed the same way (resumes arm by arm)")
