@@ -14,7 +14,8 @@ arm gets the same fine-tuning config (only its seed differs):
   without exceeding it), fine-tuned long enough to plateau;
 * **test 7 / 9** — shared and hybrid on attention only, MLP only, all, at one reduction
   per type (so the scopes are compared at equal compression ratios);
-* **test 8** — a second model, if one is given.
+* **test 8** is this experiment run on a second model, compared finding by finding with
+  ``structlm experiment transfer`` (:mod:`.transfer`).
 
 Fine-tuning's recovery is reported per text: the share of the log-perplexity damage
 undone, in-domain and on the other-domain text (fine-tuning on in-domain text can be
@@ -41,7 +42,6 @@ from structlm.experiments.plot_throttle import PlotThrottle
 from structlm.folders import check_apart, run_folder_lock
 from structlm.hf.adapters import MatrixType, get_adapter, parse_types
 from structlm.hf.finetune import FinetuneConfig, finetune
-from structlm.hf.loading import load_model
 from structlm.hf.pipeline import Prepared, evaluate_all, prepare, spread_windows
 from structlm.share.compress import (
     METHODS,
@@ -84,8 +84,6 @@ class ExperimentConfig:
     """Calibration and fine-tuning corpus; its held-out documents are the in-domain text."""
     second_corpus: str = "shakespeare"
     """Other-domain evaluation text."""
-    second_model: str = ""
-    """Test 8's second model ("" = not run)."""
     calib_tokens: Annotated[int, Range(ge=512, note="one calibration window")] = 32768
     """Calibration tokens (windows across all calibration documents, seeded)."""
     eval_tokens: Annotated[int, Range(ge=2)] = 16384
@@ -430,11 +428,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, progress: bool = 
     ``experiment.json``, ``report.md`` and plots."""
     t0 = time.time()
     out = Path(out_dir)
-    check_apart(out, [*source_chain(cfg.model),
-                      *(source_chain(cfg.second_model) if cfg.second_model else [])],
-                "share experiment folder")
-    if cfg.second_model:  # found and readable now, not after the first model's arms
-        load_model(cfg.second_model, weights=False)
+    check_apart(out, source_chain(cfg.model), "share experiment folder")
     with run_folder_lock(out, "share experiment"):  # one writer per run folder
         return _run_experiment_locked(cfg, out, t0, progress, analytic_only)
 
@@ -480,17 +474,6 @@ def _run_experiment_locked(cfg: ExperimentConfig, out: Path, t0: float, progress
         write_experiment_report(res, cfg, out, plots=throttle.due(final))
         return res
 
-    if cfg.second_model:
-        p2 = prepare(cfg.second_model, cfg.corpus, cfg.second_corpus,
-                     calib_tokens=cfg.calib_tokens, eval_tokens=cfg.eval_tokens,
-                     progress=progress)
-        ccfg = CompressionConfig(method=SHARED_METHOD.name, types="attn",
-                                 target_reduction=cfg.scope_reduction)
-        res["second_model"] = {"model": p2.loaded.model_id, "ppl_original": _ppl(
-            p2.loaded.model, p2), "arm": cache.analytic(p2, ccfg, progress)}
-    else:
-        res["second_model"] = {"skipped": "no second model given (none is obtainable offline "
-                                          "here); pass --second-model, e.g. gpt2-medium"}
     write(final=analytic_only)
     if analytic_only:
         return res

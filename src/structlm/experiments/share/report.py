@@ -384,9 +384,9 @@ def write_experiment_report(res: dict[str, Any], cfg: Any, out: Path,
                       "fine-tuned | verdict |", "|---|---|---|---|---|---|---|",
                       *_scope_rows(res, text), ""]
     lines += _plateau_lines(res, res["eval_texts"][0])
-    sm = res["second_model"]
     lines += ["## Test 8: a second model", "",
-              sm["skipped"] if "skipped" in sm else f"{sm['model']}: see experiment.json", ""]
+              "The same command on another model, then `structlm experiment transfer` "
+              "puts the two side by side finding by finding (docs/share.md).", ""]
     lines += ["![perplexity vs budget](ppl_vs_budget.png)", "",
               "![energy vs perplexity](energy_vs_ppl.png)", "",
               "![fine-tuning curves](finetune_curves.png)", "",
