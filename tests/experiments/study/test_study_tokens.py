@@ -56,12 +56,12 @@ def test_shipped_token_study_plan() -> None:
     assert ffn["dense-macs-q2x2"] == ffn["q2x2"] == ffn["q2x2-varinit"]
     params = {n: parameter_count(cfg.model_config(a)) for n, a in arms.items()}
     assert params["q2x2-wide"] > params["dense"] == params["q2x2"] > params["dense-macs-q2x2"]
-    assert len(cfg.sweep_runs()) == 9
+    assert len(cfg.sweep_runs()) == 12
     main = cfg.main_runs({"dense": 1e-3, "q2x2": 2e-3, "q2x2-wide": 5e-4})
     sweep_folders = {cfg.run_config_of(r).out_dir for r in cfg.sweep_runs()}
     new = [r for r in main if cfg.run_config_of(r).out_dir not in sweep_folders]
     steps = sum(r.steps for r in new) + sum(r.steps for r in cfg.sweep_runs())
-    assert steps == 16_000  # the plan written in the config's header
+    assert steps == 16_750  # the plan written in the config's header
     assert {r.lr for r in main if r.arm.name == "dense-macs-q2x2"} == {1e-3}  # from: dense
     assert {r.lr for r in main if r.arm.name == "q2x2-varinit"} == {2e-3}  # from: q2x2
 
@@ -133,3 +133,22 @@ def test_tiny_token_study_end_to_end_and_resume(tmp_path) -> None:
     stamps = {p: p.stat().st_mtime_ns for p in out.glob("runs/*/*/seed*/final.json")}
     run_study(cfg, progress=False)
     assert {p: p.stat().st_mtime_ns for p in out.glob("runs/*/*/seed*/final.json")} == stamps
+
+
+def test_rates_may_be_added_to_a_running_sweep_but_not_dropped(tmp_path) -> None:
+    import dataclasses
+
+    from structlm.experiments.study.run import _check_same_study
+
+    cfg = _cfg(tmp_path)
+    out = tmp_path / "study"
+    out.mkdir()
+    _check_same_study(out, cfg)
+    wider = dataclasses.replace(cfg, lr_sweep=LrSweep(rates=(1e-3, 3e-3, 6e-3), budget=4))
+    _check_same_study(out, wider)  # the runs at the old rates stay valid
+    narrower = dataclasses.replace(cfg, lr_sweep=LrSweep(rates=(3e-3, 6e-3), budget=4))
+    with pytest.raises(ValueError, match=r"drop rates of the study started with"):
+        _check_same_study(out, narrower)
+    other = dataclasses.replace(wider, lr_sweep=LrSweep(rates=(1e-3, 3e-3, 6e-3), budget=6))
+    with pytest.raises(ValueError, match=r"other shared settings \(\['lr_sweep'\]\)"):
+        _check_same_study(out, other)

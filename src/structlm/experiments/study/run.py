@@ -25,14 +25,25 @@ from structlm.train.checkpoint import run_folder_lock
 __all__ = ["chosen_rates", "run_study", "run_summary"]
 
 
+def _sweep_without_rates(sweep: dict[str, Any] | None) -> dict[str, Any] | None:
+    return None if sweep is None else {k: v for k, v in sweep.items() if k != "rates"}
+
+
 def _check_same_study(out: Path, cfg: StudyConfig) -> None:
-    """A folder holds one study: the shared settings must match (arms may be added)."""
+    """A folder holds one study: the shared settings must match (arms may be added, and
+    rates added to the sweep's grid: the runs at the old rates stay valid)."""
     path = out / "study_config.json"
     mine = dataclasses.asdict(cfg)
     shared = {k: v for k, v in mine.items() if k not in ("arms", "out_dir")}
     shared["train"] = {k: v for k, v in cfg.train.items() if k != "threads"}  # runtime only
     if path.exists():
         old = json.loads(path.read_text())
+        old_sweep, new_sweep = old.get("lr_sweep"), shared.get("lr_sweep")
+        if old_sweep and new_sweep and not set(old_sweep["rates"]) <= set(new_sweep["rates"]):
+            raise ValueError(f"{out}: lr_sweep.rates {new_sweep['rates']} drop rates of the "
+                             f"study started with {old_sweep['rates']}; rates may only be added")
+        shared["lr_sweep"] = _sweep_without_rates(new_sweep)
+        old = {**old, "lr_sweep": _sweep_without_rates(old_sweep)}
         old_shared = {k: v for k, v in old.items() if k not in ("arms", "out_dir")}
         old_shared["train"] = {k: v for k, v in old_shared.get("train", {}).items()
                                if k != "threads"}
