@@ -107,7 +107,7 @@ class ExperimentConfig:
     """Calibration draws (seeded windows from the same calibration documents): the
     whole-model regime runs at each, so its ranges span fine-tuning seeds × draws; the
     seed regime, the scope arms and the evaluation windows use the first."""
-    finetune_methods: Annotated[list[str], Distinct()] | None = None
+    finetune_methods: Annotated[list[str] | None, Distinct()] = None
     """Whole-model methods that are fine-tuned (``None``: every method); the others are
     compressed and evaluated only."""
     residual_rank: Annotated[int, Range(ge=0)] = 32

@@ -62,7 +62,7 @@ class ArmSpec:
     the study's ``lr_sweep``) or ``from:<arm>`` (that arm's rate)."""
     init: Annotated[str, OneOf("dense", "variance-matched")] = "dense"
     """The model's ``algebra_init`` (see :class:`~structlm.models.StructLMConfig`)."""
-    budgets: Annotated[tuple[Annotated[int, Range(ge=1)], ...], Distinct()] | None = None
+    budgets: Annotated[tuple[Annotated[int, Range(ge=1)], ...] | None, Distinct()] = None
     """Training lengths (steps) this arm runs at: a subset of the study's ``budgets``;
     ``None``: all of them."""
 
