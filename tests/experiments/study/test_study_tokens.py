@@ -152,3 +152,20 @@ def test_rates_may_be_added_to_a_running_sweep_but_not_dropped(tmp_path) -> None
     other = dataclasses.replace(wider, lr_sweep=LrSweep(rates=(1e-3, 3e-3, 6e-3), budget=6))
     with pytest.raises(ValueError, match=r"other shared settings \(\['lr_sweep'\]\)"):
         _check_same_study(out, other)
+
+
+def test_a_folder_started_before_the_new_fields_still_resumes(tmp_path) -> None:
+    """The committed CPU study's study_config.json predates budgets, lr_sweep and the arms'
+    lr / init / budgets: the same config accepts it (missing fields are their defaults)."""
+    import shutil
+
+    from structlm.experiments.study.run import _check_same_study
+
+    cfg = load_study_config(str(ROOT / "configs" / "study" / "cpu.yaml"),
+                            out_dir=str(tmp_path / "old"))
+    (tmp_path / "old").mkdir()
+    shutil.copy(ROOT / "benchmarks" / "results" / "study_cpu" / "study_config.json",
+                tmp_path / "old" / "study_config.json")
+    old = json.loads((tmp_path / "old" / "study_config.json").read_text())
+    assert "budgets" not in old and "lr" not in old["arms"][0]  # written before them
+    _check_same_study(tmp_path / "old", cfg)

@@ -19,7 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from structlm.atomic import atomic_write_json
-from structlm.experiments.study.config import Run, StudyConfig, chosen_rates, run_summary
+from structlm.experiments.study.config import (
+    ArmSpec,
+    Run,
+    StudyConfig,
+    chosen_rates,
+    run_summary,
+)
 from structlm.train.checkpoint import run_folder_lock
 
 __all__ = ["chosen_rates", "run_study", "run_summary"]
@@ -27,6 +33,24 @@ __all__ = ["chosen_rates", "run_study", "run_summary"]
 
 def _sweep_without_rates(sweep: dict[str, Any] | None) -> dict[str, Any] | None:
     return None if sweep is None else {k: v for k, v in sweep.items() if k != "rates"}
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return json.loads(json.dumps(out))
+
+
+def _with_defaults(old: dict[str, Any]) -> dict[str, Any]:
+    """A ``study_config.json`` written before a field existed: the field at its default
+    (so a folder started by an older version resumes)."""
+    arm_defaults = _defaults(ArmSpec)
+    return {**_defaults(StudyConfig), **old,
+            "arms": [{**arm_defaults, **a} for a in old.get("arms", [])]}
 
 
 def _check_same_study(out: Path, cfg: StudyConfig) -> None:
@@ -37,7 +61,7 @@ def _check_same_study(out: Path, cfg: StudyConfig) -> None:
     shared = {k: v for k, v in mine.items() if k not in ("arms", "out_dir")}
     shared["train"] = {k: v for k, v in cfg.train.items() if k != "threads"}  # runtime only
     if path.exists():
-        old = json.loads(path.read_text())
+        old = _with_defaults(json.loads(path.read_text()))
         old_sweep, new_sweep = old.get("lr_sweep"), shared.get("lr_sweep")
         if old_sweep and new_sweep and not set(old_sweep["rates"]) <= set(new_sweep["rates"]):
             raise ValueError(f"{out}: lr_sweep.rates {new_sweep['rates']} drop rates of the "
