@@ -56,12 +56,12 @@ def test_shipped_token_study_plan() -> None:
     assert ffn["dense-macs-q2x2"] == ffn["q2x2"] == ffn["q2x2-varinit"]
     params = {n: parameter_count(cfg.model_config(a)) for n, a in arms.items()}
     assert params["q2x2-wide"] > params["dense"] == params["q2x2"] > params["dense-macs-q2x2"]
-    assert len(cfg.sweep_runs()) == 12
+    assert len(cfg.sweep_runs()) == 15
     main = cfg.main_runs({"dense": 1e-3, "q2x2": 2e-3, "q2x2-wide": 5e-4})
     sweep_folders = {cfg.run_config_of(r).out_dir for r in cfg.sweep_runs()}
     new = [r for r in main if cfg.run_config_of(r).out_dir not in sweep_folders]
     steps = sum(r.steps for r in new) + sum(r.steps for r in cfg.sweep_runs())
-    assert steps == 16_750  # the plan written in the config's header
+    assert steps == 17_500  # the plan written in the config's header
     assert {r.lr for r in main if r.arm.name == "dense-macs-q2x2"} == {1e-3}  # from: dense
     assert {r.lr for r in main if r.arm.name == "q2x2-varinit"} == {2e-3}  # from: q2x2
 
