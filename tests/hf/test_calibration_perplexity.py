@@ -14,6 +14,7 @@ from structlm.hf.calibration import (
     Calibration,
     CovarianceAccumulator,
     NonFiniteActivationError,
+    SavedTensors,
     calibrate,
     load_or_calibrate,
 )
@@ -68,6 +69,19 @@ def test_calibration_hooks_capture_each_site(tmp_path) -> None:
     assert again.meta == back.meta  # reused, not recomputed
     with pytest.raises(KeyError, match="no calibration for layer 5"):
         cal.C(5, MatrixType.O)
+    with pytest.raises(KeyError, match="no calibration for layer 5"):
+        back.C(5, MatrixType.O)
+    # the loaded moments are read from the file on access, every key and value intact
+    assert isinstance(back.second_moments, SavedTensors)
+    assert sorted(back.second_moments) == sorted(cal.second_moments)
+    assert len(back.means) == len(cal.means) and (1, "mlp_out") in back.means
+    for key in cal.second_moments:
+        assert torch.equal(back.second_moments[key], cal.second_moments[key])
+        assert torch.equal(back.means[key], cal.means[key])
+    fresh = load_or_calibrate(tmp_path / "new.safetensors", ad, ids, {"model": "t"},
+                              seq_len=16, progress=False)  # computed, saved, read back
+    assert isinstance(fresh.second_moments, SavedTensors)
+    torch.testing.assert_close(fresh.C(1, MatrixType.MLP_OUT), cal.C(1, MatrixType.MLP_OUT))
 
 
 def test_perplexity_matches_a_direct_computation() -> None:
@@ -99,3 +113,38 @@ def test_non_finite_logits_raise() -> None:
     ids[10] = 5
     with pytest.raises(NonFiniteLogitsError, match="non-finite logits"):
         perplexity(model, ids, window=16, progress=False)
+
+
+@pytest.mark.parametrize("shape", [(1, 2), (1, 7), (3, 97), (2, 64)])
+@pytest.mark.parametrize("chunk", [1, 89 * 3, 89 * 1025, 1 << 25])
+def test_the_chunked_head_gives_the_whole_models_log_probabilities(shape, chunk) -> None:
+    """LLaMA-family head in chunks of rows (1 logit → one row; 3 rows; more rows than
+    there are) equals ``log_softmax`` of the whole model's logits; GPT-2 (no plain-head
+    route) is called whole and gives the same numbers as by hand too."""
+    from structlm.hf.perplexity import _plain_head, next_token_logprobs
+    from tiny_models import tiny_gpt2, tiny_llama
+
+    for model, vocab in ((tiny_llama(seed=4, max_position_embeddings=128), 89),
+                         (tiny_gpt2(seed=4, n_positions=128), 97)):
+        ids = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(7))
+        with torch.no_grad():
+            logits = model(input_ids=ids, use_cache=False).logits.double()
+        want = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        got = next_token_logprobs(model, ids, chunk_elements=chunk)
+        assert got.shape == (shape[0], shape[1] - 1) and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+        assert (_plain_head(model) is None) == (vocab == 97)
+
+
+def test_the_chunked_head_raises_on_non_finite_logits() -> None:
+    from structlm.hf.perplexity import next_token_logprobs
+    from tiny_models import tiny_llama
+
+    model = tiny_llama(seed=5)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[5] = float("nan")
+    ids = torch.tensor([[1, 2, 5, 3, 4]])
+    with pytest.raises(NonFiniteLogitsError, match="non-finite logits in window 9"):
+        next_token_logprobs(model, ids, "window 9", chunk_elements=89)
+    with pytest.raises(NonFiniteLogitsError, match="non-finite logits"):
+        perplexity(model, ids, progress=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["finite_float", "fraction", "generate_modes", "ints", "layer_list",
+__all__ = ["MODEL_HELP", "finite_float", "fraction", "generate_modes", "ints", "layer_list",
            "non_negative_int", "positive_int", "prompt", "shapes", "strs", "temperature",
            "top_p", "window"]
 
@@ -126,3 +126,7 @@ def layer_list(text: str) -> list[int]:
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"bad layer list {text!r}: {e}") from None
     return out
+
+
+MODEL_HELP = "smollm2 or qwen2.5-coder (built in), a local folder, or a hub id"
+"""Help of every ``model`` argument that takes a pretrained model."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from structlm.cli.args import positive_int
+from structlm.cli.args import MODEL_HELP, positive_int
 from structlm.cli.dataclass_flags import add_dataclass_flags
 from structlm.config import read_yaml
 
@@ -58,7 +58,7 @@ def add_convert_commands(sub: Any) -> None:
 
     cv = sub.add_parser("convert", help="convert a pretrained model's projections to algebra "
                         "layers (parameters kept), optionally heal, save a loadable folder")
-    cv.add_argument("model", help="smollm2 (built in), a local folder, or a hub id")
+    cv.add_argument("model", help=MODEL_HELP)
     cv.add_argument("--out", required=True, help="new folder to write (never overwritten)")
     cv.add_argument("--config", default=None, help="YAML with ConvertConfig fields")
     cv.add_argument("--threads", type=positive_int, default=2)

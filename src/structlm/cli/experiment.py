@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from structlm.cli.args import positive_int
+from structlm.cli.args import MODEL_HELP, positive_int
 from structlm.cli.dataclass_flags import add_dataclass_flags
 from structlm.config import read_yaml
 
@@ -119,7 +119,7 @@ def add_experiment_commands(sub: Any) -> None:
 
     sh = ex.add_parser("share", help="shared-basis compression tests 4-9 end to end (hours "
                        "on 2 cores with the defaults; resumes arm by arm)")
-    sh.add_argument("model", help="smollm2 (built in), a local folder, or a hub id")
+    sh.add_argument("model", help=MODEL_HELP)
     sh.add_argument("--config", default=None, help="YAML with ExperimentConfig fields")
     sh.add_argument("--analytic-only", action="store_true",
                     help="stop after compressing and evaluating every arm (no fine-tuning)")
@@ -147,7 +147,7 @@ def add_experiment_commands(sub: Any) -> None:
 
     cv = ex.add_parser("convert", help="convert a pretrained model, heal it, and compare "
                        "equal-MAC baselines healed the same way (resumes arm by arm)")
-    cv.add_argument("model", help="smollm2 (built in), a local folder, or a hub id")
+    cv.add_argument("model", help=MODEL_HELP)
     cv.add_argument("--config", default=None, help="YAML with ConvertExperimentConfig fields")
     cv.add_argument("--threads", type=positive_int, default=2)
     cv.add_argument("--out", default="convert-report")

@@ -41,8 +41,8 @@ def add_routes_command(sub: Any) -> None:
     """Register ``routes`` on the top-level subparsers."""
     r = sub.add_parser("routes", help="which path every layer takes for a prefill and "
                        "cached decode steps (the route decision, with reasons)")
-    r.add_argument("model", help="smollm2 (built in), a local folder (a converted or "
-                   "compressed one too), or a hub id")
+    r.add_argument("model", help="smollm2 or qwen2.5-coder (built in), a local folder "
+                   "(a converted or compressed one too), or a hub id")
     r.add_argument("--batch", type=positive_int, default=1, help="sequences")
     r.add_argument("--tokens", type=positive_int, default=8, help="prompt tokens (prefill)")
     r.add_argument("--decode-steps", type=non_negative_int, default=1,

@@ -8,7 +8,7 @@ import argparse
 import json
 from typing import Any
 
-from structlm.cli.args import fraction, layer_list, positive_int, window
+from structlm.cli.args import MODEL_HELP, fraction, layer_list, positive_int, window
 from structlm.cli.dataclass_flags import add_dataclass_flags
 from structlm.config import ConfigError, dataclass_from_dict, read_yaml
 
@@ -164,7 +164,7 @@ def add_share_commands(sub: Any, bench: Any) -> None:
         dest="eval_command", required=True)
     ppl = ev.add_parser("ppl", help="perplexity under the documented protocol "
                         "(structlm.hf.perplexity)")
-    ppl.add_argument("model", help="smollm2 (built in), a local folder, or a hub id")
+    ppl.add_argument("model", help=MODEL_HELP)
     ppl.add_argument("--corpus", default="austen", help="austen, shakespeare, bible, a path")
     ppl.add_argument("--split", default="evaluation", choices=["evaluation", "calibration", "all"])
     ppl.add_argument("--eval-fraction", type=fraction, default=0.25,
@@ -195,7 +195,7 @@ def add_share_commands(sub: Any, bench: Any) -> None:
     from structlm.share.compress import CompressionConfig
 
     an = share.add_parser("analyze", help="tests 1-3 with null controls + role classifier")
-    an.add_argument("model", help="smollm2 (built in), a local folder, or a hub id")
+    an.add_argument("model", help=MODEL_HELP)
     an.add_argument("--config", default=None, help="YAML with AnalysisConfig fields")
     an.add_argument("--threads", type=positive_int, default=2)
     an.add_argument("--out", default="share-report")
@@ -205,7 +205,7 @@ def add_share_commands(sub: Any, bench: Any) -> None:
 
     cp = share.add_parser("compress", help="compress with shared bases or a baseline, "
                           "evaluate, (fine-tune,) save")
-    cp.add_argument("model", help="smollm2 (built in), a local folder, or a hub id")
+    cp.add_argument("model", help=MODEL_HELP)
     cp.add_argument("--config", default=None,
                     help="YAML with CompressionConfig fields (+ a 'finetune' mapping)")
     cp.add_argument("--corpus", default="austen", help="calibration and in-domain text")

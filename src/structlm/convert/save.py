@@ -50,7 +50,7 @@ class ConvertConfig:
     """What ``structlm convert`` does (checked when built)."""
 
     model: Annotated[str, NonEmpty()]
-    """smollm2 (built in), a local folder, or a hub id."""
+    """smollm2 or qwen2.5-coder (built in), a local folder, or a hub id."""
     algebra: Annotated[str, NonEmpty()] = "Q2^2"
     """Product rule (``structlm algebra table``)."""
     schedule: Annotated[str, NonEmpty()] = "cyclic"

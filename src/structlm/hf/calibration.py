@@ -14,19 +14,18 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
 from tqdm import tqdm
 
 from structlm.hf.adapters import SITE_OF, MatrixType, ModelAdapter
 
-__all__ = ["Calibration", "CovarianceAccumulator", "NonFiniteActivationError", "calibrate",
-           "calibration_windows",
-           "load_or_calibrate"]
+__all__ = ["Calibration", "CovarianceAccumulator", "NonFiniteActivationError", "SavedTensors",
+           "calibrate", "calibration_windows", "load_or_calibrate"]
 
 SITES = ("attn_in", "attn_out", "mlp_in", "mlp_out")
 
@@ -63,13 +62,47 @@ class CovarianceAccumulator:
         return self.x / max(self.n, 1)
 
 
+class SavedTensors(Mapping[tuple[int, str], torch.Tensor]):
+    """``(layer, site) -> tensor`` read from a safetensors file on every access, nothing
+    held in memory: a 24-layer model's float64 second moments of a 4,864-wide MLP input
+    are 4.5 GB, and every consumer needs one layer at a time.
+
+    Tensor names in the file are ``f"{layer}.{site}{suffix}"``. The file is keyed on
+    content by whoever wrote it, so it cannot change under the view."""
+
+    def __init__(self, path: str | Path, keys: list[tuple[int, str]], suffix: str = "") -> None:
+        self.path = str(path)
+        self._keys = list(keys)
+        self._set = set(self._keys)
+        self.suffix = suffix
+
+    def __getitem__(self, key: tuple[int, str]) -> torch.Tensor:
+        if key not in self._set:
+            raise KeyError(key)
+        from safetensors import safe_open
+
+        with safe_open(self.path, framework="pt") as fh:
+            return fh.get_tensor(f"{key[0]}.{key[1]}{self.suffix}")
+
+    def __iter__(self) -> Iterator[tuple[int, str]]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._set
+
+
 @dataclass
 class Calibration:
-    """Second moments ``C[(layer, site)]`` (float64) and the run that produced them."""
+    """Second moments ``C[(layer, site)]`` (float64) and the run that produced them
+    (in memory after :func:`calibrate`; read layer by layer from the file after
+    :meth:`load`)."""
 
     meta: dict[str, Any]
-    second_moments: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
-    means: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    second_moments: Mapping[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    means: Mapping[tuple[int, str], torch.Tensor] = field(default_factory=dict)
 
     def C(self, layer: int, t: MatrixType) -> torch.Tensor:
         """Input second moment of matrix ``t`` in ``layer``."""
@@ -78,6 +111,15 @@ class Calibration:
             raise KeyError(f"no calibration for layer {layer}, site {key[1]} (calibrated "
                            f"layers: {sorted({k[0] for k in self.second_moments})})")
         return self.second_moments[key]
+
+    def layer_moments(self, t: MatrixType, layers: list[int]) -> Sequence[torch.Tensor]:
+        """``[C(i, t) for i in layers]``, each read when indexed (a saved calibration's
+        24 float64 moments of a 4,864-wide MLP input are 4.5 GB; nobody needs them at
+        once)."""
+        for i in layers:  # a missing one fails here, not halfway through
+            if (i, SITE_OF[t]) not in self.second_moments:
+                self.C(i, t)
+        return _LayerMoments(self, t, list(layers))
 
     def save(self, path: str | Path) -> None:
         """Write atomically as safetensors (metadata holds the run description)."""
@@ -100,16 +142,35 @@ class Calibration:
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
+        """The calibration saved at ``path``; its tensors are read on access
+        (:class:`SavedTensors`), one ``(layer, site)`` at a time."""
         from safetensors import safe_open
 
-        cal = cls(meta={})
         with safe_open(str(path), framework="pt") as fh:
-            cal.meta = json.loads((fh.metadata() or {}).get("structlm", "{}"))
-            for key in fh.keys():
-                layer, site, kind = key.split(".")
-                target = cal.second_moments if kind == "second_moment" else cal.means
-                target[(int(layer), site)] = fh.get_tensor(key)
-        return cal
+            meta = json.loads((fh.metadata() or {}).get("structlm", "{}"))
+            keys = [(int(layer), site) for layer, site, kind in
+                    (k.split(".") for k in fh.keys()) if kind == "second_moment"]
+        return cls(meta=meta, second_moments=SavedTensors(path, keys, ".second_moment"),
+                   means=SavedTensors(path, keys, ".mean"))
+
+
+class _LayerMoments(Sequence[torch.Tensor]):
+    """:meth:`Calibration.layer_moments`."""
+
+    def __init__(self, cal: Calibration, t: MatrixType, layers: list[int]) -> None:
+        self.cal, self.t, self.layers = cal, t, layers
+
+    @overload
+    def __getitem__(self, i: int) -> torch.Tensor: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[torch.Tensor]: ...
+    def __getitem__(self, i: int | slice) -> torch.Tensor | list[torch.Tensor]:
+        if isinstance(i, slice):
+            return [self.cal.C(j, self.t) for j in self.layers[i]]
+        return self.cal.C(self.layers[i], self.t)
+
+    def __len__(self) -> int:
+        return len(self.layers)
 
 
 def calibration_windows(tokens: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -171,9 +232,15 @@ def calibrate(adapter: ModelAdapter, tokens: torch.Tensor, seq_len: int = 512,
             h.remove()
     cal = Calibration(meta={**(meta or {}), "tokens_used": n_seq * seq_len, "seq_len": seq_len,
                             "layers": layers, "sites": list(sites), "version": 1})
-    for key, acc in accs.items():
-        cal.second_moments[key] = acc.second_moment()
-        cal.means[key] = acc.mean()
+    moments: dict[tuple[int, str], torch.Tensor] = {}
+    means: dict[tuple[int, str], torch.Tensor] = {}
+    for key in list(accs):  # in place, one accumulator at a time: no second copy
+        acc = accs.pop(key)
+        if acc.n == 0:
+            raise ValueError(f"no rows reached site {key[1]} of layer {key[0]}")
+        means[key] = acc.mean()
+        moments[key] = acc.xx.div_(acc.n)
+    cal.second_moments, cal.means = moments, means
     return cal
 
 
@@ -192,4 +259,5 @@ def load_or_calibrate(path: str | Path, adapter: ModelAdapter, tokens: torch.Ten
             return old
     cal = calibrate(adapter, tokens, meta=meta, **kwargs)
     cal.save(path)
-    return cal
+    del cal  # read back layer by layer: the float64 moments need not stay in memory
+    return Calibration.load(path)

@@ -15,6 +15,12 @@ Protocol (written into every result):
 * the negative log-likelihood is summed in float64; ``ppl = exp(sum / count)``;
 * any non-finite logit raises :class:`NonFiniteLogitsError` naming the window — a
   batch is never skipped silently.
+
+The log-probabilities of the next tokens come from :func:`next_token_logprobs`: for the
+decoder families whose head is a plain linear map of the last hidden state (LLaMA,
+Qwen2, Mistral) the head runs over chunks of positions, so a 151,936-token vocabulary
+never materialises ``(batch, window, vocabulary)`` logits (1.2 GB at 4 × 512 for
+Qwen2.5); any other model is called whole.
 """
 
 from __future__ import annotations
@@ -27,11 +33,63 @@ import torch
 from torch.nn import functional as F
 from tqdm import tqdm
 
-__all__ = ["NonFiniteLogitsError", "PerplexityResult", "perplexity"]
+__all__ = ["NonFiniteLogitsError", "PerplexityResult", "next_token_logprobs", "perplexity"]
+
+PLAIN_HEAD_TYPES = ("llama", "qwen2", "mistral")
+"""``config.model_type`` of the families whose causal-LM forward is exactly
+``lm_head(model(ids).last_hidden_state)`` (no logit scaling or soft-capping)."""
+
+HEAD_CHUNK_ELEMENTS = 1 << 25
+"""Logits computed at once by the chunked head (128 MB in float32)."""
 
 
 class NonFiniteLogitsError(RuntimeError):
     """The model produced NaN or infinite logits."""
+
+
+def _plain_head(model: Any) -> tuple[Any, Any] | None:
+    """``(body, head)`` when ``model``'s logits are ``head(body(ids).last_hidden_state)``."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in PLAIN_HEAD_TYPES:
+        return None
+    if getattr(config, "final_logit_softcapping", None) or \
+            getattr(config, "pretraining_tp", 1) != 1:
+        return None
+    head = model.get_output_embeddings()
+    body = getattr(model, "model", None)
+    if not isinstance(head, torch.nn.Linear) or body is None:
+        return None
+    return body, head
+
+
+@torch.no_grad()
+def next_token_logprobs(model: Any, ids: torch.Tensor, where: str = "",
+                        chunk_elements: int = HEAD_CHUNK_ELEMENTS) -> torch.Tensor:
+    """``(b, L - 1)`` float32 log-probabilities of ``ids[:, 1:]`` given their prefixes,
+    for ``ids`` ``(b, L)`` on the model's device. Raises :class:`NonFiniteLogitsError`
+    (mentioning ``where``) on any non-finite logit. The head runs over chunks of at
+    most ``chunk_elements`` logits where the model allows it (module docstring)."""
+    route = _plain_head(model)
+    tgt = ids[:, 1:]  # (b, L-1): position p predicts token p + 1
+    if route is None:
+        logits = model(input_ids=ids, use_cache=False).logits  # (b, L, V)
+        if not torch.isfinite(logits).all():
+            raise NonFiniteLogitsError(f"non-finite logits in {where or 'a batch'}")
+        logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
+        return logp.gather(-1, tgt[..., None]).squeeze(-1)
+    body, head = route
+    hidden = body(input_ids=ids, use_cache=False).last_hidden_state[:, :-1]  # (b, L-1, d)
+    b, n, d = hidden.shape
+    flat_h, flat_t = hidden.reshape(b * n, d), tgt.reshape(b * n)
+    rows = max(1, chunk_elements // head.out_features)
+    out = torch.empty(b * n, dtype=torch.float32, device=ids.device)
+    for a in range(0, b * n, rows):
+        logits = head(flat_h[a:a + rows]).float()  # (rows, V)
+        if not torch.isfinite(logits).all():
+            raise NonFiniteLogitsError(f"non-finite logits in {where or 'a batch'}")
+        picked = logits.gather(-1, flat_t[a:a + rows, None]).squeeze(-1)
+        out[a:a + rows] = picked - torch.logsumexp(logits, dim=-1)
+    return out.view(b, n)
 
 
 @dataclass
@@ -96,17 +154,12 @@ def perplexity(model: Any, tokens: torch.Tensor, window: int = 512, stride: int 
             ids = torch.stack([tokens[s:e] for s, _, e in chunk])  # (b, length)
             if bos_id is not None:
                 ids = torch.cat([torch.full((len(chunk), 1), bos_id, dtype=ids.dtype), ids], 1)
-            logits = model(input_ids=ids.to(device), use_cache=False).logits  # (b, L, V)
-            if not torch.isfinite(logits).all():
-                raise NonFiniteLogitsError(f"non-finite logits in the window(s) starting at "
-                                           f"token {[s for s, _, _ in chunk]}")
-            logp = F.log_softmax(logits.float(), dim=-1)
+            logp = next_token_logprobs(  # (b, L-1): entry p scores input token p + 1
+                model, ids.to(device),
+                f"the window(s) starting at token {[s for s, _, _ in chunk]}")
             for j, (s, a, e) in enumerate(chunk):
-                # logits at input position p predict input token p + 1
                 pos = torch.arange(a - s, e - s) + extra  # input positions of targets
-                tgt = ids[j, pos].to(device)
-                lp = logp[j, pos - 1].gather(-1, tgt[:, None]).squeeze(-1)
-                total -= lp.double().sum().cpu()
+                total -= logp[j, pos - 1].double().sum().cpu()
                 count += e - a
             bar.update(len(chunk))
     bar.close()
@@ -131,13 +184,10 @@ def _perplexity_rows(model: Any, rows: torch.Tensor, bos_id: int | None, batch_s
         ids = rows[i:i + batch_size]  # (b, w)
         if bos_id is not None:
             ids = torch.cat([torch.full((ids.shape[0], 1), bos_id, dtype=ids.dtype), ids], 1)
-        logits = model(input_ids=ids.to(device), use_cache=False).logits  # (b, w', V)
-        if not torch.isfinite(logits).all():
-            raise NonFiniteLogitsError(f"non-finite logits in windows {i}..{i + len(ids) - 1}")
-        logp = F.log_softmax(logits[:, :-1].float(), dim=-1)  # position p predicts p + 1
-        tgt = ids[:, 1:].to(device)
-        total -= logp.gather(-1, tgt[..., None]).squeeze(-1).double().sum().cpu()
-        count += tgt.numel()
+        logp = next_token_logprobs(model, ids.to(device),  # (b, w'-1)
+                                   f"windows {i}..{i + len(ids) - 1}")
+        total -= logp.double().sum().cpu()
+        count += logp.numel()
         bar.update(ids.shape[0])
     bar.close()
     nll = float(total) / count

@@ -76,3 +76,76 @@ def test_run_analysis_on_a_tiny_llama(tmp_path, monkeypatch) -> None:
     assert res["functional_covariances"]["variants"] == ["uncentred", "centred"]
     assert "skipped" in res["tests"]["q"]["functional_subspaces_sink_excluded"]
     assert "skipped: sink_pass is off" in (tmp_path / "out2" / "report.md").read_text()
+
+
+def _without_seconds(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _without_seconds(v) for k, v in x.items() if "seconds" not in k}
+    if isinstance(x, list):
+        return [_without_seconds(v) for v in x]
+    return x
+
+
+def _diff(a: Any, b: Any, path: str = "") -> list[str]:
+    """Paths where ``a`` and ``b`` differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return [f"{path}: keys {sorted(set(a) ^ set(b))}"]
+        return [d for k in a for d in _diff(a[k], b[k], f"{path}.{k}")]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True))
+                for d in _diff(x, y, f"{path}[{i}]")]
+    return [] if a == b or (a != a and b != b) else [f"{path}: {a!r} != {b!r}"]
+
+
+def test_an_interrupted_analysis_resumes_to_the_uninterrupted_numbers(tmp_path,
+                                                                       monkeypatch) -> None:
+    """Stopped in the middle of tests 2–3, the analysis resumes from steps.json: the
+    finished steps are not run again and every number equals an uninterrupted run's
+    (the random generator is restored to where it was); another config in that folder
+    is refused."""
+    import pytest
+
+    from structlm.share.analysis.steps import StepLogMismatchError
+
+    model = tiny_llama(seed=3)
+    adapter = get_adapter(model)
+    tokens = torch.randint(0, 89, (6 * 32,), generator=torch.Generator().manual_seed(1))
+
+    def fake_prepare(*_a: Any, **_k: Any) -> SimpleNamespace:
+        cal = calibrate(adapter, tokens, seq_len=32, batch_size=4, progress=False,
+                        meta={"model": "tiny-llama", "corpus": "synthetic"})
+        cal.meta["path"] = str(tmp_path / "cal.safetensors")
+        return SimpleNamespace(loaded=_Loaded(model), adapter=adapter, split=_Split(),
+                               calib_ids=tokens, eval_ids={}, calibration=cal)
+
+    monkeypatch.setattr(analyze, "prepare", fake_prepare)
+    cfg = analyze.AnalysisConfig(seq_len=32, batch_size=4, eval_tokens=0, permutations=10,
+                                 second_corpus="")
+    whole = analyze.run_analysis(cfg, tmp_path / "whole", progress=False)
+
+    real_tests = analyze._functional_tests
+    calls: list[int] = []
+
+    def stop_at_the_third(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("stopped")
+        return real_tests(*a, **k)
+
+    monkeypatch.setattr(analyze, "_functional_tests", stop_at_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        analyze.run_analysis(cfg, tmp_path / "resumed", progress=False)
+    steps = json.loads((tmp_path / "resumed" / "steps.json").read_text())["steps"]
+    assert {"alignment:q", "subspaces:q", "subspaces:k"} <= set(steps)
+    assert "subspaces:v" not in steps
+    calls.clear()
+    monkeypatch.setattr(analyze, "_functional_tests", lambda *a, **k: (
+        calls.append(1), real_tests(*a, **k))[1])
+    resumed = analyze.run_analysis(cfg, tmp_path / "resumed", progress=False)
+    assert len(calls) == 4  # v, o, mlp_in, mlp_out: q and k were not run again
+    assert _diff(_without_seconds(resumed), _without_seconds(whole)) == []
+    other = analyze.AnalysisConfig(seq_len=32, batch_size=4, eval_tokens=0, permutations=10,
+                                   second_corpus="", k_fraction=0.5)
+    with pytest.raises(StepLogMismatchError, match="other content"):
+        analyze.run_analysis(other, tmp_path / "resumed", progress=False)

@@ -3,6 +3,7 @@ out (known answers on synthetic data and on a tiny random LLaMA)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ from structlm.share.analysis import sinks
 from structlm.share.analysis.analyze import (
     FUNCTIONAL_KEYS,
     AnalysisConfig,
-    _covariances,
+    _covariance,
     _functional_tests,
 )
 from structlm.share.analysis.subspaces import functional_matrices, per_side_k
@@ -44,8 +45,10 @@ def test_centred_covariance_removes_a_dominant_mean_direction() -> None:
     mu = 40.0 * torch.randn(d, generator=g, dtype=torch.float64)
     A = torch.randn(d, d, generator=g, dtype=torch.float64)
     x = mu + torch.randn(4000, d, generator=g, dtype=torch.float64) @ A
-    covs = _covariances(_calibration(x), None, 0, "attn_in")
-    assert set(covs) == {"uncentred", "centred"}
+    cal = _calibration(x)
+    covs = {v: _covariance(cal, None, 0, "attn_in", v) for v in ("uncentred", "centred")}
+    with pytest.raises(ValueError, match="sink-excluded variant needs"):
+        _covariance(cal, None, 0, "attn_in", "sink_excluded")
     torch.testing.assert_close(covs["centred"], torch.cov(x.T, correction=0))
     torch.testing.assert_close(covs["uncentred"], x.T @ x / x.shape[0])
     W = torch.randn(16, d, generator=g, dtype=torch.float64)
@@ -115,11 +118,19 @@ def test_functional_tests_report_every_variant_with_its_own_verdict() -> None:
     d, layers = 20, 4
     W = [torch.randn(12, d, generator=g, dtype=torch.float64) for _ in range(layers)]
     nulls = [torch.randn(12, d, generator=g, dtype=torch.float64) for _ in range(layers)]
-    B = torch.randn(d, d, generator=g, dtype=torch.float64)
-    C = B @ B.T / d + 0.1 * torch.eye(d, dtype=torch.float64)
-    roots = {v: [psd_sqrt(C)] * layers for v in ("uncentred", "centred", "sink_excluded")}
+    cal = Calibration(meta={})
+    sink = {}
+    for i in range(layers):
+        B = torch.randn(d, d, generator=g, dtype=torch.float64)
+        cal.second_moments[(i, "attn_in")] = B @ B.T / d + 0.1 * torch.eye(d, dtype=torch.float64)
+        cal.means[(i, "attn_in")] = torch.randn(d, generator=g, dtype=torch.float64)
+        sink[(i, "attn_in")] = cal.second_moments[(i, "attn_in")] * 0.5
     cfg = AnalysisConfig()
-    res = _functional_tests(W, nulls, roots, per_side_k(W[0].shape, cfg.k_fraction), g, cfg)
+    bar = SimpleNamespace(n=0)
+    bar.update = lambda k: setattr(bar, "n", bar.n + k)
+    res = _functional_tests(W, nulls, cal, sink, list(range(layers)), "attn_in",
+                            per_side_k(W[0].shape, cfg.k_fraction), g, cfg, bar)
+    assert bar.n == 3 * layers  # one root per layer and variant
     assert set(res) == set(FUNCTIONAL_KEYS.values())
     for variant, key in FUNCTIONAL_KEYS.items():
         r = res[key]
@@ -127,6 +138,13 @@ def test_functional_tests_report_every_variant_with_its_own_verdict() -> None:
         assert r["verdict"] in ("lives", "fails")
         assert (r["k_input"], r["k_output"]) == (5, 3)
         assert len(r["output"]["real"]["effective_rank"]) == layers
-    del roots["sink_excluded"]
-    res = _functional_tests(W, nulls, roots, {"input": 5, "output": 3}, g, cfg)
+    # the sink-excluded moments are half the uncentred ones: the same subspaces, scores
+    assert res["functional_subspaces_sink_excluded"]["input"]["real"]["own"] == \
+        pytest.approx(res["functional_subspaces"]["input"]["real"]["own"])
+    # each variant's functional matrices are W_l C_l^{1/2} with that layer's own C
+    M0 = functional_matrices([W[0]], [psd_sqrt(cal.second_moments[(0, "attn_in")])])[0]
+    own0 = float(torch.linalg.svdvals(M0)[:5].pow(2).sum() / M0.pow(2).sum())
+    assert res["functional_subspaces"]["input"]["real"]["own"][0] == pytest.approx(own0)
+    res = _functional_tests(W, nulls, cal, None, list(range(layers)), "attn_in",
+                            {"input": 5, "output": 3}, g, cfg, bar)
     assert "skipped" in res["functional_subspaces_sink_excluded"]

@@ -169,7 +169,7 @@ class PlainSvd(CompressionMethod):
         for w, c in zip(weights, Cs, strict=True):
             U, S, Vh = torch.linalg.svd(w.double(), full_matrices=False)
             tf.per_layer.append({"B": U[:, :k] * S[:k], "C": Vh[:k]})
-            tf.energy.append(kept_energy(w, U[:, :k] * S[:k] @ Vh[:k], roots.get(c)[0]))
+            tf.energy.append(kept_energy(w, U[:, :k] * S[:k] @ Vh[:k], c))
         return tf
 
     def build_modules(self, factors: TypeFactors, biases: list[torch.Tensor | None]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +36,8 @@ from structlm.config import (
 from structlm.folders import check_apart, run_folder_lock
 from structlm.hf.adapters import MATRIX_TYPES, SITE_OF, MatrixType, ModelAdapter, parse_types
 from structlm.hf.calibration import Calibration
-from structlm.hf.linalg import psd_sqrt, random_like_spectrum, thin_svd
+from structlm.hf.fingerprint import tensor_fingerprint
+from structlm.hf.linalg import psd_sqrt, random_like_spectrum, random_orthonormal, thin_svd
 from structlm.hf.pipeline import Prepared, evaluate_all, prepare
 from structlm.share.analysis.alignment import DROP_PARTS, MOVES, align, drop_split
 from structlm.share.analysis.roles import (
@@ -46,6 +48,7 @@ from structlm.share.analysis.roles import (
     transfer_test,
 )
 from structlm.share.analysis.sinks import calibration_windows, sink_excluded_second_moments
+from structlm.share.analysis.steps import StepLog
 from structlm.share.analysis.subspaces import functional_matrices, per_side_k, subspace_scores
 from structlm.share.compress.io import source_chain
 
@@ -59,6 +62,10 @@ positions of every window (attention-sink positions excluded)."""
 
 FUNCTIONAL_PRIMARY = "uncentred"
 """The variant whose verdict is test 3's headline (the earlier reports' choice)."""
+
+STEPS_VERSION = 1
+"""Version of what a step computes (bump when a step's result would change: a folder
+with steps of another version is refused, not mixed)."""
 
 FUNCTIONAL_KEYS = {"uncentred": "functional_subspaces",
                    "centred": "functional_subspaces_centred",
@@ -237,13 +244,21 @@ def _alignment_test(weights: dict[int, torch.Tensor], ref: int, gen: torch.Gener
 
 def _subspace_test(real: list[torch.Tensor], null: list[torch.Tensor], ks: dict[str, int],
                    gen: torch.Generator, th: Thresholds, energy: float) -> dict[str, Any]:
-    """Scores of ``real`` and ``null`` on both sides (``ks``: k per side) and the verdict."""
-    out: dict[str, Any] = {}
-    svd_real = [thin_svd(W) for W in real]  # once for both sides
-    svd_null = [thin_svd(W) for W in null]
-    for side in ("input", "output"):
-        out[side] = {"real": subspace_scores(real, ks[side], side, gen, energy, svd_real),
-                     "null": subspace_scores(null, ks[side], side, gen, energy, svd_null)}
+    """Scores of ``real`` and ``null`` on both sides (``ks``: k per side) and the verdict.
+
+    The random bases are drawn first (input side real, null; output side real, null);
+    then the real matrices' SVDs serve both sides and are freed before the null's."""
+    shape = real[0].shape
+    dims = {"input": int(shape[1]), "output": int(shape[0])}
+    rand = {(side, kind): random_orthonormal(dims[side], ks[side], gen)
+            for side in ("input", "output") for kind in ("real", "null")}
+    out: dict[str, Any] = {"input": {}, "output": {}}
+    for kind, mats in (("real", real), ("null", null)):
+        svds = [thin_svd(W) for W in mats]  # once for both sides
+        for side in ("input", "output"):
+            out[side][kind] = subspace_scores(mats, ks[side], side, gen, energy, svds,
+                                              rand[(side, kind)])
+        del svds
     score = float(np.mean([out[s]["real"]["score"] for s in ("input", "output")]))
     nscore = float(np.mean([out[s]["null"]["score"] for s in ("input", "output")]))
     lives = score >= th.subspace_min_score and score - nscore >= th.subspace_min_margin
@@ -252,31 +267,48 @@ def _subspace_test(real: list[torch.Tensor], null: list[torch.Tensor], ks: dict[
     return out
 
 
-def _covariances(cal: Calibration, sink: dict[tuple[int, str], torch.Tensor] | None,
-                 layer: int, site: str) -> dict[str, torch.Tensor]:
-    """The input covariance variants of one (layer, site) (float64)."""
+def _covariance(cal: Calibration, sink: Mapping[tuple[int, str], torch.Tensor] | None,
+                layer: int, site: str, variant: str) -> torch.Tensor:
+    """One input covariance variant of one (layer, site) (float64)."""
+    if variant == "sink_excluded":
+        if sink is None:
+            raise ValueError("the sink-excluded variant needs the sink pass's moments")
+        return sink[(layer, site)].double()
     C = cal.second_moments[(layer, site)].double()
-    mu = cal.means[(layer, site)].double()
-    out = {"uncentred": C, "centred": C - torch.outer(mu, mu)}
-    if sink is not None:
-        out["sink_excluded"] = sink[(layer, site)].double()
-    return out
+    if variant == "uncentred":
+        return C
+    if variant == "centred":
+        mu = cal.means[(layer, site)].double()
+        return C - torch.outer(mu, mu)
+    raise ValueError(f"unknown covariance variant {variant!r}: expected one of "
+                     f"{FUNCTIONAL_VARIANTS}")
 
 
-def _functional_tests(W: list[torch.Tensor], nulls: list[torch.Tensor],
-                      roots: dict[str, list[torch.Tensor]], ks: dict[str, int],
-                      gen: torch.Generator, cfg: AnalysisConfig) -> dict[str, Any]:
-    """Test 3 on every covariance variant in ``roots`` (variant → per-layer roots)."""
+def _functional_tests(W: list[torch.Tensor], nulls: list[torch.Tensor], cal: Calibration,
+                      sink: Mapping[tuple[int, str], torch.Tensor] | None, layers: list[int],
+                      site: str, ks: dict[str, int], gen: torch.Generator,
+                      cfg: AnalysisConfig, bar: Any) -> dict[str, Any]:
+    """Test 3 on every covariance variant (``sink``: the sink-excluded moments, ``None``
+    when that pass is off), one variant at a time: each layer's covariance root is
+    computed, applied to the real and the null matrix, and dropped (a 4,864-wide MLP
+    input's root is 189 MB per layer). ``bar``: anything with ``update(n)``, one per
+    layer and variant."""
     res: dict[str, Any] = {}
     for variant in FUNCTIONAL_VARIANTS:
         key = FUNCTIONAL_KEYS[variant]
-        if variant not in roots:
+        if variant == "sink_excluded" and sink is None:
             res[key] = {"covariance": variant, "primary": variant == FUNCTIONAL_PRIMARY,
                         "skipped": "sink_pass is off"}
             continue
-        r = _subspace_test(functional_matrices(W, roots[variant]),
-                           functional_matrices(nulls, roots[variant]), ks, gen,
-                           cfg.thresholds, cfg.energy)
+        real, null = [], []
+        for w, n, layer in zip(W, nulls, layers, strict=True):
+            root = psd_sqrt(_covariance(cal, sink, layer, site, variant), cfg.eig_floor)
+            real += functional_matrices([w], [root])
+            null += functional_matrices([n], [root])
+            del root
+            bar.update(1)
+        r = _subspace_test(real, null, ks, gen, cfg.thresholds, cfg.energy)
+        del real, null
         r.update(covariance=variant, primary=variant == FUNCTIONAL_PRIMARY)
         res[key] = r
     return res
@@ -367,6 +399,7 @@ def _run_analysis_locked(cfg: AnalysisConfig, out: Path, t0: float, progress: bo
                    cfg.calib_tokens, cfg.eval_tokens, cfg.seq_len, cfg.batch_size, cfg.seed,
                    layers=cfg.layers, progress=progress)
     atomic_write_text(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+    t_prepare = time.time() - t0
     loaded, adapter, cal = prep.loaded, prep.adapter, prep.calibration
     assert cal is not None
     types = parse_types(cfg.types)
@@ -385,9 +418,24 @@ def _run_analysis_locked(cfg: AnalysisConfig, out: Path, t0: float, progress: bo
                                "hidden_size": adapter.hidden_size, "layers": layers,
                                "types": [t.value for t in types],
                                "split": prep.split.describe()}
+    # every step below is recorded in steps.json as it finishes: a resumed run starts at
+    # the first unfinished one, with the random generator where it was
+    log = StepLog(out / "steps.json", {
+        "config": dataclasses.asdict(cfg), "version": STEPS_VERSION,
+        "model_weights": cal.meta.get("model_weights"),
+        "calibration_tokens": cal.meta.get("calibration_tokens"),
+        "eval_tokens": {k: tensor_fingerprint(v) for k, v in sorted(prep.eval_ids.items())}},
+        gen)
+
+    def step(name: str, run: Any) -> Any:
+        if log.done(name):
+            return log.get(name)
+        s0 = time.time()
+        return log.record(name, run(), time.time() - s0)
+
     # perplexity of the unmodified model (same protocol as every compressed model)
-    results["perplexity"] = evaluate_all(loaded.model, prep.eval_ids, cfg.seq_len,
-                                         cfg.batch_size, progress)
+    results["perplexity"] = step("perplexity", lambda: evaluate_all(
+        loaded.model, prep.eval_ids, cfg.seq_len, cfg.batch_size, progress))
     results["calibration"] = dict(cal.meta)
     # tests 1-3 per matrix type
     results["tests"] = {}
@@ -395,35 +443,46 @@ def _run_analysis_locked(cfg: AnalysisConfig, out: Path, t0: float, progress: bo
                unit="matrix", disable=not progress)
     weights = {t: dict(zip(layers, adapter.weights(t, layers), strict=True)) for t in types}
     for t in types:
+        if log.done(f"alignment:{t.value}"):
+            bar.update(len(layers) - 1)
         results["tests"][t.value] = {"shape": list(weights[t][ref].shape),
-                                     "alignment": _alignment_test(
+                                     "alignment": step(f"alignment:{t.value}", lambda t=t:
+                                                       _alignment_test(
                                          weights[t], ref, gen, cfg.thresholds, bar,
-                                         adapter.row_blocks(t))}
+                                         adapter.row_blocks(t)))}
     bar.close()
-    results["functional_covariances"] = _sink_pass(cfg, prep, layers, types, progress)
-    sink = results["functional_covariances"].pop("moments")
-    root_cache: dict[str, dict[str, list[torch.Tensor]]] = {}  # one site at a time
-    for t in tqdm(types, desc="tests 2-3 (subspaces)", unit="type", disable=not progress):
-        W = [weights[t][i].double() for i in layers]
-        nulls = []
-        for w in W:
-            g = torch.randn(w.shape, generator=gen, dtype=torch.float64)
-            nulls.append(g * (w.norm() / g.norm()))
-        ks = per_side_k(W[0].shape, cfg.k_fraction)
-        site = SITE_OF[t]
-        if site not in root_cache:  # Q, K and V read the same site: roots computed once
-            root_cache.clear()
-            covs = [_covariances(cal, sink, i, site) for i in layers]
-            root_cache[site] = {v: [psd_sqrt(c[v], cfg.eig_floor) for c in covs]
-                                for v in covs[0]}
-        res = results["tests"][t.value]
-        res["weight_subspaces"] = _subspace_test(W, nulls, ks, gen, cfg.thresholds, cfg.energy)
-        res.update(_functional_tests(W, nulls, root_cache[site], ks, gen, cfg))
+    todo = [t for t in types if not log.done(f"subspaces:{t.value}")]
+    sink = None
+    if todo or not log.done("sink_pass"):
+        info = _sink_pass(cfg, prep, layers, types, progress)
+        sink = info.pop("moments")
+        info = step("sink_pass", lambda: info)
+    results["functional_covariances"] = log.get("sink_pass")
+    n_variants = len(FUNCTIONAL_VARIANTS) - (sink is None)
+    bar = tqdm(total=len(todo) * len(layers) * n_variants, desc="tests 2-3 (subspaces)",
+               unit="root", disable=not progress)
+    for t in types:
+        def subspaces(t: MatrixType = t) -> dict[str, Any]:
+            W = [weights[t][i].double() for i in layers]
+            nulls = []
+            for w in W:
+                g = torch.randn(w.shape, generator=gen, dtype=torch.float64)
+                nulls.append(g * (w.norm() / g.norm()))
+            ks = per_side_k(W[0].shape, cfg.k_fraction)
+            res = {"weight_subspaces": _subspace_test(W, nulls, ks, gen, cfg.thresholds,
+                                                      cfg.energy)}
+            res.update(_functional_tests(W, nulls, cal, sink, layers, SITE_OF[t], ks, gen,
+                                         cfg, bar))
+            return res
+        results["tests"][t.value].update(step(f"subspaces:{t.value}", subspaces))
+    bar.close()
+    t_roles = time.time()
     if set(types) == set(MATRIX_TYPES):
         results["roles"] = _role_test(adapter, layers, cfg.permutations, cfg.seed,
                                       cfg.thresholds)
     else:
         results["roles"] = {"skipped": "needs all six matrix types"}
-    results["seconds"] = time.time() - t0
+    # compute time: every step over all runs, plus this run's preparation and roles
+    results["seconds"] = log.total_seconds() + t_prepare + (time.time() - t_roles)
     write_report(results, cfg, out)
     return results

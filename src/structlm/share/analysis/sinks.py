@@ -17,13 +17,14 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from structlm.hf.adapters import ModelAdapter
-from structlm.hf.calibration import SITES, calibrate, calibration_windows
+from structlm.hf.calibration import SITES, SavedTensors, calibrate, calibration_windows
 
 __all__ = ["calibration_windows", "sink_excluded_second_moments"]
 
@@ -42,18 +43,16 @@ def _cache_path(calibration_path: str, meta: dict[str, Any]) -> Path:
     return Path(calibration_path).with_suffix(f".sinks-{key}.safetensors")
 
 
-def _load(path: Path) -> dict[tuple[int, str], torch.Tensor] | None:
-    from safetensors.torch import load_file
+def _load(path: Path) -> SavedTensors | None:
+    """The cached moments, read on access (``None``: a damaged cache, recomputed)."""
+    from safetensors import safe_open
 
     try:
-        raw = load_file(str(path))
+        with safe_open(str(path), framework="pt") as fh:
+            names = list(fh.keys())
     except Exception:  # a damaged cache is recomputed
         return None
-    out = {}
-    for name, c in raw.items():
-        layer, site = name.split(".")
-        out[(int(layer), site)] = c
-    return out
+    return SavedTensors(path, [(int(n.split(".")[0]), n.split(".")[1]) for n in names])
 
 
 def _save(path: Path, moments: dict[tuple[int, str], torch.Tensor]) -> None:
@@ -74,7 +73,7 @@ def sink_excluded_second_moments(adapter: ModelAdapter, tokens: torch.Tensor, se
                                  batch_size: int, layers: list[int], sites: tuple[str, ...],
                                  sink_tokens: int, cache_meta: dict[str, Any] | None = None,
                                  calibration_path: str | None = None, progress: bool = True
-                                 ) -> dict[tuple[int, str], torch.Tensor]:
+                                 ) -> Mapping[tuple[int, str], torch.Tensor]:
     """``E[x xᵀ]`` (float64, uncentred) of ``sites`` in ``layers`` over the windows of
     ``tokens`` (``(n, w)`` windows, or ``(N,)`` ids cut into ``N // seq_len`` windows —
     :func:`calibration_windows`, exactly as the calibration cuts them), leaving out the
@@ -83,7 +82,8 @@ def sink_excluded_second_moments(adapter: ModelAdapter, tokens: torch.Tensor, se
     With ``calibration_path`` (the calibration's cache file) and ``cache_meta`` (what
     identifies the run: model, corpus, documents, seed) the result is cached beside it,
     keyed also by a hash of the token ids, and reused when the same tokens, layers,
-    sites, window and ``sink_tokens`` are asked for again."""
+    sites, window and ``sink_tokens`` are asked for again; the cached moments are read
+    one ``(layer, site)`` at a time (:class:`SavedTensors`), not held in memory."""
     seqs = calibration_windows(tokens, seq_len)
     if not 0 < sink_tokens < seqs.shape[1]:
         raise ValueError(f"sink_tokens must be in (0, {seqs.shape[1]}), got {sink_tokens}")
@@ -105,4 +105,8 @@ def sink_excluded_second_moments(adapter: ModelAdapter, tokens: torch.Tensor, se
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         _save(path, moments)
+        del moments
+        saved = _load(path)
+        assert saved is not None
+        return saved
     return moments

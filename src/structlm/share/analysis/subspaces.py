@@ -64,11 +64,13 @@ def functional_matrices(weights: list[torch.Tensor], roots: list[torch.Tensor]
 def subspace_scores(mats: list[torch.Tensor], k: int, side: str, gen: torch.Generator,
                     energy: float = 0.9,
                     svds: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
-                    ) -> dict[str, Any]:
+                    rand_basis: torch.Tensor | None = None) -> dict[str, Any]:
     """Own / shared / random energies, scores, overlaps and effective ranks of ``mats``
     (one matrix per layer, all the same shape) on ``side`` with ``k`` directions.
 
-    ``svds``: the thin SVDs ``(U, S, Vh)`` of ``mats`` when already computed."""
+    ``svds``: the thin SVDs ``(U, S, Vh)`` of ``mats`` when already computed;
+    ``rand_basis``: the random ``(dim, k)`` basis when already drawn (else drawn from
+    ``gen``)."""
     if len(mats) < 2:
         raise ValueError(f"need at least 2 layers to test sharing, got {len(mats)}")
     if side not in ("input", "output"):
@@ -83,7 +85,10 @@ def subspace_scores(mats: list[torch.Tensor], k: int, side: str, gen: torch.Gene
     own_bases = [U[:, :k_own] if side == "output" else Vh[:k_own].T for U, _, Vh in svds]
     own = [float(S[:k].pow(2).sum() / S.pow(2).sum()) for _, S, _ in svds]
     sh = [captured_energy(W, shared, side) for W in mats]
-    rand_basis = random_orthonormal(dim, k, gen)
+    if rand_basis is None:
+        rand_basis = random_orthonormal(dim, k, gen)
+    if tuple(rand_basis.shape) != (dim, k):
+        raise ValueError(f"rand_basis has shape {tuple(rand_basis.shape)}, expected {(dim, k)}")
     rnd = [captured_energy(W, rand_basis, side) for W in mats]
     scores = [(s - r) / (o - r) if o - r > 1e-12 else float("nan")
               for s, r, o in zip(sh, rnd, own, strict=True)]

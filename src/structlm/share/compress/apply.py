@@ -4,6 +4,7 @@ through the adapter; honest parameter accounting."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -13,6 +14,7 @@ from torch import nn
 from structlm.config import ConfigError, NonEmpty, OneOf, Range, dataclass_from_dict, validated
 from structlm.hf.adapters import MatrixType, ModelAdapter, parse_types
 from structlm.hf.calibration import Calibration
+from structlm.settings import cache_dir
 from structlm.share.compress.factorize import RootCache, TypeFactors, TypeRanks
 from structlm.share.compress.methods import (
     BASIS_SHARING_METHOD,
@@ -136,7 +138,7 @@ def plan_types(adapter: ModelAdapter, cfg: CompressionConfig) -> list[TypePlan]:
     return plans
 
 
-def factorize_plan(plan: TypePlan, weights: list[torch.Tensor], Cs: list[torch.Tensor],
+def factorize_plan(plan: TypePlan, weights: list[torch.Tensor], Cs: Sequence[torch.Tensor],
                    cfg: CompressionConfig, roots: RootCache | None = None) -> TypeFactors:
     """The factors of one type under its plan (``roots``: whitening roots shared across
     the types that read one site)."""
@@ -164,13 +166,13 @@ def compress_model(adapter: ModelAdapter, cal: Calibration, cfg: CompressionConf
     orig_sum = stored_sum = 0
     originals: dict[MatrixType, list[torch.Tensor]] = {}
     plans = plan_types(adapter, cfg)
-    roots = RootCache(cfg.eig_floor)
+    roots = RootCache(cfg.eig_floor, store=cache_dir("roots"))  # keyed on content
     for plan in plans:
         t = plan.type
         weights = adapter.weights(t)
         if cfg.update:
             originals[t] = weights
-        Cs = [cal.C(i, t) for i in range(L)]
+        Cs = cal.layer_moments(t, list(range(L)))  # each read when used
         factors = factorize_plan(plan, weights, Cs, cfg, roots)
         biases = [adapter.layers[i].bias(t) for i in range(L)]
         for layer, mod in zip(adapter.layers, build_modules(factors, biases), strict=True):

@@ -6,16 +6,21 @@ product is float64. The methods themselves (``shared``/``hybrid``, ``svd``,
 ``basis-sharing``) live in :mod:`structlm.share.compress.methods`, one file each.
 
 The per-layer ``energy`` is the functional energy kept under the layer's own input
-statistics, ``1 − ||(W − Ŵ) S_l||² / ||W S_l||²``.
+statistics, ``1 − tr((W − Ŵ) C_l (W − Ŵ)ᵀ) / tr(W C_l Wᵀ)`` (no square root needed).
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
+from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from structlm.hf.fingerprint import tensor_fingerprint
 from structlm.hf.linalg import psd_roots
 
 __all__ = ["RootCache", "TypeFactors", "TypeRanks", "kept_energy", "meta_tensor", "part_rows",
@@ -39,18 +44,74 @@ class TypeRanks:
 
 
 class RootCache:
-    """``C^{1/2}`` and ``C^{-1/2}`` of input second moments, one ``eigh`` each, reused by
-    every type that reads the same matrix (Q, K and V read one site)."""
+    """``C^{1/2}`` and ``C^{-1/2}`` of input second moments, one ``eigh`` each, keyed on
+    ``C``'s content (and the floor): reused by every type that reads the same matrix (Q,
+    K and V read one site) and, with a ``store`` folder, by every later compression of
+    the same calibration (a 4,864-wide root costs ~30 s of ``eigh`` on one core; every
+    method at every budget asks for the same ones).
 
-    def __init__(self, floor: float) -> None:
+    In memory at most ``memory_bytes`` of roots are kept (least recently used dropped
+    first); in ``store`` only roots of at least ``store_min_dim`` dimensions are written
+    (smaller ones cost less to recompute than to read), atomically, as safetensors."""
+
+    def __init__(self, floor: float, store: str | Path | None = None,
+                 memory_bytes: int = 2 << 30, store_min_dim: int = 2048) -> None:
         self.floor = floor
-        self._roots: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.store = None if store is None else Path(store)
+        self.memory_bytes = memory_bytes
+        self.store_min_dim = store_min_dim
+        self._roots: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self.computed = 0
+        """Roots computed by ``eigh`` (not found in memory or in the store)."""
+
+    def _path(self, key: str) -> Path | None:
+        return None if self.store is None else self.store / f"{key}.safetensors"
 
     def get(self, C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(C^{1/2}, C^{-1/2})`` (the cache keeps ``C`` alive, so its id stays unique)."""
-        if id(C) not in self._roots:
-            self._roots[id(C)] = (C, psd_roots(C, self.floor))
-        return self._roots[id(C)][1]
+        """``(C^{1/2}, C^{-1/2})`` (float64, eigenvalues floored)."""
+        key = f"{tensor_fingerprint(C)}-floor{self.floor!r}"
+        if key in self._roots:
+            self._roots.move_to_end(key)
+            return self._roots[key]
+        path = self._path(key) if C.shape[0] >= self.store_min_dim else None
+        roots = _load_roots(path) if path is not None and path.exists() else None
+        if roots is None:
+            roots = psd_roots(C, self.floor)
+            self.computed += 1
+            if path is not None:
+                _save_roots(path, roots)
+        self._roots[key] = roots
+        used = sum(a.numel() * a.element_size() + b.numel() * b.element_size()
+                   for a, b in self._roots.values())
+        while used > self.memory_bytes and len(self._roots) > 1:
+            a, b = self._roots.popitem(last=False)[1]
+            used -= a.numel() * a.element_size() + b.numel() * b.element_size()
+        return roots
+
+
+def _load_roots(path: Path) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Roots saved by :func:`_save_roots` (``None``: an unreadable file, recomputed)."""
+    from safetensors.torch import load_file
+
+    try:
+        t = load_file(str(path))
+        return t["root"], t["inv_root"]
+    except Exception:
+        return None
+
+
+def _save_roots(path: Path, roots: tuple[torch.Tensor, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".safetensors")
+    os.close(fd)
+    try:
+        save_file({"root": roots[0].contiguous(), "inv_root": roots[1].contiguous()}, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 @dataclass
@@ -75,10 +136,14 @@ class TypeFactors:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-def kept_energy(W: torch.Tensor, What: torch.Tensor, root: torch.Tensor) -> float:
-    """``1 − ||(W − Ŵ) R||² / ||W R||²`` with ``R = C^{1/2}`` (float64)."""
-    err = ((W.double() - What.double()) @ root).pow(2).sum()
-    return float(1.0 - err / (W.double() @ root).pow(2).sum())
+def kept_energy(W: torch.Tensor, What: torch.Tensor, C: torch.Tensor) -> float:
+    """``1 − tr(E C Eᵀ) / tr(W C Wᵀ)`` with ``E = W − Ŵ`` and ``C`` the input second
+    moment (float64): the share of ``E||W x||²`` on the calibration inputs that ``Ŵ``
+    keeps."""
+    W, C = W.double(), C.double()
+    E = W - What.double()
+    err = ((E @ C) * E).sum()
+    return float(1.0 - err / ((W @ C) * W).sum())
 
 
 def part_rows(out: int, parts: int) -> int:

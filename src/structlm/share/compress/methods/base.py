@@ -13,6 +13,7 @@ empty factors of the recorded shapes to load saved tensors into. Registering an 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -102,7 +103,7 @@ class CompressionMethod(ABC):
         chooses them from the data."""
 
     @abstractmethod
-    def factorize(self, plan: TypePlan, weights: list[torch.Tensor], Cs: list[torch.Tensor],
+    def factorize(self, plan: TypePlan, weights: list[torch.Tensor], Cs: Sequence[torch.Tensor],
                   floor: float, roots: RootCache) -> TypeFactors:
         """The factors of one type under ``plan`` (``floor``: relative eigenvalue floor of
         the whitening roots; ``roots``: shared across the types that read one site)."""

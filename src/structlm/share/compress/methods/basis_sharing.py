@@ -43,6 +43,7 @@ types are recorded as ``basis-sharing``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -50,7 +51,7 @@ from torch import nn
 
 from structlm.hf.adapters import ConcatProjection, MatrixType, ModelAdapter, parse_types
 from structlm.hf.calibration import Calibration
-from structlm.hf.linalg import energy_weighted_basis, psd_inv_sqrt, psd_roots, psd_sqrt
+from structlm.hf.linalg import energy_weighted_basis, psd_inv_sqrt, psd_sqrt
 from structlm.nn.factorized import LowRankLinear, OneSidedLinear, SharedBasis
 from structlm.share.compress.factorize import (
     RootCache,
@@ -119,7 +120,7 @@ def solve_basis_sharing_rank(out: int, inn: int, group_sizes: list[int], parts: 
     return lo
 
 
-def factorize_basis_sharing(weights: list[torch.Tensor], Cs: list[torch.Tensor], k: int,
+def factorize_basis_sharing(weights: list[torch.Tensor], Cs: Sequence[torch.Tensor], k: int,
                             groups: list[list[int]], parts: int = 1,
                             floor: float = 1e-6, roots: RootCache | None = None
                             ) -> TypeFactors:
@@ -139,8 +140,7 @@ def factorize_basis_sharing(weights: list[torch.Tensor], Cs: list[torch.Tensor],
     W = [w.double() for w in weights]
     for g in groups:
         C = sum(Cs[i].double() for i in g) / len(g)  # the group's XᵀX up to a scale
-        S, S_inv = psd_roots(C, floor) if len(g) > 1 else (roots or RootCache(floor)).get(
-            Cs[g[0]])
+        S, S_inv = (roots or RootCache(floor)).get(C)
         kg = min(k, max_basis_rank(inn, len(g), op))
         basis = {}
         for p in range(parts):
@@ -152,7 +152,7 @@ def factorize_basis_sharing(weights: list[torch.Tensor], Cs: list[torch.Tensor],
         tf.bases.append(basis)
     for i, g in enumerate(_group_of(groups, len(W))):
         What = torch.cat([tf.per_layer[i][f"D{p}"] @ tf.bases[g][f"P{p}"] for p in range(parts)])
-        tf.energy.append(kept_energy(W[i], What, (roots or RootCache(floor)).get(Cs[i])[0]))
+        tf.energy.append(kept_energy(W[i], What, Cs[i]))
     tf.info["group_sizes"] = [len(g) for g in groups]
     return tf
 
@@ -178,7 +178,7 @@ def _refit(Ws: list[torch.Tensor], C: torch.Tensor, P: torch.Tensor,
 
 
 def update_coefficients(modules: list[nn.Module], originals: list[torch.Tensor],
-                        new_Cs: list[torch.Tensor], groups: list[list[int]], parts: int,
+                        new_Cs: Sequence[torch.Tensor], groups: list[list[int]], parts: int,
                         floor: float = 1e-6) -> dict[str, Any]:
     """Basis Sharing's update step for one matrix type: refit every layer's coefficients
     (:class:`~structlm.nn.factorized.OneSidedLinear` ``D``, or the output factor ``B`` of a private
@@ -275,7 +275,7 @@ class BasisSharingMethod(CompressionMethod):
         k = solve_basis_sharing_rank(*shape, group_sizes, parts, budget)
         return TypeRanks(k, k)
 
-    def factorize(self, plan: TypePlan, weights: list[torch.Tensor], Cs: list[torch.Tensor],
+    def factorize(self, plan: TypePlan, weights: list[torch.Tensor], Cs: Sequence[torch.Tensor],
                   floor: float, roots: RootCache) -> TypeFactors:
         """:func:`factorize_basis_sharing` at the plan's basis size and groups."""
         assert plan.ranks is not None

@@ -23,12 +23,13 @@ MACs in every layer, so a two-sided type can cost more per token than the dense 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from structlm.hf.linalg import energy_weighted_basis, psd_roots, thin_svd
+from structlm.hf.linalg import energy_weighted_basis, thin_svd
 from structlm.nn.factorized import SharedBasis, SharedBasisLinear
 from structlm.share.compress.factorize import (
     RootCache,
@@ -74,7 +75,7 @@ def best_rectangular_ranks(whitened: list[torch.Tensor], budget: float, extra_pe
     return ranks, U, V, float(F[best, ranks.k_in - 1] / F[-1, -1])
 
 
-def factorize_shared(method: str, weights: list[torch.Tensor], Cs: list[torch.Tensor],
+def factorize_shared(method: str, weights: list[torch.Tensor], Cs: Sequence[torch.Tensor],
                      ranks: TypeRanks | None = None, budget: float | None = None,
                      floor: float = 1e-6, roots: RootCache | None = None) -> TypeFactors:
     """``shared`` / ``hybrid`` factors with the given ``ranks``, or the energy-optimal
@@ -91,9 +92,8 @@ def factorize_shared(method: str, weights: list[torch.Tensor], Cs: list[torch.Te
         raise ValueError(f"residual rank r={r} must be in [0, {min(out, inn)}]")
     W = [w.double() for w in weights]
     C = sum(c.double() for c in Cs) / L
-    S, S_inv = psd_roots(C, floor)
+    S, S_inv = (roots or RootCache(floor)).get(C)
     Wh = [w @ S for w in W]
-    roots = roots or RootCache(floor)
     info: dict[str, Any] = {}
     if budget is not None:
         found, U_all, V_all, share = best_rectangular_ranks(Wh, budget, r * (out + inn))
@@ -122,7 +122,7 @@ def factorize_shared(method: str, weights: list[torch.Tensor], Cs: list[torch.Te
             What = What + entry["res_b"] @ entry["res_c"]
             res_cover.append(float(Se[:r].pow(2).sum() / Se.pow(2).sum().clamp_min(1e-300)))
         tf.per_layer.append(entry)
-        tf.energy.append(kept_energy(w, What, roots.get(c)[0]))
+        tf.energy.append(kept_energy(w, What, c))
     if res_cover:
         tf.info["residual_share_of_basis_error"] = res_cover
     return tf
@@ -154,7 +154,7 @@ class SharedBasisMethod(CompressionMethod):
         """``None``: the energy-optimal ``(k_out, k_in)`` is found from the data."""
         return None
 
-    def factorize(self, plan: TypePlan, weights: list[torch.Tensor], Cs: list[torch.Tensor],
+    def factorize(self, plan: TypePlan, weights: list[torch.Tensor], Cs: Sequence[torch.Tensor],
                   floor: float, roots: RootCache) -> TypeFactors:
         """:func:`factorize_shared` with the plan's ranks, or under its budget."""
         if plan.ranks is not None:

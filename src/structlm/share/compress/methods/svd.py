@@ -11,6 +11,8 @@ MLP-in's gate and up, as SVD-LLM treats ``gate_proj`` and ``up_proj``). Rank
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -42,7 +44,7 @@ def solve_svd_rank(L: int, out: int, inn: int, budget: float, parts: int = 1) ->
     return min(k, op, inn)
 
 
-def factorize_svd(weights: list[torch.Tensor], Cs: list[torch.Tensor], k: int,
+def factorize_svd(weights: list[torch.Tensor], Cs: Sequence[torch.Tensor], k: int,
                   parts: int = 1, floor: float = 1e-6,
                   roots: RootCache | None = None) -> TypeFactors:
     """Per-layer whitened truncated SVD of rank ``k`` (each of ``parts`` row blocks on its
@@ -62,7 +64,7 @@ def factorize_svd(weights: list[torch.Tensor], Cs: list[torch.Tensor], k: int,
             entry[f"B{p}"], entry[f"C{p}"] = U[:, :k] * S[:k], Vh[:k] @ inv_root
             rows.append(entry[f"B{p}"] @ entry[f"C{p}"])
         tf.per_layer.append(entry)
-        tf.energy.append(kept_energy(w, torch.cat(rows), root))
+        tf.energy.append(kept_energy(w, torch.cat(rows), c))
     return tf
 
 
@@ -86,7 +88,7 @@ class SvdMethod(CompressionMethod):
         k = solve_svd_rank(sum(group_sizes), *shape, budget, parts)
         return TypeRanks(k, k)
 
-    def factorize(self, plan: TypePlan, weights: list[torch.Tensor], Cs: list[torch.Tensor],
+    def factorize(self, plan: TypePlan, weights: list[torch.Tensor], Cs: Sequence[torch.Tensor],
                   floor: float, roots: RootCache) -> TypeFactors:
         """:func:`factorize_svd` at the plan's rank."""
         assert plan.ranks is not None
