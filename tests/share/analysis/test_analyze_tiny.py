@@ -145,6 +145,32 @@ def test_an_interrupted_analysis_resumes_to_the_uninterrupted_numbers(tmp_path,
     resumed = analyze.run_analysis(cfg, tmp_path / "resumed", progress=False)
     assert len(calls) == 4  # v, o, mlp_in, mlp_out: q and k were not run again
     assert _diff(_without_seconds(resumed), _without_seconds(whole)) == []
+    # stopped inside test 1: right after o's first layer was recorded
+    from structlm.share.analysis.steps import StepLog
+
+    real_record = StepLog.record
+
+    def stop_after_a_layer(self: Any, step: str, *a: Any) -> Any:
+        out = real_record(self, step, *a)
+        if step == "alignment:o:layer0":
+            raise KeyboardInterrupt("stopped")
+        return out
+
+    monkeypatch.setattr(StepLog, "record", stop_after_a_layer)
+    with pytest.raises(KeyboardInterrupt):
+        analyze.run_analysis(cfg, tmp_path / "in_test_1", progress=False)
+    monkeypatch.setattr(StepLog, "record", real_record)
+    steps = json.loads((tmp_path / "in_test_1" / "steps.json").read_text())["steps"]
+    assert {"alignment:o:start", "alignment:o:layer0"} <= set(steps)
+    assert "alignment:o" not in steps and "alignment:o:layer2" not in steps
+    real_align = analyze.align
+    aligned: list[int] = []
+    aligned.clear()
+    monkeypatch.setattr(analyze, "align", lambda *a, **k: (aligned.append(1),
+                                                           real_align(*a, **k))[1])
+    resumed = analyze.run_analysis(cfg, tmp_path / "in_test_1", progress=False)
+    assert len(aligned) == 3 + 2 * 6  # o's layer 2; mlp_in and mlp_out: 2 layers × 3 each
+    assert _diff(_without_seconds(resumed), _without_seconds(whole)) == []
     other = analyze.AnalysisConfig(seq_len=32, batch_size=4, eval_tokens=0, permutations=10,
                                    second_corpus="", k_fraction=0.5)
     with pytest.raises(StepLogMismatchError, match="other content"):

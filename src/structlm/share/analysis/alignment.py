@@ -30,7 +30,7 @@ from scipy.optimize import linear_sum_assignment
 
 from structlm.hf.linalg import singular_values
 
-__all__ = ["DROP_PARTS", "MOVES", "align", "drop_split"]
+__all__ = ["DROP_PARTS", "MOVES", "align", "drop_split", "row_signature"]
 
 MOVES = ("raw", "scale", "perm", "perm_diag", "rot1", "rot2")
 
@@ -61,8 +61,20 @@ def _unstack(M: torch.Tensor, blocks: int) -> torch.Tensor:
     return M.reshape(n, blocks, m).permute(1, 0, 2).reshape(blocks * n, m)
 
 
+def row_signature(M: torch.Tensor, row_blocks: int = 1) -> torch.Tensor:
+    """Rows of ``M`` (row blocks side by side) as signatures invariant to column
+    permutations and diagonal scalings: magnitudes balanced Sinkhorn-style so every row
+    and column has unit norm, then each row sorted and normalised."""
+    A = _stack(M, row_blocks).abs()
+    for _ in range(30):  # Sinkhorn-style balancing: removes diagonal scalings
+        A = A / A.norm(dim=1, keepdim=True).clamp_min(1e-300)
+        A = A / A.norm(dim=0, keepdim=True).clamp_min(1e-300)
+    srt = A.sort(dim=1).values  # then sorting removes the column order
+    return srt / srt.norm(dim=1, keepdim=True).clamp_min(1e-300)
+
+
 def _permute(R: torch.Tensor, W: torch.Tensor, rounds: int = 1,
-             row_blocks: int = 1) -> torch.Tensor:
+             row_blocks: int = 1, ref_signature: torch.Tensor | None = None) -> torch.Tensor:
     """``W`` with rows and columns permuted to best match ``R``.
 
     The first row matching compares signatures invariant to column permutations and
@@ -70,17 +82,12 @@ def _permute(R: torch.Tensor, W: torch.Tensor, rounds: int = 1,
     has unit norm, then each row sorted); then columns and rows are matched by inner
     products, alternately, ``rounds`` times. With ``row_blocks = b`` the rows form b
     equal blocks permuted together (a gated MLP's stacked ``[gate; up]``: hidden unit i
-    is row i of both blocks), which is also b³ times cheaper."""
-    def sig(M: torch.Tensor) -> torch.Tensor:
-        A = M.abs()
-        for _ in range(30):  # Sinkhorn-style balancing: removes diagonal scalings
-            A = A / A.norm(dim=1, keepdim=True).clamp_min(1e-300)
-            A = A / A.norm(dim=0, keepdim=True).clamp_min(1e-300)
-        srt = A.sort(dim=1).values  # then sorting removes the column order
-        return srt / srt.norm(dim=1, keepdim=True).clamp_min(1e-300)
-
+    is row i of both blocks), which is also b³ times cheaper. ``ref_signature``:
+    :func:`row_signature` of ``R`` when already computed (one per reference)."""
     Rs, Ws = _stack(R, row_blocks), _stack(W, row_blocks)
-    Ws = Ws[_match(sig(Rs), sig(Ws))]
+    if ref_signature is None:
+        ref_signature = row_signature(R, row_blocks)
+    Ws = Ws[_match(ref_signature, row_signature(W, row_blocks))]
     W = _unstack(Ws, row_blocks)
     for r in range(rounds):
         W = W[:, _match(R.T, W.T)]
@@ -102,9 +109,11 @@ def _diag_scale(R: torch.Tensor, W: torch.Tensor, iters: int = 5) -> torch.Tenso
     return W * dr[:, None] * dc
 
 
-def align(R: torch.Tensor, W: torch.Tensor, row_blocks: int = 1) -> dict[str, float]:
+def align(R: torch.Tensor, W: torch.Tensor, row_blocks: int = 1,
+          ref_signature: torch.Tensor | None = None) -> dict[str, float]:
     """Residual relative energy of ``W`` aligned to reference ``R`` (both ``(out, in)``)
-    under each move of :data:`MOVES` (``row_blocks``: see :func:`_permute`)."""
+    under each move of :data:`MOVES` (``row_blocks``, ``ref_signature``: see
+    :func:`_permute`)."""
     if R.shape != W.shape:
         raise ValueError(f"cannot align shapes {tuple(W.shape)} to {tuple(R.shape)}")
     if row_blocks < 1 or R.shape[0] % row_blocks:
@@ -112,7 +121,7 @@ def align(R: torch.Tensor, W: torch.Tensor, row_blocks: int = 1) -> dict[str, fl
     R, W = R.double(), W.double()
     er, ew = float(R.pow(2).sum()), float(W.pow(2).sum())
     out = {"raw": float((R - W).pow(2).sum()) / er, "scale": _scaled_residual(R, W)}
-    Wp = _permute(R, W, row_blocks=row_blocks)
+    Wp = _permute(R, W, row_blocks=row_blocks, ref_signature=ref_signature)
     if _scaled_residual(R, Wp) > out["scale"]:  # the identity is a permutation too
         Wp = W
     out["perm"] = _scaled_residual(R, Wp)

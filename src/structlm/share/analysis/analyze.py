@@ -14,32 +14,30 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from structlm.atomic import atomic_write_text
-from structlm.config import (
-    ConfigError,
-    Distinct,
-    NonEmpty,
-    Range,
-    dataclass_from_dict,
-    validated,
-)
 from structlm.folders import check_apart, run_folder_lock
 from structlm.hf.adapters import MATRIX_TYPES, SITE_OF, MatrixType, ModelAdapter, parse_types
 from structlm.hf.calibration import Calibration
 from structlm.hf.fingerprint import tensor_fingerprint
 from structlm.hf.linalg import psd_sqrt, random_like_spectrum, random_orthonormal, thin_svd
 from structlm.hf.pipeline import Prepared, evaluate_all, prepare
-from structlm.share.analysis.alignment import DROP_PARTS, MOVES, align, drop_split
+from structlm.share.analysis.alignment import (
+    DROP_PARTS,
+    MOVES,
+    align,
+    drop_split,
+    row_signature,
+)
+from structlm.share.analysis.config import AnalysisConfig, Thresholds
 from structlm.share.analysis.roles import (
     FEATURE_NAMES,
     SHAPE_FEATURE_NAMES,
@@ -73,151 +71,51 @@ FUNCTIONAL_KEYS = {"uncentred": "functional_subspaces",
 """Where each variant's result sits in ``results["tests"][type]``."""
 
 
-@dataclass
-@validated
-class Thresholds:
-    """Decision thresholds, fixed before the run."""
-
-    alignment_max_residual: Annotated[float, Range(ge=0)] = 0.5
-    """Test 1 lives if the median cheap-move (perm + diagonal) residual is at most this...
-    (the cheap-move drop from the ``scale`` baseline and its split are reported beside,
-    not used by the verdict)"""
-    alignment_min_margin: Annotated[float, Range()] = 0.1
-    """...and at least this far below the null's."""
-    subspace_min_score: Annotated[float, Range(ge=0, le=1)] = 0.5
-    """Tests 2/3 live if the mean score is at least this (test 3: applied to each input
-    covariance variant separately)..."""
-    subspace_min_margin: Annotated[float, Range()] = 0.2
-    """...and at least this far above the null control's score."""
-    classifier_max_p: Annotated[float, Range(gt=0, le=1)] = 0.05
-    """The role signature transfers if accuracy beats the majority rate with p ≤ this."""
-
-
-@dataclass
-@validated
-class AnalysisConfig:
-    """One analysis run (every field settable from the CLI or a YAML file)."""
-
-    model: Annotated[str, NonEmpty()] = "smollm2"
-    corpus: Annotated[str, NonEmpty()] = "austen"
-    """Calibration corpus; its held-out documents are the in-domain evaluation text."""
-    second_corpus: str = "shakespeare"
-    """A different-domain corpus for perplexity only ("" to skip)."""
-    eval_fraction: Annotated[float, Range(gt=0, lt=1)] = 0.25
-    """Fraction of the corpus's documents held out for evaluation (split by document, seeded)."""
-    calib_tokens: Annotated[int, Range(ge=1)] = 32768
-    """Calibration tokens: windows of seq_len drawn across all calibration documents (at
-    least one window)."""
-    seq_len: Annotated[int, Range(ge=2)] = 512
-    """Window length of calibration and perplexity (at most the model's context)."""
-    batch_size: Annotated[int, Range(ge=1)] = 4
-    """Windows per forward pass."""
-    eval_tokens: Annotated[int, Range(ge=0, note="0 skips perplexity")] = 16384
-    """Tokens per corpus for perplexity."""
-    types: Annotated[str, NonEmpty()] = "all"
-    """Matrix types analysed: all, attn, mlp or q,k,v,o,mlp_in,mlp_out."""
-    layers: Annotated[list[Annotated[int, Range(ge=0)]] | None, Distinct()] = None
-    """Layers to analyse, at least 3 (``None``: all)."""
-    reference_layer: Annotated[int | None, Range(ge=0)] = None
-    """Test 1's reference layer, one of ``layers`` (``None``: the middle of ``layers``)."""
-    k_fraction: Annotated[float, Range(gt=0, lt=1)] = 0.25
-    """Subspace size per side, tests 2–3: ``k_in = k_fraction × in`` on the input side and
-    ``k_out = k_fraction × out`` on the output side (d/4 for square matrices; SmolLM2's
-    192×576 K and V: ``k_out = 48``, ``k_in = 144``; its 3072×576 MLP-in: ``k_out = 768``,
-    above the rank 576, so that side's own subspace is the whole column space)."""
-    sink_pass: bool = True
-    """Test 3 with attention-sink positions excluded: a second forward pass over the same
-    calibration tokens (about the calibration's cost; cached beside it). ``False`` skips
-    that variant; the uncentred and centred variants need no extra pass."""
-    sink_tokens: Annotated[int, Range(ge=1)] = 4
-    """Positions at the start of every calibration window left out of the sink-excluded
-    covariance (fewer than ``seq_len``)."""
-    energy: Annotated[float, Range(gt=0, le=1)] = 0.9
-    """Energy fraction that defines the effective rank (tests 2–3)."""
-    eig_floor: Annotated[float, Range(ge=0, lt=1)] = 1e-8
-    """Relative eigenvalue floor of the covariance square roots (test 3)."""
-    permutations: Annotated[int, Range(ge=1)] = 500
-    """Label shuffles of the role classifier's permutation test."""
-    seed: Annotated[int, Range(ge=0)] = 0
-    """Seed of the document split, the windows, the nulls and the permutations."""
-    thresholds: Thresholds = field(default_factory=Thresholds)
-
-    def __post_init__(self) -> None:
-        """Cross-field checks (each field's own range is checked by ``@validated``)."""
-        if not isinstance(self.thresholds, Thresholds):
-            raise ConfigError(f"thresholds: {self.thresholds!r} is not a mapping of "
-                              "Thresholds keys")
-        try:
-            parse_types(self.types)
-        except ValueError as e:
-            raise ConfigError(f"types: {e}") from None
-        if self.calib_tokens < self.seq_len:
-            raise ConfigError(f"calib_tokens: {self.calib_tokens} is fewer than one window of "
-                              f"seq_len={self.seq_len}")
-        if self.sink_pass and not self.sink_tokens < self.seq_len:
-            raise ConfigError(f"sink_tokens: {self.sink_tokens} must be below seq_len="
-                              f"{self.seq_len} (or set sink_pass: false)")
-        if self.layers is not None and len(self.layers) < 3:
-            raise ConfigError(f"layers: {self.layers} holds fewer than 3 indices (test 1 "
-                              "compares layers with a reference, at several distances)")
-        if (self.layers is not None and self.reference_layer is not None
-                and self.reference_layer not in self.layers):
-            raise ConfigError(f"reference_layer: {self.reference_layer} is not among the "
-                              f"analysed layers {self.layers}")
-
-    def check_model(self, num_layers: int, context: int | None) -> None:
-        """Refuse what the loaded model cannot give (before any work): ``seq_len`` beyond
-        its ``context`` (``None``: unknown) or ``layers`` beyond its ``num_layers``."""
-        if context is not None and self.seq_len > context:
-            raise ConfigError(f"seq_len: {self.seq_len} is beyond the context of model "
-                              f"{self.model!r} ({context} positions)")
-        layers = self.layers if self.layers is not None else range(num_layers)
-        bad = [i for i in layers if i >= num_layers]
-        if bad:
-            raise ConfigError(f"layers: {bad} are out of range for model {self.model!r} "
-                              f"(layers 0 to {num_layers - 1})")
-        if self.reference_layer is not None and self.reference_layer >= num_layers:
-            raise ConfigError(f"reference_layer: {self.reference_layer} is out of range for "
-                              f"model {self.model!r} (layers 0 to {num_layers - 1})")
-        if self.layers is None and num_layers < 3:
-            raise ConfigError(f"model {self.model!r} has {num_layers} layers: the analysis "
-                              "needs at least 3")
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> AnalysisConfig:
-        return dataclass_from_dict(cls, raw, {"thresholds": Thresholds})
-
-
 def _median(xs: list[float]) -> float:
     return float(np.median(xs)) if xs else float("nan")
 
 
 def _alignment_test(weights: dict[int, torch.Tensor], ref: int, gen: torch.Generator,
-                    th: Thresholds, bar: Any, row_blocks: int = 1) -> dict[str, Any]:
+                    th: Thresholds, bar: Any, row_blocks: int = 1,
+                    recorded: dict[int, Any] | None = None,
+                    record: Callable[[int, Any], None] | None = None) -> dict[str, Any]:
     """Test 1 for one matrix type: every layer (and its Gaussian and same-spectrum nulls)
     aligned to ``weights[ref]``; medians per move, the cheap-move drop from the ``scale``
     baseline split into permutation and diagonal parts (``cheap_drop``), locality, and
-    the verdict. ``bar``: anything with ``update(n)``."""
-    R = weights[ref]
-    jobs: list[tuple[int, str, torch.Tensor]] = []
+    the verdict. ``bar``: anything with ``update(n)``.
+
+    ``recorded``: layers whose alignments a stopped run already finished (they are not
+    run again); ``record(layer, result)`` is called as each other layer finishes. The
+    nulls are drawn from ``gen`` first either way, so the draws never depend on what was
+    recorded."""
+    R = weights[ref].double()
+    recorded = recorded or {}
+    nulls: dict[int, dict[str, torch.Tensor]] = {}
     for layer, W in weights.items():  # nulls drawn first, in a fixed order (reproducible)
         if layer == ref:
             continue
         g = torch.randn(W.shape, generator=gen, dtype=torch.float64)
-        jobs += [(layer, "real", W), (layer, "null_gaussian", g * (W.double().norm() / g.norm())),
-                 (layer, "null_spectrum", random_like_spectrum(W, gen))]
-    per_layer: dict[str, dict[str, Any]] = {
-        str(layer): {"distance": abs(layer - ref)} for layer in weights if layer != ref}
+        nulls[layer] = {"null_gaussian": g * (W.double().norm() / g.norm()),
+                        "null_spectrum": random_like_spectrum(W, gen)}
+    ref_sig = row_signature(R, row_blocks)  # once per reference, not per alignment
 
-    def run(job: tuple[int, str, torch.Tensor]) -> tuple[int, str, dict[str, float]]:
-        return job[0], job[1], align(R, job[2], row_blocks)
+    def run(layer: int) -> dict[str, dict[str, float]]:
+        return {"real": align(R, weights[layer], row_blocks, ref_sig),
+                **{kind: align(R, N, row_blocks, ref_sig) for kind, N in nulls[layer].items()}}
 
-    # the Hungarian solver is single-threaded and releases the GIL: two at a time
+    results = {layer: recorded[layer] for layer in nulls if layer in recorded}
+    bar.update(len(results))
+    # the Hungarian solver is single-threaded and releases the GIL: two layers at a time;
+    # each layer is recorded here, in layer order, as it finishes
     with ThreadPoolExecutor(max_workers=2) as pool:
-        for layer, kind, res in pool.map(run, jobs):
-            per_layer[str(layer)][kind] = res
-            if kind == "null_spectrum":
-                bar.update(1)
+        futures = [(layer, pool.submit(run, layer)) for layer in nulls if layer not in results]
+        for layer, fut in futures:
+            results[layer] = fut.result()
+            if record is not None:
+                record(layer, results[layer])
+            bar.update(1)
+    per_layer: dict[str, dict[str, Any]] = {
+        str(layer): {"distance": abs(layer - ref), **results[layer]} for layer in nulls}
     summary = {kind: {m: _median([v[kind][m] for v in per_layer.values()]) for m in MOVES}
                for kind in ("real", "null_gaussian", "null_spectrum")}
     real, null = summary["real"], summary["null_gaussian"]
@@ -312,6 +210,35 @@ def _functional_tests(W: list[torch.Tensor], nulls: list[torch.Tensor], cal: Cal
         r.update(covariance=variant, primary=variant == FUNCTIONAL_PRIMARY)
         res[key] = r
     return res
+
+
+def _resumable_alignment(log: StepLog, t: MatrixType, weights: dict[int, torch.Tensor],
+                         ref: int, gen: torch.Generator, cfg: AnalysisConfig, bar: Any,
+                         row_blocks: int) -> dict[str, Any]:
+    """Test 1 of type ``t`` through the step log: the generator's state before the
+    type's nulls (``alignment:<t>:start``), each layer as it finishes
+    (``alignment:<t>:layer<i>``), then the type's result (``alignment:<t>``). A run
+    stopped inside the type restores the start state, draws the same nulls and runs only
+    the unfinished layers."""
+    name = f"alignment:{t.value}"
+    if log.done(name):
+        bar.update(len(weights) - 1)
+        return log.get(name)
+    if log.done(f"{name}:start"):
+        log.restore_gen(log.get(f"{name}:start"))
+    else:
+        log.record(f"{name}:start", log.gen_state(), 0.0)
+    recorded = {int(k): v for k, v in log.prefixed(f"{name}:layer").items()}
+    last = [time.time()]
+
+    def record(layer: int, result: Any) -> None:
+        now = time.time()
+        log.record(f"{name}:layer{layer}", result, now - last[0])
+        last[0] = now
+
+    res = _alignment_test(weights, ref, gen, cfg.thresholds, bar, row_blocks, recorded,
+                          record)
+    return log.record(name, res, time.time() - last[0])
 
 
 def _role_test(adapter: ModelAdapter, layers: list[int], permutations: int,
@@ -443,13 +370,10 @@ def _run_analysis_locked(cfg: AnalysisConfig, out: Path, t0: float, progress: bo
                unit="matrix", disable=not progress)
     weights = {t: dict(zip(layers, adapter.weights(t, layers), strict=True)) for t in types}
     for t in types:
-        if log.done(f"alignment:{t.value}"):
-            bar.update(len(layers) - 1)
         results["tests"][t.value] = {"shape": list(weights[t][ref].shape),
-                                     "alignment": step(f"alignment:{t.value}", lambda t=t:
-                                                       _alignment_test(
-                                         weights[t], ref, gen, cfg.thresholds, bar,
-                                         adapter.row_blocks(t)))}
+                                     "alignment": _resumable_alignment(
+                                         log, t, weights[t], ref, gen, cfg, bar,
+                                         adapter.row_blocks(t))}
     bar.close()
     todo = [t for t in types if not log.done(f"subspaces:{t.value}")]
     sink = None

@@ -52,8 +52,7 @@ class StepLog:
             self.steps = raw["steps"]
             self.seconds = raw.get("seconds", {})
             if raw.get("gen_state"):
-                gen.set_state(torch.tensor(list(base64.b64decode(raw["gen_state"])),
-                                           dtype=torch.uint8))
+                self.restore_gen(raw["gen_state"])
 
     def done(self, step: str) -> bool:
         """Whether ``step`` finished in this or an earlier run."""
@@ -68,10 +67,21 @@ class StepLog:
         generator's state now; returns ``result``."""
         self.steps[step] = result
         self.seconds[step] = seconds
-        state = base64.b64encode(bytes(self.gen.get_state().tolist())).decode()
         atomic_write_json(self.path, {"key": self.key, "steps": self.steps,
-                                      "seconds": self.seconds, "gen_state": state})
+                                      "seconds": self.seconds, "gen_state": self.gen_state()})
         return result
+
+    def gen_state(self) -> str:
+        """The generator's state now, as text (to record as a step's result)."""
+        return base64.b64encode(bytes(self.gen.get_state().tolist())).decode()
+
+    def restore_gen(self, state: str) -> None:
+        """Set the generator to a state from :meth:`gen_state`."""
+        self.gen.set_state(torch.tensor(list(base64.b64decode(state)), dtype=torch.uint8))
+
+    def prefixed(self, prefix: str) -> dict[str, Any]:
+        """Recorded results of the steps named ``prefix + suffix``, by suffix."""
+        return {k[len(prefix):]: v for k, v in self.steps.items() if k.startswith(prefix)}
 
     def total_seconds(self) -> float:
         """Seconds of every finished step, over all runs."""
