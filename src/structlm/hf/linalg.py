@@ -98,14 +98,19 @@ def energy_weighted_basis(mats: list[torch.Tensor], k: int, side: str,
     dim = mats[0].shape[1] if side == "input" else mats[0].shape[0]
     width = (iters + 1) * (k + max(8, k // 4))  # the Krylov span's width
     if dim <= EXPLICIT_EIGH_MAX or width >= dim:  # (a span as wide as G: eigh is cheaper)
-        A = torch.cat([W.double() if side == "input" else W.double().T for W in mats])
-        if k < A.shape[0] < dim:  # fewer stacked rows than dim: eigh of the small Gram A Aᵀ
+        rows = sum(W.shape[0] if side == "input" else W.shape[1] for W in mats)
+        if k < rows < dim:  # fewer stacked rows than dim: eigh of the small Gram A Aᵀ
+            A = torch.cat([W.double() if side == "input" else W.double().T for W in mats])
             _, U = torch.linalg.eigh(A @ A.T)
             V = A.T @ U[:, -k:].flip(1)  # G's eigenvectors, norms sqrt(eigenvalue)
             norms = V.norm(dim=0)
             if float(norms.min()) > 1e-3 * float(norms.max()):  # orthonormal to ~1e-10
                 return V / norms
-        _, V = torch.linalg.eigh(A.T @ A)  # (dim, dim), float64
+        G = torch.zeros(dim, dim, dtype=torch.float64)  # summed layer by layer: no stack
+        for W in mats:
+            Wd = W.double()
+            G += Wd.T @ Wd if side == "input" else Wd @ Wd.T
+        _, V = torch.linalg.eigh(G)  # (dim, dim), float64
         return V[:, -k:].flip(1)
     # block Krylov (float32 iterations, float64 Rayleigh-Ritz): the span of
     # [X, G X, ..., G^q X] holds the top-k subspace far better than G^q X alone

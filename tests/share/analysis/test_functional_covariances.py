@@ -128,7 +128,7 @@ def test_functional_tests_report_every_variant_with_its_own_verdict() -> None:
     cfg = AnalysisConfig()
     bar = SimpleNamespace(n=0)
     bar.update = lambda k: setattr(bar, "n", bar.n + k)
-    res = _functional_tests(W, nulls, cal, sink, list(range(layers)), "attn_in",
+    res = _functional_tests(W, lambda i: nulls[i], cal, sink, list(range(layers)), "attn_in",
                             per_side_k(W[0].shape, cfg.k_fraction), g, cfg, bar)
     assert bar.n == 3 * layers  # one root per layer and variant
     assert set(res) == set(FUNCTIONAL_KEYS.values())
@@ -145,6 +145,46 @@ def test_functional_tests_report_every_variant_with_its_own_verdict() -> None:
     M0 = functional_matrices([W[0]], [psd_sqrt(cal.second_moments[(0, "attn_in")])])[0]
     own0 = float(torch.linalg.svdvals(M0)[:5].pow(2).sum() / M0.pow(2).sum())
     assert res["functional_subspaces"]["input"]["real"]["own"][0] == pytest.approx(own0)
-    res = _functional_tests(W, nulls, cal, None, list(range(layers)), "attn_in",
+    res = _functional_tests(W, lambda i: nulls[i], cal, None, list(range(layers)), "attn_in",
                             {"input": 5, "output": 3}, g, cfg, bar)
     assert "skipped" in res["functional_subspaces_sink_excluded"]
+
+
+@pytest.mark.parametrize("out", [7, 20, 33])  # wide (roots dropped), square, tall (kept)
+def test_both_memory_routes_give_the_direct_computation(out: int) -> None:
+    """Roots kept per layer (``in ≤ out``) or applied and dropped (``in > out``): the
+    same numbers as :func:`_subspace_test` on ``W_l C_l^{1/2}`` built by hand."""
+    from structlm.share.analysis.analyze import _subspace_test
+
+    g = _gen(5)
+    d, layers = 20, 3
+    W = [torch.randn(out, d, generator=g, dtype=torch.float32) for _ in range(layers)]
+    nulls = [torch.randn(out, d, generator=g, dtype=torch.float64) for _ in range(layers)]
+    cal = Calibration(meta={})
+    for i in range(layers):
+        B = torch.randn(d, d, generator=g, dtype=torch.float64)
+        cal.second_moments[(i, "mlp_out")] = B @ B.T / d
+        cal.means[(i, "mlp_out")] = torch.randn(d, generator=g, dtype=torch.float64)
+    cfg = AnalysisConfig(sink_pass=False)
+    ks = per_side_k((out, d), cfg.k_fraction)
+    state = g.get_state()
+    bar = SimpleNamespace(update=lambda k: None)
+    res = _functional_tests(W, lambda i: nulls[i], cal, None, list(range(layers)), "mlp_out",
+                            ks, g, cfg, bar)
+    g2 = torch.Generator().set_state(state)
+    for variant in ("uncentred", "centred"):
+        roots = []
+        for i in range(layers):
+            C = cal.second_moments[(i, "mlp_out")]
+            if variant == "centred":
+                mu = cal.means[(i, "mlp_out")]
+                C = C - torch.outer(mu, mu)
+            roots.append(psd_sqrt(C, cfg.eig_floor))
+        want = _subspace_test(functional_matrices(W, roots), functional_matrices(nulls, roots),
+                              ks, (out, d), g2, cfg.thresholds, cfg.energy)
+        got = res[FUNCTIONAL_KEYS[variant]]
+        for side in ("input", "output"):
+            for kind in ("real", "null"):
+                assert got[side][kind]["score"] == pytest.approx(want[side][kind]["score"],
+                                                                 abs=1e-9)
+        assert got["verdict"] == want["verdict"]

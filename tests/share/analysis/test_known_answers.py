@@ -218,8 +218,13 @@ def test_gqa_shaped_sharing_needs_per_side_k() -> None:
     mats = [U @ torch.randn(12, 36, generator=g, dtype=torch.float64) @ V.T
             for _ in range(8)]
     ks = per_side_k(mats[0].shape, 0.25)
-    res = _subspace_test(mats, mats, ks, g, Thresholds(), 0.9)
+    state = g.get_state()
+    res = _subspace_test(mats, mats, ks, (48, 144), g, Thresholds(), 0.9)
     assert (res["k_input"], res["k_output"]) == (36, 12)
+    # matrices built on demand (a function per kind) give the same numbers
+    lazy = _subspace_test(lambda: list(mats), lambda: list(mats), ks, (48, 144),
+                          torch.Generator().set_state(state), Thresholds(), 0.9)
+    assert lazy == res
     assert res["input"]["real"]["score"] == pytest.approx(1.0, abs=1e-9)
     assert res["output"]["real"]["score"] == pytest.approx(1.0, abs=1e-9)
     assert subspace_scores(mats, 12, "input", g)["score"] < 0.7

@@ -140,23 +140,30 @@ def _alignment_test(weights: dict[int, torch.Tensor], ref: int, gen: torch.Gener
             "verdict": "lives" if lives else "fails"}
 
 
-def _subspace_test(real: list[torch.Tensor], null: list[torch.Tensor], ks: dict[str, int],
+Matrices = list[torch.Tensor] | Callable[[], list[torch.Tensor]]
+"""One matrix per layer, or a function that builds them when they are needed (so the
+real and the null matrices of a 4,864-wide type are never in memory together)."""
+
+
+def _subspace_test(real: Matrices, null: Matrices, ks: dict[str, int], shape: tuple[int, int],
                    gen: torch.Generator, th: Thresholds, energy: float) -> dict[str, Any]:
-    """Scores of ``real`` and ``null`` on both sides (``ks``: k per side) and the verdict.
+    """Scores of ``real`` and ``null`` (``shape``: each matrix's) on both sides (``ks``: k
+    per side) and the verdict.
 
     The random bases are drawn first (input side real, null; output side real, null);
-    then the real matrices' SVDs serve both sides and are freed before the null's."""
-    shape = real[0].shape
+    then the real matrices are built, their SVDs serve both sides, and both are freed
+    before the null's are built."""
     dims = {"input": int(shape[1]), "output": int(shape[0])}
     rand = {(side, kind): random_orthonormal(dims[side], ks[side], gen)
             for side in ("input", "output") for kind in ("real", "null")}
     out: dict[str, Any] = {"input": {}, "output": {}}
-    for kind, mats in (("real", real), ("null", null)):
+    for kind, make in (("real", real), ("null", null)):
+        mats = make() if callable(make) else make
         svds = [thin_svd(W) for W in mats]  # once for both sides
         for side in ("input", "output"):
             out[side][kind] = subspace_scores(mats, ks[side], side, gen, energy, svds,
                                               rand[(side, kind)])
-        del svds
+        del svds, mats
     score = float(np.mean([out[s]["real"]["score"] for s in ("input", "output")]))
     nscore = float(np.mean([out[s]["null"]["score"] for s in ("input", "output")]))
     lives = score >= th.subspace_min_score and score - nscore >= th.subspace_min_margin
@@ -182,34 +189,70 @@ def _covariance(cal: Calibration, sink: Mapping[tuple[int, str], torch.Tensor] |
                      f"{FUNCTIONAL_VARIANTS}")
 
 
-def _functional_tests(W: list[torch.Tensor], nulls: list[torch.Tensor], cal: Calibration,
-                      sink: Mapping[tuple[int, str], torch.Tensor] | None, layers: list[int],
-                      site: str, ks: dict[str, int], gen: torch.Generator,
+def _functional_tests(W: list[torch.Tensor], null: Callable[[int], torch.Tensor],
+                      cal: Calibration, sink: Mapping[tuple[int, str], torch.Tensor] | None,
+                      layers: list[int], site: str, ks: dict[str, int], gen: torch.Generator,
                       cfg: AnalysisConfig, bar: Any) -> dict[str, Any]:
     """Test 3 on every covariance variant (``sink``: the sink-excluded moments, ``None``
-    when that pass is off), one variant at a time: each layer's covariance root is
-    computed, applied to the real and the null matrix, and dropped (a 4,864-wide MLP
-    input's root is 189 MB per layer). ``bar``: anything with ``update(n)``, one per
-    layer and variant."""
+    when that pass is off), one variant at a time. ``W``: the real matrices (any float
+    dtype); ``null(i)``: the null of ``W[i]``, float64. ``bar``: anything with
+    ``update(n)``, one per layer and variant.
+
+    Memory: a root no larger than its functional matrix (``in ≤ out``) is kept for every
+    layer and the real and null matrices are built one list at a time; a wider root (a
+    4,864-wide MLP input's is 189 MB) is computed, applied to the real and the null
+    matrix, and dropped."""
     res: dict[str, Any] = {}
+    out, inn = W[0].shape
+    n = len(W)
     for variant in FUNCTIONAL_VARIANTS:
         key = FUNCTIONAL_KEYS[variant]
         if variant == "sink_excluded" and sink is None:
             res[key] = {"covariance": variant, "primary": variant == FUNCTIONAL_PRIMARY,
                         "skipped": "sink_pass is off"}
             continue
-        real, null = [], []
-        for w, n, layer in zip(W, nulls, layers, strict=True):
-            root = psd_sqrt(_covariance(cal, sink, layer, site, variant), cfg.eig_floor)
-            real += functional_matrices([w], [root])
-            null += functional_matrices([n], [root])
-            del root
+
+        def root(i: int, variant: str = variant) -> torch.Tensor:
+            r = psd_sqrt(_covariance(cal, sink, layers[i], site, variant), cfg.eig_floor)
             bar.update(1)
-        r = _subspace_test(real, null, ks, gen, cfg.thresholds, cfg.energy)
-        del real, null
-        r.update(covariance=variant, primary=variant == FUNCTIONAL_PRIMARY)
-        res[key] = r
+            return r
+
+        real: Matrices
+        nulls: Matrices
+        if inn <= out:
+            roots = [root(i) for i in range(n)]
+            real = lambda roots=roots: functional_matrices(W, roots)  # noqa: E731
+            nulls = lambda roots=roots: [null(i).double() @ roots[i]  # noqa: E731
+                                         for i in range(n)]
+        else:
+            real, nulls = [], []
+            for i in range(n):
+                r = root(i)
+                real += functional_matrices([W[i]], [r])
+                nulls.append(null(i) @ r)
+                del r
+        s = _subspace_test(real, nulls, ks, (out, inn), gen, cfg.thresholds, cfg.energy)
+        del real, nulls
+        s.update(covariance=variant, primary=variant == FUNCTIONAL_PRIMARY)
+        res[key] = s
     return res
+
+
+def _null_maker(W: list[torch.Tensor], gen: torch.Generator) -> Callable[[int], torch.Tensor]:
+    """Gaussian nulls of ``W`` scaled to each matrix's norm, drawn from ``gen`` now (it
+    advances exactly as if they were kept) but not kept: ``null(i)`` draws ``W[i]``'s
+    again from the generator state recorded before it (float64; 24 of Qwen2.5's
+    9,728 × 896 MLP-in would be 1.7 GB)."""
+    states = []
+    for w in W:
+        states.append(gen.get_state())
+        torch.randn(w.shape, generator=gen, dtype=torch.float64)
+
+    def null(i: int) -> torch.Tensor:
+        g = torch.Generator().set_state(states[i])
+        x = torch.randn(W[i].shape, generator=g, dtype=torch.float64)
+        return x * (W[i].double().norm() / x.norm())
+    return null
 
 
 def _resumable_alignment(log: StepLog, t: MatrixType, weights: dict[int, torch.Tensor],
@@ -387,18 +430,18 @@ def _run_analysis_locked(cfg: AnalysisConfig, out: Path, t0: float, progress: bo
                unit="root", disable=not progress)
     for t in types:
         def subspaces(t: MatrixType = t) -> dict[str, Any]:
-            W = [weights[t][i].double() for i in layers]
-            nulls = []
-            for w in W:
-                g = torch.randn(w.shape, generator=gen, dtype=torch.float64)
-                nulls.append(g * (w.norm() / g.norm()))
-            ks = per_side_k(W[0].shape, cfg.k_fraction)
-            res = {"weight_subspaces": _subspace_test(W, nulls, ks, gen, cfg.thresholds,
-                                                      cfg.energy)}
-            res.update(_functional_tests(W, nulls, cal, sink, layers, SITE_OF[t], ks, gen,
+            W = [weights[t][i] for i in layers]  # as loaded; float64 when used
+            null = _null_maker(W, gen)
+            shape = (int(W[0].shape[0]), int(W[0].shape[1]))
+            ks = per_side_k(shape, cfg.k_fraction)
+            res = {"weight_subspaces": _subspace_test(
+                lambda: [w.double() for w in W], lambda: [null(i) for i in range(len(W))],
+                ks, shape, gen, cfg.thresholds, cfg.energy)}
+            res.update(_functional_tests(W, null, cal, sink, layers, SITE_OF[t], ks, gen,
                                          cfg, bar))
             return res
         results["tests"][t.value].update(step(f"subspaces:{t.value}", subspaces))
+        del weights[t]  # the type is done: its matrices need not stay
     bar.close()
     t_roles = time.time()
     if set(types) == set(MATRIX_TYPES):
