@@ -25,10 +25,13 @@ class _Loaded:
         self.model, self.tokenizer, self.model_id, self.note = model, None, "tiny-llama", ""
 
 
-def test_run_analysis_on_a_tiny_llama(tmp_path, monkeypatch) -> None:
-    model = tiny_llama(seed=2)
+def _prepare_tiny(monkeypatch, tmp_path, seed: int, windows: int, token_seed: int) -> None:
+    """``analyze.prepare`` replaced by a tiny random LLaMA (``seed``) calibrated on
+    ``windows`` windows of 32 random tokens; no evaluation text."""
+    model = tiny_llama(seed=seed)
     adapter = get_adapter(model)
-    tokens = torch.randint(0, 89, (8 * 32,), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 89, (windows * 32,),
+                           generator=torch.Generator().manual_seed(token_seed))
 
     def fake_prepare(*_a: Any, **_k: Any) -> SimpleNamespace:
         cal = calibrate(adapter, tokens, seq_len=32, batch_size=4, progress=False,
@@ -38,6 +41,10 @@ def test_run_analysis_on_a_tiny_llama(tmp_path, monkeypatch) -> None:
                                calib_ids=tokens, eval_ids={}, calibration=cal)
 
     monkeypatch.setattr(analyze, "prepare", fake_prepare)
+
+
+def test_run_analysis_on_a_tiny_llama(tmp_path, monkeypatch) -> None:
+    _prepare_tiny(monkeypatch, tmp_path, seed=2, windows=8, token_seed=0)
     cfg = analyze.AnalysisConfig(seq_len=32, batch_size=4, eval_tokens=0, permutations=10,
                                  second_corpus="")
     res = analyze.run_analysis(cfg, tmp_path / "out", progress=False)
@@ -108,18 +115,7 @@ def test_an_interrupted_analysis_resumes_to_the_uninterrupted_numbers(tmp_path,
 
     from structlm.share.analysis.steps import StepLogMismatchError
 
-    model = tiny_llama(seed=3)
-    adapter = get_adapter(model)
-    tokens = torch.randint(0, 89, (6 * 32,), generator=torch.Generator().manual_seed(1))
-
-    def fake_prepare(*_a: Any, **_k: Any) -> SimpleNamespace:
-        cal = calibrate(adapter, tokens, seq_len=32, batch_size=4, progress=False,
-                        meta={"model": "tiny-llama", "corpus": "synthetic"})
-        cal.meta["path"] = str(tmp_path / "cal.safetensors")
-        return SimpleNamespace(loaded=_Loaded(model), adapter=adapter, split=_Split(),
-                               calib_ids=tokens, eval_ids={}, calibration=cal)
-
-    monkeypatch.setattr(analyze, "prepare", fake_prepare)
+    _prepare_tiny(monkeypatch, tmp_path, seed=3, windows=6, token_seed=1)
     cfg = analyze.AnalysisConfig(seq_len=32, batch_size=4, eval_tokens=0, permutations=10,
                                  second_corpus="")
     whole = analyze.run_analysis(cfg, tmp_path / "whole", progress=False)

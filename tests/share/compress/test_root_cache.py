@@ -44,6 +44,15 @@ def test_roots_are_keyed_on_content_and_stored_for_wide_inputs(tmp_path) -> None
     assert fresh.computed == 1
 
 
+def test_bad_arguments_are_refused() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="store_min_dim=0"):
+        RootCache(1e-6, store_min_dim=0)
+    with pytest.raises(ValueError, match="floor=-1"):
+        RootCache(-1.0)
+
+
 def test_memory_holds_at_most_its_budget_least_recent_dropped_first() -> None:
     Cs = [_moment(20, s) for s in range(4)]
     one = 2 * 20 * 20 * 8  # the two roots of one moment, bytes

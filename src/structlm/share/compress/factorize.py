@@ -56,6 +56,10 @@ class RootCache:
 
     def __init__(self, floor: float, store: str | Path | None = None,
                  memory_bytes: int = 2 << 30, store_min_dim: int = 2048) -> None:
+        if not floor >= 0 or memory_bytes < 0 or store_min_dim < 1:
+            raise ValueError(f"RootCache needs floor >= 0, memory_bytes >= 0 and "
+                             f"store_min_dim >= 1, got floor={floor}, memory_bytes="
+                             f"{memory_bytes}, store_min_dim={store_min_dim}")
         self.floor = floor
         self.store = None if store is None else Path(store)
         self.memory_bytes = memory_bytes
