@@ -5,12 +5,14 @@ from __future__ import annotations
 import csv
 import json
 import os
+from fractions import Fraction
 
 import pytest
 
 from structlm.bench.layer import LayerBenchConfig, run_layer_bench
 from structlm.cli import main
 
+Q_OF = {"Q2": 2, "Q2^2": 4}
 INFO_KEYS = {"name", "dim", "t", "rank_lower_bound", "explicit_products", "exact_rank",
              "rank_interval", "mac_ratio", "associative", "has_unit"}
 
@@ -58,6 +60,23 @@ def test_layer_bench_writes_csv_md_png(tmp_path: os.PathLike[str]) -> None:
     block_m8 = next(r for r in read if r["schedule"] == "block" and r["M"] == "8")
     assert block_m8["types_present"] == "1" and block_m8["rho"] in {"3/4", "9/16"}
     assert "| fwd | 8 | 32×16 |" in open(prefix + ".md").read()
+    # the memory floor: one type reads rho of the weight, every type together all of it
+    for r in read:
+        m, k, n = int(r["M"]), int(r["K"]), int(r["N"])
+        passes = 1 if r["mode"] == "fwd" else 3
+        assert int(r["dense_bytes"]) == passes * 4 * (k * n + m * k + m * n)
+        if r["types_present"] == "1":
+            used = Fraction(r["rho"]) * k * n
+        else:
+            assert int(r["types_present"]) == Q_OF[r["algebra"]]
+            used = k * n  # every block of Q2 / Q2^2 is used by some type
+        assert int(r["algebra_bytes"]) == passes * 4 * (used + m * k + m * n)
+        assert float(r["roofline_ideal"]) == min(float(r["ideal"]), float(r["bytes_ideal"]))
+        stream = float(r["stream_read_gbps"])
+        assert stream > 0 and float(r["algebra_gbps"]) > 0
+        for arm in ("dense", "algebra"):
+            pct = 100 * float(r[f"{arm}_gbps"]) / stream
+            assert abs(float(r[f"{arm}_pct_of_stream"]) - pct) <= 0.05 + 1e-3 * pct
     assert os.path.getsize(prefix + ".png") > 1000
     # the dense arm is the fastest dense path of the run: at M = 1 forward the project's
     # dense few-row kernel competes with F.linear (when built), never slower than F.linear

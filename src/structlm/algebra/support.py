@@ -76,6 +76,21 @@ class LayerSupport:
         """``(q, q)`` bool: blocks ``(beta, delta)`` used by at least one type."""
         return self.mask.any(axis=0)
 
+    def weight_elements(self, present: Sequence[int], in_widths: Sequence[int],
+                        out_widths: Sequence[int]) -> int:
+        """Weight elements a call whose rows have the types ``present`` must read: the
+        union of the blocks those types use (all of them once every type occurs)."""
+        s = np.asarray(in_widths, dtype=np.int64)
+        r = np.asarray(out_widths, dtype=np.int64)
+        self._check_widths(s, r)
+        bad = [a for a in present if not 0 <= int(a) < self.q]
+        if bad:
+            raise AlgebraError(f"types {bad} out of range for q={self.q}")
+        if len(present) == 0:
+            return 0
+        union = self.mask[np.asarray(list(present), dtype=np.int64)].any(axis=0)
+        return int((union * np.outer(s, r)).sum())
+
     def row_macs(self, in_widths: Sequence[int], out_widths: Sequence[int]) -> list[int]:
         """MACs of one row of each type: ``C_alpha = sum S s_beta r_delta``."""
         s = np.asarray(in_widths, dtype=np.int64)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["gguf_bytes_per_token", "stream_read_gbps"]
+__all__ = ["absolute_columns", "add_stream_columns", "call_bytes", "gguf_bytes_per_token",
+           "stream_read_gbps"]
 
 
 def stream_read_gbps(nbytes: int = 256 << 20, trials: int = 7) -> float:
@@ -48,3 +49,40 @@ def gguf_bytes_per_token(path: Path) -> int:
         rows = int(embed.shape[-1])  # GGUF shapes are (cols, rows)
         total -= int(embed.n_bytes) - int(embed.n_bytes) // rows
     return total
+
+
+def call_bytes(weight_elements: int, m: int, k: int, n: int, mode: str,
+               element_size: int = 4) -> int:
+    """Bytes one call must move at least: the weight elements it uses, the input ``(M, K)``
+    and the output ``(M, N)``; a forward + backward ``fwdbwd`` three times that (the
+    forward; the input gradient reads the weight and the output gradient; the weight
+    gradient reads the input and the output gradient and writes the weight's shape)."""
+    if mode not in ("fwd", "fwdbwd"):
+        raise ValueError(f"unknown mode {mode!r}: expected 'fwd' or 'fwdbwd'")
+    once = (weight_elements + m * k + m * n) * element_size
+    return once if mode == "fwd" else 3 * once
+
+
+def absolute_columns(dense_bytes: int, algebra_bytes: int, mac_ideal: float,
+                     dense_s: float, algebra_s: float) -> dict[str, float | int]:
+    """The per-row columns of the memory floor: bytes of each arm, the bytes ideal
+    (dense/algebra bytes), the roofline ideal (the tighter of the MAC and bytes ideals:
+    a call bound by either cannot beat it) and each arm's achieved GB/s."""
+    bytes_ideal = dense_bytes / algebra_bytes
+    return {"dense_bytes": dense_bytes, "algebra_bytes": algebra_bytes,
+            "bytes_ideal": round(bytes_ideal, 4),
+            "roofline_ideal": round(min(mac_ideal, bytes_ideal), 4),
+            "dense_gbps": round(dense_bytes / dense_s / 1e9, 3),
+            "algebra_gbps": round(algebra_bytes / algebra_s / 1e9, 3)}
+
+
+def add_stream_columns(rows: list[dict[str, object]], stream_gbps: list[float]) -> None:
+    """Add the stream read bandwidth measured in the run (mean of ``stream_gbps``, e.g.
+    before and after) and each arm's share of it to rows holding ``dense_gbps`` /
+    ``algebra_gbps``, in place."""
+    floor = statistics.mean(stream_gbps)
+    for r in rows:
+        r["stream_read_gbps"] = round(floor, 2)
+        r["stream_read_gbps_before_after"] = ";".join(f"{g:.2f}" for g in stream_gbps)
+        for arm in ("dense", "algebra"):
+            r[f"{arm}_pct_of_stream"] = round(100 * float(r[f"{arm}_gbps"]) / floor, 1)

@@ -139,9 +139,8 @@ def ideal_decode_speedup(cfg: Any, context: float) -> float:
 def _bytes_per_token(models: dict[str, Any], name: str, context: float) -> Fraction:
     """Bytes one decode token of arm ``name`` reads: its weights and KV cache (a llama.cpp
     arm: its GGUF's stored bytes and a float16 KV cache, llama.cpp's default)."""
-    from structlm.hf.macs import decode_bytes_per_token, kv_cache_bytes_per_token
-
     from structlm.bench.llamacpp import LlamaCppLM
+    from structlm.hf.macs import decode_bytes_per_token, kv_cache_bytes_per_token
 
     model = models[name]
     if isinstance(model, LlamaCppLM):

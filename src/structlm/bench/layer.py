@@ -26,6 +26,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from structlm.bench.bandwidth import (
+    absolute_columns,
+    add_stream_columns,
+    call_bytes,
+    stream_read_gbps,
+)
 from structlm.bench.swiglu_block import time_swiglu_block
 from structlm.bench.timing import (
     DENSE_ARM_KERNEL_MAX_ROWS,
@@ -181,6 +187,9 @@ def _time_one(cfg: LayerBenchConfig, m: int, k: int, n: int, algebra: str, sched
     t_dense = times[dense_path]
     rho = layer.mac_ratio(types)
     speedup = t_dense / t_alg
+    used = layer.support.weight_elements(part.present, layer.in_widths, layer.out_widths)
+    floor = absolute_columns(call_bytes(k * n, m, k, n, mode), call_bytes(used, m, k, n, mode),
+                             1 / float(rho), t_dense, t_alg)
     return {
         "kind": "linear", "algebra": algebra, "q": layer.q, "schedule": schedule, "mode": mode,
         "M": m, "K": k, "N": n, "dtype": "float32", "dense_path": dense_path,
@@ -190,7 +199,7 @@ def _time_one(cfg: LayerBenchConfig, m: int, k: int, n: int, algebra: str, sched
         "frac_of_ideal": round(speedup * float(rho), 4), "rho": str(rho),
         "types_present": len(part.present), "flushed": flushed,
         "layout": _route_taken(algebra_fn),
-        "partition_us": round(partition_us, 1), "trials": cfg.trials,
+        "partition_us": round(partition_us, 1), "trials": cfg.trials, **floor,
     }
 
 
@@ -207,6 +216,7 @@ def run_layer_bench(cfg: LayerBenchConfig, out_prefix: str, progress: bool = Tru
              for a in cfg.algebras for s in cfg.schedules for mode in cfg.modes]
     rows: list[dict[str, object]] = []
     os.makedirs(os.path.dirname(os.path.abspath(out_prefix)), exist_ok=True)
+    stream = [stream_read_gbps()]  # the memory floor of this run, before and after
     bar = tqdm(grid, desc="layer bench", disable=not progress, unit="cfg")
     for kind, m, k, n, a, s, mode in bar:
         bar.set_postfix_str(f"{kind} M={m} {k}x{n} {a} {s} {mode}")
@@ -216,7 +226,11 @@ def run_layer_bench(cfg: LayerBenchConfig, out_prefix: str, progress: bool = Tru
         else:
             row = _time_one(cfg, m, k, n, a, s, mode, flusher)
         rows.append({**row, **{f"env_{key}": v for key, v in env.items()}})
+        add_stream_columns(rows[-1:], stream)
         write_csv_atomic(out_prefix + ".csv", rows)  # partial results survive a stop
+    stream.append(stream_read_gbps())
+    add_stream_columns(rows, stream)
+    write_csv_atomic(out_prefix + ".csv", rows)
     md = markdown_from_csv(out_prefix + ".csv")
     with open(out_prefix + ".md.tmp", "w") as fh:
         fh.write(md)
@@ -245,9 +259,16 @@ def markdown_from_csv(csv_path: str) -> str:
              "SwiGLU rows time the whole FFN block (gate, up, activation, down; K×N = D×F), "
              "the dense arm the fastest of three `F.linear`s, gate+up fused into one, and "
              "(a few rows, forward) the compiled SwiGLU kernel.", "",
+             "Memory floor: the bytes each call must read and write (the weight blocks its "
+             "rows' types use, the input and the output); bytes ideal = dense/algebra "
+             "bytes; roofline = the tighter of 1/ρ and the bytes ideal; GB/s achieved and "
+             "its share of the stream read bandwidth measured in the same run"
+             + (f" ({rows[0]['stream_read_gbps']} GB/s)" if rows[0].get("stream_read_gbps")
+                else "") + ".", "",
              "| mode | M | K×N | algebra | schedule | dense path | dense ms | algebra ms | "
-             "speed-up | ideal 1/ρ | % of ideal | layout |",
-             "|---|---:|---|---|---|---|---:|---:|---:|---:|---:|---|"]
+             "speed-up | ideal 1/ρ | % of ideal | roofline | dense GB/s (% stream) | "
+             "algebra GB/s (% stream) | layout |",
+             "|---|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         flush = " (flushed)" if r["flushed"] == "True" else ""
         frac = float(r["frac_of_ideal"])
@@ -258,8 +279,17 @@ def markdown_from_csv(csv_path: str) -> str:
             f"{r['schedule']} | {r.get('dense_path', 'F.linear')} | "
             f"{float(r['dense_ms']):.3f} | {float(r['algebra_ms']):.3f} | "
             f"{float(r['speedup']):.2f}× | {float(r['ideal']):.2f}× | "
-            f"{100 * frac:.0f}%{mark} | {r['layout']} |")
+            f"{100 * frac:.0f}%{mark} | {_floor_cells(r)} | {r['layout']} |")
     return "\n".join(lines) + "\n"
+
+
+def _floor_cells(r: dict[str, str]) -> str:
+    """The roofline and GB/s cells of a row (dashes for a CSV written without them)."""
+    if not r.get("roofline_ideal"):
+        return "— | — | —"
+    return (f"{float(r['roofline_ideal']):.2f}× | {float(r['dense_gbps']):.1f} "
+            f"({float(r['dense_pct_of_stream']):.0f}%) | {float(r['algebra_gbps']):.1f} "
+            f"({float(r['algebra_pct_of_stream']):.0f}%)")
 
 
 def plot_from_csv(csv_path: str, png_path: str) -> None:

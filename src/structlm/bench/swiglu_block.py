@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from structlm.bench.bandwidth import absolute_columns, call_bytes
 from structlm.bench.timing import DENSE_ARM_KERNEL_MAX_ROWS, CacheFlusher, interleaved_medians
 from structlm.models import config_from_preset
 from structlm.models.modeling_structlm import StructLMMLP
@@ -113,6 +114,11 @@ def time_swiglu_block(m: int, d: int, f: int, algebra: str, schedule: str, mode:
     else:  # the projections' routes (a trained weight never takes the kernel)
         layout = "/".join(sorted({r.decision.route.value for r in records
                                   if type(r.call) is AlgebraCall}))
+    used = sum(lin.support.weight_elements(part.present, lin.in_widths, lin.out_widths)
+               for lin in (mlp.gate, mlp.up, mlp.down))
+    # weights, the input and the output (the (M, F) intermediates are left out)
+    floor = absolute_columns(call_bytes(3 * d * f, m, d, d, mode),
+                             call_bytes(used, m, d, d, mode), 1 / float(rho), t_dense, t_alg)
     return {
         "kind": "swiglu", "algebra": algebra, "q": q, "schedule": schedule, "mode": mode,
         "M": m, "K": d, "N": f, "dtype": "float32", "dense_path": dense_path,
@@ -121,5 +127,5 @@ def time_swiglu_block(m: int, d: int, f: int, algebra: str, schedule: str, mode:
         "speedup": round(speedup, 4), "ideal": round(1 / float(rho), 4),
         "frac_of_ideal": round(speedup * float(rho), 4), "rho": str(rho),
         "types_present": len(part.present), "flushed": flushed, "layout": layout,
-        "partition_us": round(partition_us, 1), "trials": trials,
+        "partition_us": round(partition_us, 1), "trials": trials, **floor,
     }
