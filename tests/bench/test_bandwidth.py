@@ -73,3 +73,27 @@ def test_gguf_bytes_of_the_tied_smollm2_file_are_all_its_tensors() -> None:
     total = gguf_bytes_per_token(path)
     assert total == sum(int(t.n_bytes) for t in tensors)
     assert 0.9 * path.stat().st_size < total < path.stat().st_size
+
+
+def test_gemm_peak_is_positive_and_refuses_tiny_products() -> None:
+    from structlm.bench.bandwidth import gemm_peak_gflops
+
+    assert 0.01 < gemm_peak_gflops(128, trials=2) < 1e6
+    with pytest.raises(ValueError, match="n >= 64"):
+        gemm_peak_gflops(8)
+
+
+def test_call_bytes_and_absolute_columns() -> None:
+    from structlm.bench.bandwidth import absolute_columns, add_stream_columns, call_bytes
+
+    assert call_bytes(100, 2, 10, 5, "fwd") == (100 + 20 + 10) * 4
+    assert call_bytes(100, 2, 10, 5, "fwdbwd") == 3 * (100 + 20 + 10) * 4
+    with pytest.raises(ValueError, match="mode"):
+        call_bytes(100, 2, 10, 5, "bwd")
+    cols = absolute_columns(4000, 1000, 1.5, 2e-6, 1e-6)
+    assert cols["bytes_ideal"] == 4.0 and cols["roofline_ideal"] == 1.5  # the tighter
+    assert cols["dense_gbps"] == 2.0 and cols["algebra_gbps"] == 1.0
+    rows = [dict(cols)]
+    add_stream_columns(rows, [3.0, 5.0])
+    assert rows[0]["stream_read_gbps"] == 4.0 and rows[0]["dense_pct_of_stream"] == 50.0
+    assert rows[0]["stream_read_gbps_before_after"] == "3.00;5.00"

@@ -81,6 +81,26 @@ def test_measure_rows_and_outputs(models, tmp_path) -> None:
         for key in ("original", "compressed", "speedup", "original_tok_s", "compressed_tok_s"):
             assert math.isfinite(float(r[key])) and float(r[key]) > 0, (key, r)
         assert r["unit"] == ("s_per_call" if r["phase"] == "prefill" else "s_per_token")
+    # the memory floor of decode rows: bytes per step (weights once, KV per sequence)
+    from structlm.hf.macs import decode_bytes_per_token, kv_cache_bytes_per_token
+
+    context = cfg.prompt_len + cfg.decode_tokens / 2
+    for r in lat:
+        assert r["stream_read_gbps"] > 0
+        if r["phase"] == "prefill":
+            assert r["original_gbps"] == "" and r["compressed_pct_of_stream"] == ""
+            continue
+        for arm, model in (("original", original), ("compressed", compressed)):
+            step = int(decode_bytes_per_token(model, context)
+                       + (r["batch"] - 1) * kv_cache_bytes_per_token(model, context, 4))
+            assert r[f"{arm}_bytes_per_step"] == step
+            assert r[f"{arm}_gbps"] == round(step / r[arm] / 1e9, 3)
+            assert r[f"{arm}_pct_of_stream"] >= 0
+        # the same weights as the memory rows' count (KV, norms, embedding row equal)
+        from structlm.bench.share import weights_read_per_token
+
+        assert (r["original_bytes_per_step"] - r["compressed_bytes_per_step"]
+                == 4 * (weights_read_per_token(original) - weights_read_per_token(compressed)))
     mem = {r["item"]: r for r in rows if r["phase"] == "memory"}
     assert mem["parameter_bytes"]["compressed"] < mem["parameter_bytes"]["original"]
     mat = mem["compressed_matrices_bytes"]
@@ -96,6 +116,7 @@ def test_measure_rows_and_outputs(models, tmp_path) -> None:
         assert len(list(csv.DictReader(fh))) == len(rows)
     md = open(prefix + ".md").read()
     assert "| decode | 3 |" in md and "KV cache" in md and "Environment:" in md
+    assert "% of the stream read bandwidth" in md
     assert ("compressed model is slower" in md) == any(r["speedup"] < 1 for r in lat)
     assert os.path.getsize(prefix + ".png") > 1000
 

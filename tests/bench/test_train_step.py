@@ -40,6 +40,14 @@ def test_tiny_bench_train_writes_rows(tmp_path) -> None:
     with open(tmp_path / "t.csv") as fh:
         assert next(csv.DictReader(fh))["env_threads"]
     assert "% of ideal" in (tmp_path / "t.md").read_text()
+    r = rows[0]  # the compute ceiling: achieved GFLOP/s against the GEMM rate of the run
+    for arm in ("dense", "algebra"):
+        flops = 2 * r[f"{arm}_train_macs_per_token"] * r["tokens_per_step"]
+        assert r[f"{arm}_gflops"] == pytest.approx(flops / (r[f"{arm}_ms"] / 1e3) / 1e9,
+                                                   rel=0.01, abs=0.01)
+        assert r[f"{arm}_pct_of_peak"] == pytest.approx(
+            100 * r[f"{arm}_gflops"] / r["gemm_peak_gflops"], abs=0.06)
+    assert r["gemm_peak_gflops"] > 0 and "% of GEMM" in (tmp_path / "t.md").read_text()
 
 
 def test_bench_train_cli_and_bad_input(tmp_path, capsys) -> None:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["absolute_columns", "add_stream_columns", "call_bytes", "gguf_bytes_per_token",
-           "stream_read_gbps"]
+__all__ = ["absolute_columns", "add_stream_columns", "call_bytes", "gemm_peak_gflops",
+           "gguf_bytes_per_token", "stream_read_gbps"]
 
 
 def stream_read_gbps(nbytes: int = 256 << 20, trials: int = 7) -> float:
@@ -86,3 +86,20 @@ def add_stream_columns(rows: list[dict[str, object]], stream_gbps: list[float]) 
         r["stream_read_gbps_before_after"] = ";".join(f"{g:.2f}" for g in stream_gbps)
         for arm in ("dense", "algebra"):
             r[f"{arm}_pct_of_stream"] = round(100 * float(r[f"{arm}_gbps"]) / floor, 1)
+
+
+def gemm_peak_gflops(n: int = 1024, trials: int = 5) -> float:
+    """Median GFLOP/s (``2 n³`` per call) of a float32 ``n × n`` matrix product with torch's
+    current threads: the compute ceiling a compute-bound step is judged against."""
+    if n < 64 or trials < 1:
+        raise ValueError(f"gemm_peak_gflops needs n >= 64 and trials >= 1, got n={n}, "
+                         f"trials={trials}")
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
+    torch.mm(a, b)  # warm-up
+    rates = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        rates.append(2 * n**3 / (time.perf_counter() - t0) / 1e9)
+    return statistics.median(rates)

@@ -42,6 +42,7 @@ from typing import Annotated, Any
 import torch
 from tqdm import tqdm
 
+from structlm.bench.bandwidth import stream_read_gbps
 from structlm.bench.greedy import decode_steps, greedy_decode, prefill
 from structlm.bench.timing import environment, interleaved_medians, write_csv_atomic
 from structlm.config import ConfigError, Distinct, NonEmpty, Range, validated
@@ -169,6 +170,7 @@ def measure(original: Any, compressed: Any, ids: torch.Tensor, cfg: ShareBenchCo
             "unit": "", "memory_ratio": "", "speedup": "", "ideal_speedup": "",
             "original_tok_s": "",
             "compressed_tok_s": "", "trials": cfg.trials,
+            **_decode_floor([], "memory", 0, cfg, 0.0, 0.0),
             **{f"env_{k}": v for k, v in environment().items()}}
     (po, bo), (pc, bc) = unique_parameters(original), unique_parameters(compressed)
     mem = [("parameters", po, pc, "count"), ("parameter_bytes", bo, bc, "bytes")]
@@ -182,6 +184,7 @@ def measure(original: Any, compressed: Any, ids: torch.Tensor, cfg: ShareBenchCo
              "unit": unit, "memory_ratio": round(o / max(c, 1), 4)} for item, o, c, unit in mem]
     ideal = round(read_o / read_c, 4)
     models = [original, compressed]
+    stream = [stream_read_gbps()]  # the memory floor, before and after the timed rows
     grid = [(phase, b) for b in cfg.batches for phase in ("prefill", "decode")]
     for phase, b in tqdm(grid, desc="share bench", disable=not progress, unit="meas"):
         x = ids[: b * cfg.prompt_len].view(b, cfg.prompt_len)  # (B, T)
@@ -196,8 +199,38 @@ def measure(original: Any, compressed: Any, ids: torch.Tensor, cfg: ShareBenchCo
         rows.append({**base, "phase": phase, "batch": b, "original": t_o, "compressed": t_c,
                      "unit": unit, "speedup": round(t_o / t_c, 4), "ideal_speedup": ideal,
                      "original_tok_s": round(tokens / t_o, 2),
-                     "compressed_tok_s": round(tokens / t_c, 2)})
+                     "compressed_tok_s": round(tokens / t_c, 2),
+                     **_decode_floor(models, phase, b, cfg, t_o, t_c)})
+    stream.append(stream_read_gbps())
+    for r in rows:
+        r["stream_read_gbps"] = round(statistics.mean(stream), 2)
+        r["stream_read_gbps_before_after"] = ";".join(f"{g:.2f}" for g in stream)
+        for arm in ("original", "compressed"):
+            gbps = r.get(f"{arm}_gbps", "")
+            r[f"{arm}_pct_of_stream"] = (round(100 * gbps / r["stream_read_gbps"], 1)
+                                         if gbps != "" else "")
     return rows
+
+
+def _decode_floor(models: Sequence[Any], phase: str, batch: int, cfg: ShareBenchConfig,
+                  t_o: float, t_c: float) -> dict[str, Any]:
+    """A decode row's bytes per step (the weights each module reads once, the KV cache of
+    every sequence at the mean context) and GB/s of both models; blank for prefill rows
+    (compute-bound: their floor is not the bytes)."""
+    if phase != "decode":  # (also the blank columns of the memory rows)
+        return {"original_bytes_per_step": "", "compressed_bytes_per_step": "",
+                "original_gbps": "", "compressed_gbps": ""}
+    from structlm.hf.macs import decode_bytes_per_token, kv_cache_bytes_per_token
+
+    context = cfg.prompt_len + cfg.decode_tokens / 2
+    out: dict[str, Any] = {}
+    for arm, model, t in zip(("original", "compressed"), models, (t_o, t_c), strict=True):
+        size = next(model.parameters()).element_size()
+        step = int(decode_bytes_per_token(model, context)
+                   + (batch - 1) * kv_cache_bytes_per_token(model, context, size))
+        out[f"{arm}_bytes_per_step"] = step
+        out[f"{arm}_gbps"] = round(step / t / 1e9, 3)
+    return out
 
 
 def _read(csv_path: str) -> list[dict[str, str]]:
@@ -207,6 +240,15 @@ def _read(csv_path: str) -> list[dict[str, str]]:
 
 def _amount(value: str, unit: str) -> str:
     return f"{float(value) / 2**20:.2f} MiB" if unit == "bytes" else f"{int(float(value)):,}"
+
+
+def _gbps_cell(r: dict[str, str]) -> str:
+    """``a → b (x% → y%)`` for a decode row; a dash for prefill rows and older CSVs."""
+    if not r.get("original_gbps"):
+        return "—"
+    return (f"{float(r['original_gbps']):.1f} → {float(r['compressed_gbps']):.1f} "
+            f"({float(r['original_pct_of_stream']):.0f}% → "
+            f"{float(r['compressed_pct_of_stream']):.0f}%)")
 
 
 def markdown_from_csv(csv_path: str) -> str:
@@ -243,7 +285,8 @@ def markdown_from_csv(csv_path: str) -> str:
                   "file-backed pages (memory-mapped safetensors weights: page cache, "
                   "reclaimable and shared between processes)."]
     lines += ["", "| phase | batch | original ms | compressed ms | per | tokens/s orig → comp | "
-              "speed-up | ideal |", "|---|---:|---:|---:|---|---:|---:|---:|"]
+              "speed-up | ideal | GB/s orig → comp (% of stream) |",
+              "|---|---:|---:|---:|---|---:|---:|---:|---:|"]
     slower = []
     for r in (r for r in rows if r["phase"] in ("prefill", "decode")):
         sp = float(r["speedup"])
@@ -251,7 +294,7 @@ def markdown_from_csv(csv_path: str) -> str:
         lines.append(f"| {r['phase']} | {r['batch']} | {float(r['original']) * 1e3:.3f} | "
                      f"{float(r['compressed']) * 1e3:.3f} | {per} | "
                      f"{float(r['original_tok_s']):.1f} → {float(r['compressed_tok_s']):.1f} | "
-                     f"{sp:.3f}× | {float(r['ideal_speedup']):.3f}× |")
+                     f"{sp:.3f}× | {float(r['ideal_speedup']):.3f}× | {_gbps_cell(r)} |")
         if sp < 1:
             slower.append(f"{r['phase']} at batch {r['batch']} ({sp:.2f}×)")
     verdict = ("**The compressed model is slower** (speed-up < 1) for " + ", ".join(slower)
@@ -261,7 +304,11 @@ def markdown_from_csv(csv_path: str) -> str:
               "ideal = weights read per token, original / compressed (a speed-up above it "
               "would mean an unfair baseline). Both models run on the project's fastest "
               "dense path (the compiled few-row kernel at cached decode, `F.linear` "
-              "otherwise), the compressed model's factor products included. " + verdict]
+              "otherwise), the compressed model's factor products included. GB/s = bytes "
+              "per decode step (weights read once, the KV cache of every sequence at the mean "
+              "context) / time; % of the stream read bandwidth measured in the same run"
+              + (f" ({r0['stream_read_gbps']} GB/s)" if r0.get("stream_read_gbps") else "")
+              + ". " + verdict]
     return "\n".join(lines) + "\n"
 
 

@@ -18,6 +18,7 @@ environment, Markdown from the CSV.
 from __future__ import annotations
 
 import os
+import statistics
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Annotated, Any
@@ -25,6 +26,7 @@ from typing import Annotated, Any
 import torch
 from tqdm import tqdm
 
+from structlm.bench.bandwidth import gemm_peak_gflops
 from structlm.bench.timing import (
     environment,
     environment_line,
@@ -167,7 +169,9 @@ def _one(cfg: TrainBenchConfig) -> dict[str, Any]:
             "frac_of_ideal": round(speedup / ideal, 4),
             "dense_train_macs_per_token": int(macs["dense"]),
             "algebra_train_macs_per_token": int(macs["algebra"]),
-            "trials": cfg.trials, "threads": cfg.threads}
+            "trials": cfg.trials, "threads": cfg.threads,
+            **{f"{a}_gflops": round(2 * float(macs[a]) * tokens / t / 1e9, 2)
+               for a, t in (("dense", t_dense), ("algebra", t_alg))}}
 
 
 def run_train_bench(cfgs: list[TrainBenchConfig], out_prefix: str, progress: bool = True
@@ -175,9 +179,18 @@ def run_train_bench(cfgs: list[TrainBenchConfig], out_prefix: str, progress: boo
     """Time every configuration; writes ``<out_prefix>.csv`` and ``.md``; the rows."""
     env = {f"env_{k}": v for k, v in environment().items()}
     os.makedirs(os.path.dirname(os.path.abspath(out_prefix)), exist_ok=True)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    peaks: list[float] = []
     for cfg in tqdm(cfgs, desc="bench train", disable=not progress, unit="cfg"):
-        rows.append({**_one(cfg), **env})
+        torch.set_num_threads(cfg.threads)
+        peaks.append(gemm_peak_gflops())  # the compute ceiling, measured beside each row
+        row = {**_one(cfg), **env}
+        peaks.append(gemm_peak_gflops())
+        row["gemm_peak_gflops"] = round(statistics.mean(peaks[-2:]), 1)
+        for arm in ("dense", "algebra"):
+            row[f"{arm}_pct_of_peak"] = round(100 * row[f"{arm}_gflops"]
+                                              / row["gemm_peak_gflops"], 1)
+        rows.append(row)
         write_csv_atomic(out_prefix + ".csv", rows)  # partial results survive a stop
     tmp = out_prefix + ".md.tmp"
     with open(tmp, "w") as fh:
@@ -195,14 +208,21 @@ def markdown_from_csv(csv_path: str) -> str:
              "One training step (forward, backward, clip, AdamW), dense and algebra model of "
              "the same preset, interleaved rounds, medians. Ideal = training MACs per token, "
              "dense / algebra (an upper bound: norms, activations and the optimiser are "
-             "not counted).", "",
+             "not counted). A training step at these sizes is compute-bound: its ceiling is "
+             "the float32 GEMM rate measured beside each row (1024³ `torch.mm`, median of 5, "
+             "before and after), and GFLOP/s = 2 × counted MACs × tokens / time.", "",
              "| preset | algebra | schedule | T | B | dense tok/s | algebra tok/s | "
-             "speed-up | MAC ideal | % of ideal |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "speed-up | MAC ideal | % of ideal | GFLOP/s dense → algebra (% of GEMM) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         scores = " + scores" if r["structured_scores"] == "True" else ""
         lines.append(f"| {r['preset']} | {r['algebra']}{scores} | {r['type_schedule']} | "
                      f"{r['seq_len']} | {r['batch_size']} | {float(r['dense_tok_s']):,.0f} | "
                      f"{float(r['algebra_tok_s']):,.0f} | {float(r['speedup']):.3f}× | "
-                     f"{float(r['ideal']):.3f}× | {100 * float(r['frac_of_ideal']):.0f}% |")
+                     f"{float(r['ideal']):.3f}× | {100 * float(r['frac_of_ideal']):.0f}% | "
+                     + (f"{float(r['dense_gflops']):.0f} → {float(r['algebra_gflops']):.0f} "
+                        f"({float(r['dense_pct_of_peak']):.0f}% → "
+                        f"{float(r['algebra_pct_of_peak']):.0f}% of "
+                        f"{float(r['gemm_peak_gflops']):.0f}) |" if r.get("gemm_peak_gflops")
+                        else "— |"))
     return "\n".join(lines) + "\n"
