@@ -126,3 +126,21 @@ def test_generate_api_lengths_sampling_and_refusals(smollm2_on_both) -> None:
         arm.generate(input_ids=torch.ones(2, 3, dtype=torch.long), max_new_tokens=2)
     with pytest.raises(ValueError, match="exceed"):
         arm.generate(**ids, max_new_tokens=400)
+
+
+def test_q8_0_arm_runs_and_reads_about_a_quarter_of_the_f32_bytes(smollm2_on_both) -> None:
+    """The context arm (a different function): loads and decodes with repacking off (the
+    AMX repacked q8_0 matmul segfaults on AMX CPUs in llama.cpp 0.3.36)."""
+    from structlm.bench.bandwidth import gguf_bytes_per_token
+    from structlm.hf.loading import builtin_gguf
+
+    loaded, f32, _ = smollm2_on_both
+    q8 = llamacpp.gguf_variant(builtin_gguf("smollm2"), "q8_0", threads=2)
+    arm = llamacpp.LlamaCppLM(q8, "llama.cpp q8_0", threads=2, n_ctx=128)
+    assert arm.llm.model_params.use_extra_bufts is False
+    ids = loaded.tokenizer("Once upon a time", return_tensors="pt")
+    out = arm.generate(**ids, max_new_tokens=6, do_sample=False, eos_token_id=None)
+    assert out.shape[1] == ids["input_ids"].shape[1] + 6
+    ratio = gguf_bytes_per_token(q8) / gguf_bytes_per_token(f32)
+    assert 0.25 < ratio < 0.30  # 34 bytes per 32 weights against 128 (norms stay f32)
+    arm.close()

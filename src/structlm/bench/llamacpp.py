@@ -20,10 +20,13 @@ peer runs in the same timed loop, interleaved with the other arms.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
+import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -95,7 +98,10 @@ def gguf_variant(source: Path, variant: str, threads: int = 2) -> Path:
         params.ftype = getattr(llama_cpp, LLAMACPP_VARIANTS[variant])
         params.allow_requantize = True
         params.nthread = threads
-        rc = llama_cpp.llama_model_quantize(str(source).encode(), tmp.encode(), params)
+        print(f"re-quantising {source.name} to {variant} for llama.cpp (once: cached as "
+              f"{dest})")
+        with _native_stderr_silenced():  # the quantiser logs every tensor
+            rc = llama_cpp.llama_model_quantize(str(source).encode(), tmp.encode(), params)
         if rc != 0:
             raise RuntimeError(f"llama_model_quantize({source.name} -> {variant}) failed with "
                                f"code {rc}")
@@ -106,6 +112,47 @@ def gguf_variant(source: Path, variant: str, threads: int = 2) -> Path:
     return dest
 
 
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """File descriptor 2 sent to ``/dev/null`` inside (native code's logging)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+@contextlib.contextmanager
+def _extra_buffer_types(enabled: bool) -> Iterator[None]:
+    """Models loaded inside get ``use_extra_bufts = enabled``: llama.cpp's weight repacking
+    (AMX / interleaved layouts of quantised weights on the CPU). ``llama_cpp.Llama`` takes
+    no argument for it, so its default-parameters function is wrapped while it loads.
+
+    Off by default: on CPUs that report AMX-INT8 (this VM's Xeon) the AMX matmul of a q8_0
+    model segfaults in llama.cpp 0.3.36 (ggml-org/llama.cpp#20824); ``f32`` weights are
+    never repacked, so the switch changes nothing for the same-function arm."""
+    import llama_cpp.llama as llama_module
+
+    lib = llama_module.llama_cpp
+    default = lib.llama_model_default_params
+
+    def params() -> Any:
+        p = default()
+        p.use_extra_bufts = enabled
+        return p
+
+    lib.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        lib.llama_model_default_params = default
+
+
 class LlamaCppLM:
     """A GGUF file on llama.cpp behind the part of ``generate`` the benchmark uses.
 
@@ -114,13 +161,18 @@ class LlamaCppLM:
         label: the arm's name in reports (e.g. ``llama.cpp f32``).
         threads: llama.cpp threads (decode and prompt).
         n_ctx: context length (prompt + new tokens must fit).
+        repack: llama.cpp's extra buffer types (weight repacking, AMX); see
+            :func:`_extra_buffer_types` for why it is off by default.
     """
 
-    def __init__(self, path: Path, label: str, threads: int, n_ctx: int = 2048) -> None:
+    def __init__(self, path: Path, label: str, threads: int, n_ctx: int = 2048,
+                 repack: bool = False) -> None:
         llama_cpp = require_llama_cpp()
-        self.label, self.path, self.n_ctx = label, Path(path), n_ctx
-        self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=min(n_ctx, 512),
-                                   n_threads=threads, n_threads_batch=threads, verbose=False)
+        self.label, self.path, self.n_ctx, self.repack = label, Path(path), n_ctx, repack
+        with _extra_buffer_types(repack):
+            self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx,
+                                       n_batch=min(n_ctx, 512), n_threads=threads,
+                                       n_threads_batch=threads, verbose=False)
         self.config = SimpleNamespace(algebra="dense")  # what the report's column reads
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
@@ -205,14 +257,17 @@ def peer_arms(model: str, variants: tuple[str, ...], threads: int, n_ctx: int,
     agreement: dict[str, str] = {}
     llama_cpp = require_llama_cpp()
     notes = [f"llama.cpp: llama-cpp-python {llama_cpp.__version__}, {threads} threads, the "
-             f"GGUF {source.name} re-quantised to each variant (allow_requantize)"]
+             f"GGUF {source.name} re-quantised to each variant (allow_requantize); weight "
+             "repacking (extra buffer types, AMX) off: its AMX q8_0 matmul segfaults on "
+             "AMX-INT8 CPUs in this version (ggml-org/llama.cpp#20824)"]
     for variant in variants:
         arm = LlamaCppLM(gguf_variant(source, variant, threads), f"llama.cpp {variant}",
                          threads, n_ctx)
         equal, total = greedy_agreement(reference, arm, tokenizer, check_prompt, check_tokens)
         agreement[arm.label] = f"{equal}/{total}"
-        notes.append(f"{arm.label}: {equal} of the first {total} greedy tokens equal the "
-                     f"dense arm's on the first prompt"
-                     + (" (the same function)" if equal == total else ""))
+        same = ("the same weights" if variant == "f32" else
+                f"{variant} weights, not the same function")
+        notes.append(f"{arm.label} ({same}): {equal} of the first {total} greedy tokens "
+                     "equal the dense arm's on the first prompt")
         arms[arm.label] = arm
     return arms, agreement, notes
