@@ -345,7 +345,8 @@ def run_generate_bench(cfg: GenerateBenchConfig, out_prefix: str,
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['mode']} | {r['model']} ({r['algebra']}) | {r['tokens_per_s']:.2f} "
-                     f"± {r['ci95']:.2f} | {r['mean_new_tokens']} | "
+                     + (f"± {r['ci95']:.2f}" if math.isfinite(r["ci95"]) else "(1 run: no CI)")
+                     + f" | {r['mean_new_tokens']} | "
                      f"{r['speedup_vs_dense']:.3f}× | "
                      + ("— | — |" if r["runtime"] == "llama.cpp" else
                         f"{r['ideal_mac_speedup']:.3f}× | {r['ideal_bytes_speedup']:.3f}× |")
