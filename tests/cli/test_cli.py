@@ -73,7 +73,11 @@ def test_layer_bench_writes_csv_md_png(tmp_path: os.PathLike[str]) -> None:
         assert int(r["algebra_bytes"]) == passes * 4 * (used + m * k + m * n)
         assert float(r["roofline_ideal"]) == min(float(r["ideal"]), float(r["bytes_ideal"]))
         stream = float(r["stream_read_gbps"])
-        assert stream > 0 and float(r["algebra_gbps"]) > 0
+        assert stream > 0
+        for arm in ("dense", "algebra"):  # bytes / median seconds
+            ms = float(r[f"{arm}_ms"])  # written to 4 decimals: up to 5e-5 ms off
+            assert float(r[f"{arm}_gbps"]) == pytest.approx(
+                int(r[f"{arm}_bytes"]) / (ms / 1e3) / 1e9, rel=1e-3 + 6e-5 / ms, abs=2e-6)
         for arm in ("dense", "algebra"):
             pct = 100 * float(r[f"{arm}_gbps"]) / stream
             assert abs(float(r[f"{arm}_pct_of_stream"]) - pct) <= 0.05 + 1e-3 * pct

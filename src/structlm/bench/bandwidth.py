@@ -72,8 +72,8 @@ def absolute_columns(dense_bytes: int, algebra_bytes: int, mac_ideal: float,
     return {"dense_bytes": dense_bytes, "algebra_bytes": algebra_bytes,
             "bytes_ideal": round(bytes_ideal, 4),
             "roofline_ideal": round(min(mac_ideal, bytes_ideal), 4),
-            "dense_gbps": round(dense_bytes / dense_s / 1e9, 3),
-            "algebra_gbps": round(algebra_bytes / algebra_s / 1e9, 3)}
+            "dense_gbps": round(dense_bytes / dense_s / 1e9, 6),
+            "algebra_gbps": round(algebra_bytes / algebra_s / 1e9, 6)}
 
 
 def add_stream_columns(rows: list[dict[str, object]], stream_gbps: list[float]) -> None:
