@@ -25,7 +25,6 @@ import hashlib
 import importlib.util
 import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -33,6 +32,7 @@ from typing import Any
 
 import torch
 
+from structlm.atomic import atomic_path
 from structlm.settings import cache_dir
 
 __all__ = ["LLAMACPP_VARIANTS", "LlamaCppLM", "gguf_variant", "greedy_agreement",
@@ -90,25 +90,18 @@ def gguf_variant(source: Path, variant: str, threads: int = 2) -> Path:
     dest = cache_dir("gguf") / f"{source.stem}-{key.hexdigest()[:16]}-{variant}.gguf"
     if dest.exists():
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".tmp-{variant}-", suffix=".gguf")
-    os.close(fd)
-    try:
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = getattr(llama_cpp, LLAMACPP_VARIANTS[variant])
-        params.allow_requantize = True
-        params.nthread = threads
-        print(f"re-quantising {source.name} to {variant} for llama.cpp (once: cached as "
-              f"{dest})")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, LLAMACPP_VARIANTS[variant])
+    params.allow_requantize = True
+    params.nthread = threads
+    print(f"re-quantising {source.name} to {variant} for llama.cpp (once: cached as {dest})")
+    with atomic_path(dest, ".gguf") as tmp:
         with _native_stderr_silenced():  # the quantiser logs every tensor
-            rc = llama_cpp.llama_model_quantize(str(source).encode(), tmp.encode(), params)
+            rc = llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(),
+                                                params)
         if rc != 0:
             raise RuntimeError(f"llama_model_quantize({source.name} -> {variant}) failed with "
                                f"code {rc}")
-        os.replace(tmp, dest)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
     return dest
 
 

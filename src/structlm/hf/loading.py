@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from structlm.atomic import atomic_path
 from structlm.settings import cache_dir
 
 __all__ = ["BUILTIN_MODELS", "FOLDER_FORMATS", "LoadedModel", "builtin_gguf", "load_model",
@@ -189,17 +190,9 @@ def builtin_gguf(spec: str) -> Path:
         return _smollm2_gguf()
     parts, key = _qwen_parts()
     dest = _cache_root() / f"Qwen2.5-Coder-0.5B-Instruct-{key}.gguf"
-    if dest.exists():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".tmp-qwen-", suffix=".gguf")
-    os.close(fd)
-    try:
-        _join_qwen_parts(parts, Path(tmp))
-        os.replace(tmp, dest)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    if not dest.exists():
+        with atomic_path(dest, ".gguf") as tmp:
+            _join_qwen_parts(parts, tmp)
     return dest
 
 
