@@ -76,16 +76,22 @@ def absolute_columns(dense_bytes: int, algebra_bytes: int, mac_ideal: float,
             "algebra_gbps": round(algebra_bytes / algebra_s / 1e9, 6)}
 
 
-def add_stream_columns(rows: list[dict[str, object]], stream_gbps: list[float]) -> None:
+_ARM_COLUMNS = (("dense_gbps", "dense_pct_of_stream"), ("algebra_gbps", "algebra_pct_of_stream"))
+
+
+def add_stream_columns(rows: list[dict[str, object]], stream_gbps: list[float],
+                       columns: tuple[tuple[str, str], ...] = _ARM_COLUMNS) -> None:
     """Add the stream read bandwidth measured in the run (mean of ``stream_gbps``, e.g.
-    before and after) and each arm's share of it to rows holding ``dense_gbps`` /
-    ``algebra_gbps``, in place."""
-    floor = statistics.mean(stream_gbps)
+    before and after, both kept) and, for each ``(gbps column, % column)`` of ``columns``,
+    that GB/s as a share of it (``""`` where the GB/s is blank: a row with no memory floor,
+    e.g. a compute-bound prefill), in place."""
+    floor = round(statistics.mean(stream_gbps), 2)
     for r in rows:
-        r["stream_read_gbps"] = round(floor, 2)
+        r["stream_read_gbps"] = floor
         r["stream_read_gbps_before_after"] = ";".join(f"{g:.2f}" for g in stream_gbps)
-        for arm in ("dense", "algebra"):
-            r[f"{arm}_pct_of_stream"] = round(100 * float(r[f"{arm}_gbps"]) / floor, 1)
+        for gbps_key, pct_key in columns:
+            gbps = r.get(gbps_key, "")
+            r[pct_key] = "" if gbps == "" else round(100 * float(gbps) / floor, 1)  # type: ignore[arg-type]
 
 
 def gemm_peak_gflops(n: int = 1024, trials: int = 5) -> float:

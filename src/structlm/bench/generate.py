@@ -286,7 +286,7 @@ def run_generate_bench(cfg: GenerateBenchConfig, out_prefix: str,
             max(prompt_lens) + cfg.max_new_tokens + 16, models["dense"], tok, cfg.prompts[0],
             cfg.max_new_tokens)
         models.update(peers)
-    from structlm.bench.bandwidth import stream_read_gbps
+    from structlm.bench.bandwidth import add_stream_columns, stream_read_gbps
 
     stream = [stream_read_gbps()]  # the memory floor, before and after the timed runs
     for mode in cfg.modes:
@@ -311,12 +311,14 @@ def run_generate_bench(cfg: GenerateBenchConfig, out_prefix: str,
                           / decode_macs_per_token(models["algebra"], context))
         else:
             ideal = ideal_decode_speedup(models["algebra"].config, context)
+        step_bytes = {name: _bytes_per_token(models, name, context) for name in models}
         for name in models:
+            rate = statistics.mean(rates[name])
             rows.append({
                 "mode": mode, "model": name,
                 "algebra": getattr(models[name].config, "algebra", None) or (
                     cfg.algebra if name == "algebra" else "dense"),
-                "tokens_per_s": round(statistics.mean(rates[name]), 3),
+                "tokens_per_s": round(rate, 3),
                 "ci95": round(_student_t_half_width(rates[name]), 3),
                 "mean_new_tokens": round(statistics.mean(lengths[name]) / len(cfg.prompts), 1),
                 "runs_kept": len(rates[name]),
@@ -324,20 +326,15 @@ def run_generate_bench(cfg: GenerateBenchConfig, out_prefix: str,
                 "speedup_vs_dense": round(statistics.mean(rates[name])
                                           / statistics.mean(rates["dense"]), 4),
                 "ideal_mac_speedup": round(ideal, 4) if name == "algebra" else 1.0,
-                "bytes_per_token": int(_bytes_per_token(models, name, context)),
-                "ideal_bytes_speedup": round(float(_bytes_per_token(models, "dense", context)
-                                                   / _bytes_per_token(models, name, context)),
-                                             4),
+                "bytes_per_token": int(step_bytes[name]),
+                "ideal_bytes_speedup": round(float(step_bytes["dense"] / step_bytes[name]), 4),
+                "achieved_gbps": round(int(step_bytes[name]) * round(rate, 3) / 1e9, 2),
                 "runtime": "llama.cpp" if name in agreement else "structlm",
                 "greedy_tokens_equal_dense": agreement.get(name, ""),
                 **{f"env_{k}": v for k, v in env.items()},
             })
     stream.append(stream_read_gbps())
-    for r in rows:  # absolute columns: bytes/s achieved against the floor of this run
-        r["stream_read_gbps"] = round(statistics.mean(stream), 2)
-        r["stream_read_gbps_before_after"] = ";".join(f"{g:.2f}" for g in stream)
-        r["achieved_gbps"] = round(r["bytes_per_token"] * r["tokens_per_s"] / 1e9, 2)
-        r["pct_of_stream"] = round(100 * r["achieved_gbps"] / r["stream_read_gbps"], 1)
+    add_stream_columns(rows, stream, (("achieved_gbps", "pct_of_stream"),))
     os.makedirs(os.path.dirname(os.path.abspath(out_prefix)), exist_ok=True)
     write_csv_atomic(out_prefix + ".csv", rows)
     lines = ["| mode | model | tokens/s (mean ± 95% CI) | new tokens / prompt | speed-up | "

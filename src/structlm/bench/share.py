@@ -42,7 +42,7 @@ from typing import Annotated, Any
 import torch
 from tqdm import tqdm
 
-from structlm.bench.bandwidth import stream_read_gbps
+from structlm.bench.bandwidth import add_stream_columns, stream_read_gbps
 from structlm.bench.greedy import decode_steps, greedy_decode, prefill
 from structlm.bench.timing import environment, interleaved_medians, write_csv_atomic
 from structlm.config import ConfigError, Distinct, NonEmpty, Range, validated
@@ -202,13 +202,8 @@ def measure(original: Any, compressed: Any, ids: torch.Tensor, cfg: ShareBenchCo
                      "compressed_tok_s": round(tokens / t_c, 2),
                      **_decode_floor(models, phase, b, cfg, t_o, t_c)})
     stream.append(stream_read_gbps())
-    for r in rows:
-        r["stream_read_gbps"] = round(statistics.mean(stream), 2)
-        r["stream_read_gbps_before_after"] = ";".join(f"{g:.2f}" for g in stream)
-        for arm in ("original", "compressed"):
-            gbps = r.get(f"{arm}_gbps", "")
-            r[f"{arm}_pct_of_stream"] = (round(100 * gbps / r["stream_read_gbps"], 1)
-                                         if gbps != "" else "")
+    add_stream_columns(rows, stream, (("original_gbps", "original_pct_of_stream"),
+                                      ("compressed_gbps", "compressed_pct_of_stream")))
     return rows
 
 
