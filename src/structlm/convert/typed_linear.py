@@ -83,6 +83,11 @@ class TypedAlgebraLinear(AlgebraLinear):
         self.layer_index = layer_index
         self.conv1d_layout = conv1d_layout
 
+    @property
+    def position_types(self) -> PositionTypes:
+        """The model's position-type source this layer reads its rows' types from."""
+        return self.__dict__["_source"]
+
     def forward(self, x: torch.Tensor,
                 types: torch.Tensor | TypePartition | None = None) -> torch.Tensor:
         if types is None:

@@ -42,12 +42,7 @@ constexpr int64_t kChunkRows = 64;  // output rows per accumulator pass (measure
 // a time 1.3x slower than one at a time; 768-float dense rows a few percent faster)
 constexpr int64_t kFourRowsMinLength = 512;
 
-struct Support {
-  int64_t q;
-  const int64_t* out_off;  // (q + 1,)
-  const int64_t* in_off;   // (q + 1,)
-  const uint8_t* uses;     // (types, q, q)
-};
+using structlm::Support;
 
 // Panel-packed weight, rows of any types. Each output group's rows are cut into strips of
 // kPanel rows (the last one the rows left over), each strip stored transposed: the strip
@@ -337,6 +332,36 @@ at::Tensor dense_rows_forward(at::Tensor x, at::Tensor w, c10::optional<at::Tens
   return run_typed(x, w, 0, 0, len, s, bias, N, K);
 }
 
+namespace structlm {
+
+BoundRows::BoundRows(at::Tensor typed, at::Tensor out_off, at::Tensor in_off, at::Tensor uses,
+                     int64_t q, int64_t slot)
+    : typed_(std::move(typed)), out_off_(std::move(out_off)), in_off_(std::move(in_off)),
+      uses_(std::move(uses)), slot_(slot) {
+  s_ = support_of(out_off_, in_off_, uses_, q);
+  N_ = s_.out_off[q];
+  K_ = s_.in_off[q];
+  n_types_ = uses_.numel() / (q * q);
+  TORCH_CHECK(slot_ >= -1, "BoundRows: slot ", slot_, " must be >= -1");
+  TORCH_CHECK(typed_.device().is_cpu(), "BoundRows: a CPU weight expected");
+  lengths_ = typed_row_lengths(s_, n_types_);
+  base_.resize(n_types_ + 1, 0);
+  for (int64_t a = 0; a < n_types_; ++a) {
+    base_[a + 1] = base_[a] + typed_copy_size(s_, lengths_.data() + a * q);
+  }
+  TORCH_CHECK(typed_.is_contiguous() && typed_.numel() == base_[n_types_],
+              "BoundRows: contiguous typed copies of ", base_[n_types_], " elements expected, "
+              "got ", typed_.numel());
+}
+
+at::Tensor BoundRows::forward(const at::Tensor& x, int64_t type,
+                              const c10::optional<at::Tensor>& bias) const {
+  return run_typed(x, typed_, base_[type], type, lengths_.data() + type * s_.q, s_, bias, N_,
+                   K_);
+}
+
+}  // namespace structlm
+
 // A layer's few-row product bound once (cached decode of an algebra layer): the typed
 // copies, the support and every type's row lengths and copy offset are fixed at
 // construction, so a call is one Python -> C++ crossing that checks only what can change
@@ -347,22 +372,14 @@ class TypedRowsBinding {
  public:
   TypedRowsBinding(at::Tensor weight, at::Tensor typed, at::Tensor out_off, at::Tensor in_off,
                    at::Tensor uses, int64_t q, int64_t max_rows)
-      : weight_(std::move(weight)), typed_(std::move(typed)), out_off_(std::move(out_off)),
-        in_off_(std::move(in_off)), uses_(std::move(uses)), max_rows_(max_rows) {
-    s_ = support_of(out_off_, in_off_, uses_, q);
-    N_ = s_.out_off[q];
-    K_ = s_.in_off[q];
-    n_types_ = uses_.numel() / (q * q);
-    TORCH_CHECK(weight_.dim() == 2 && weight_.size(0) == N_ && weight_.size(1) == K_,
-                "TypedRowsBinding: weight (", N_, ", ", K_, ") expected, got ", weight_.sizes());
-    lengths_ = typed_row_lengths(s_, n_types_);
-    base_.resize(n_types_ + 1, 0);
-    for (int64_t a = 0; a < n_types_; ++a) {
-      base_[a + 1] = base_[a] + typed_copy_size(s_, lengths_.data() + a * q);
-    }
-    TORCH_CHECK(typed_.is_contiguous() && typed_.numel() == base_[n_types_] &&
-                    typed_.scalar_type() == weight_.scalar_type(),
-                "TypedRowsBinding: the typed copies of ", base_[n_types_], " elements expected");
+      : weight_(std::move(weight)),
+        rows_(std::move(typed), std::move(out_off), std::move(in_off), std::move(uses), q, -1),
+        max_rows_(max_rows) {
+    TORCH_CHECK(weight_.dim() == 2 && weight_.size(0) == rows_.out_features() &&
+                    weight_.size(1) == rows_.in_features() &&
+                    weight_.scalar_type() == rows_.typed().scalar_type(),
+                "TypedRowsBinding: weight (", rows_.out_features(), ", ", rows_.in_features(),
+                ") of the copies' dtype expected, got ", weight_.sizes());
     version_ = weight_._version();
     data_ = weight_.data_ptr();
   }
@@ -374,7 +391,8 @@ class TypedRowsBinding {
   }
 
   // y (*, N) for x (*, K) whose rows all have one type (a dense weight, bound with the
-  // one-group support, ignores `types`), or None where the binding does not apply (then the caller takes its general path): another weight, or this one changed
+  // one-group support, ignores `types`), or None where the binding does not apply (then
+  // the caller takes its general path): another weight, or this one changed
   // since the copies were made (in-place update, .data swap); x not a CPU tensor of the
   // weight's dtype with K columns and 1..max_rows rows; autograd recording; types not
   // one int64 per row, all equal, in range; a bias not contiguous, of another dtype or
@@ -382,46 +400,45 @@ class TypedRowsBinding {
   c10::optional<at::Tensor> call(const at::Tensor& x, const at::Tensor& types,
                                  const at::Tensor& weight,
                                  const c10::optional<at::Tensor>& bias) const {
+    const int64_t N = rows_.out_features(), K = rows_.in_features();
     if (!matches(weight)) return c10::nullopt;
     if (!x.device().is_cpu() || x.layout() != at::kStrided ||
-        x.scalar_type() != typed_.scalar_type() || x.dim() < 1 || x.size(-1) != K_) {
+        x.scalar_type() != weight_.scalar_type() || x.dim() < 1 || x.size(-1) != K) {
       return c10::nullopt;
     }
-    const int64_t M = x.numel() / K_;
+    const int64_t M = x.numel() / K;
     if (M < 1 || M > max_rows_) return c10::nullopt;
     const bool bias_grad = bias.has_value() && bias->requires_grad();
     if (at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad() || bias_grad)) {
       return c10::nullopt;
     }
     if (bias.has_value() && (!bias->device().is_cpu() || !bias->is_contiguous() ||
-                             bias->scalar_type() != x.scalar_type() || bias->numel() != N_)) {
+                             bias->scalar_type() != x.scalar_type() || bias->numel() != N)) {
       return c10::nullopt;
     }
     int64_t a = 0;  // a dense weight (one type, one group): `types` is not read
-    if (n_types_ > 1) {
+    if (rows_.n_types() > 1) {
       if (!types.device().is_cpu() || types.scalar_type() != at::kLong ||
           types.numel() != M || !types.is_contiguous()) {
         return c10::nullopt;
       }
       const int64_t* t = types.data_ptr<int64_t>();
       a = t[0];
-      if (a < 0 || a >= n_types_) return c10::nullopt;
+      if (a < 0 || a >= rows_.n_types()) return c10::nullopt;
       for (int64_t m = 1; m < M; ++m) {
         if (t[m] != a) return c10::nullopt;
       }
     }
-    auto y = run_typed(x.reshape({M, K_}), typed_, base_[a], a, lengths_.data() + a * s_.q, s_,
-                       bias, N_, K_);
+    auto y = rows_.forward(x.reshape({M, K}).contiguous(), a, bias);
     std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-    shape.back() = N_;
+    shape.back() = N;
     return y.view(shape);
   }
 
  private:
-  at::Tensor weight_, typed_, out_off_, in_off_, uses_;
-  Support s_{};
-  std::vector<int64_t> lengths_, base_;
-  int64_t N_ = 0, K_ = 0, n_types_ = 0, max_rows_ = 0, version_ = 0;
+  at::Tensor weight_;
+  structlm::BoundRows rows_;
+  int64_t max_rows_ = 0, version_ = 0;
   const void* data_ = nullptr;
 };
 
@@ -449,6 +466,9 @@ at::Tensor swiglu_rows_forward(at::Tensor x, at::Tensor gate, at::Tensor up, at:
   return project(g, down, types, dn_out_off, dn_in_off, dn_uses, q, none);
 }
 
+// decode_llama.cpp: the LLaMA-family decode step's classes
+void register_decode_llama(pybind11::module_& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu_rows_forward", &swiglu_rows_forward,
         "down(silu(gate(x)) * up(x)) for a few rows, each projection support-driven");
@@ -464,6 +484,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__call__", &TypedRowsBinding::call, py::arg("x"), py::arg("types"),
            py::arg("weight"), py::arg("bias"))
       .def("matches", &TypedRowsBinding::matches, py::arg("weight"));
+  register_decode_llama(m);
   m.def("decode_stack_forward", &decode_stack_forward,
         "every decoder block in turn for one new token per sequence, caches written in place");
 }

@@ -7,6 +7,45 @@
 
 #include <vector>
 
+namespace structlm {
+
+// The block support of a weight: q output and input groups (offsets (q + 1,) each) and
+// uses[a][d][b] = type a reads block (d, b), for every type a.
+struct Support {
+  int64_t q;
+  const int64_t* out_off;  // (q + 1,)
+  const int64_t* in_off;   // (q + 1,)
+  const uint8_t* uses;     // (types, q, q)
+};
+
+// One weight bound for few-row products of one type: its typed copies (every type's
+// blocks, concatenated per row; a dense weight is its own copy, one type, one group) and
+// support, with every type's row lengths and copy offset fixed at construction, so a call
+// is the kernel alone. `slot`: which column of a decode step's type table gives this
+// weight's type (-1: one type). Defined in fused_rows.cpp.
+class BoundRows {
+ public:
+  BoundRows(at::Tensor typed, at::Tensor out_off, at::Tensor in_off, at::Tensor uses,
+            int64_t q, int64_t slot);
+  int64_t out_features() const { return N_; }
+  int64_t in_features() const { return K_; }
+  int64_t n_types() const { return n_types_; }
+  int64_t slot() const { return slot_; }
+  const at::Tensor& typed() const { return typed_; }
+  // y (M, N) = x W_eff(type)^T (+ bias) for x (M, K) contiguous of the copies' dtype,
+  // `type` in [0, n_types) and a contiguous bias of N elements (checked by the caller).
+  at::Tensor forward(const at::Tensor& x, int64_t type,
+                     const c10::optional<at::Tensor>& bias) const;
+
+ private:
+  at::Tensor typed_, out_off_, in_off_, uses_;
+  Support s_{};
+  std::vector<int64_t> lengths_, base_;
+  int64_t N_ = 0, K_ = 0, n_types_ = 0, slot_ = -1;
+};
+
+}  // namespace structlm
+
 // y = x W_eff(type)^T (+ bias) for a few rows; see fused_rows.cpp.
 at::Tensor fused_rows_forward(at::Tensor x, at::Tensor packed, at::Tensor types,
                               at::Tensor out_off, at::Tensor in_off, at::Tensor uses,

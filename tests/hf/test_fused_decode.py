@@ -1,0 +1,183 @@
+"""The fused decode step (structlm.hf.fused_decode) against the model's own forward and
+``generate``: plain, converted and compressed LLaMA-family models, greedy and sampled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from structlm.convert import AlgebraConfig, convert_
+from structlm.hf.decode import use_decode_kernels_
+from structlm.hf.fused_decode import FusedDecoder, UnsupportedModel, fused_decoder_or_none
+from structlm.nn.factorized import LowRankLinear, SharedBasis, SharedBasisLinear
+from structlm.ops import cpu_kernels
+from tiny_models import tiny_family, tiny_gpt2, tiny_llama
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.fused_rows_available(),
+                                reason="the CPU kernels are not built here")
+
+
+def _spread(model: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
+    """Weights large enough that greedy choices are far from ties (HF's 0.02 init makes
+    nearly uniform logits, where a 1e-6 difference could flip an argmax)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.25)
+            elif "norm" in name or "layernorm" in name:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def _tiny(family: str, **overrides: object) -> torch.nn.Module:
+    """A tiny random model of the family (hidden 48, FFN 80, 4 query / 2 KV heads)."""
+    if family == "llama":
+        return tiny_llama(hidden_size=48, intermediate_size=80, vocab_size=97, **overrides)
+    return tiny_family(family, **overrides)
+
+
+def _prompt(vocab: int, n: int = 7, batch: int = 1, seed: int = 3) -> torch.Tensor:
+    return torch.randint(1, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _check_against_forward(model: torch.nn.Module, steps: int = 12, batch: int = 1) -> None:
+    """Greedy tokens equal ``model.generate``'s; every step's logits equal the model's
+    full forward over the same sequence."""
+    vocab = model.config.vocab_size
+    ids = _prompt(vocab, batch=batch)
+    dec = FusedDecoder(model, capacity=32)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+        out = dec.generate(ids, max_new_tokens=steps, eos_token_id=None)
+        assert torch.equal(out, ref)
+        full = model(out).logits  # (B, T + steps, V)
+        dec.generate(ids, max_new_tokens=1, eos_token_id=None)  # prefill again
+        T = ids.shape[1]
+        for i in range(steps - 1):
+            logits = dec.step(out[:, T + i].contiguous(), T + i)
+            torch.testing.assert_close(logits, full[:, T + i], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3"])
+def test_plain_models_match_generate(family: str) -> None:
+    model = _spread(_tiny(family))
+    if family == "qwen2":
+        assert model.model.layers[0].self_attn.q_proj.bias is not None  # biases exercised
+    if family == "qwen3":
+        assert hasattr(model.model.layers[0].self_attn, "q_norm")
+    _check_against_forward(model)
+
+
+def test_batch_and_decode_kernels() -> None:
+    model = _spread(tiny_llama(tie_word_embeddings=False))
+    use_decode_kernels_(model)  # DecodeLinear projections are dense rows too
+    _check_against_forward(model, batch=3)
+
+
+def test_rotary_scaling_tables_come_from_the_model() -> None:
+    model = _spread(tiny_llama(rope_scaling={"rope_type": "linear", "factor": 2.0}))
+    _check_against_forward(model)
+
+
+@pytest.mark.parametrize("targets", ["mlp", "all"])
+def test_converted_model_reads_each_positions_type(targets: str) -> None:
+    model = _spread(_tiny("llama"))
+    convert_(model, AlgebraConfig("Q2^2", "cyclic", targets))
+    _check_against_forward(model, steps=13)  # positions 7..19: every type of Q2^2
+
+
+def test_compressed_layers_stay_factorised() -> None:
+    model = _spread(_tiny("llama"))
+    gen = torch.Generator().manual_seed(5)
+    d, f = 48, 80
+    layers = model.model.layers
+    basis = SharedBasis(torch.randn(16, d, generator=gen) * 0.2,
+                        torch.randn(f, 12, generator=gen) * 0.2)
+    for i, block in enumerate(layers):
+        block.self_attn.o_proj = LowRankLinear(torch.randn(d, 8, generator=gen) * 0.3,
+                                               torch.randn(8, d, generator=gen) * 0.3, None)
+        res = ((torch.randn(f, 4, generator=gen) * 0.2, torch.randn(4, d, generator=gen) * 0.2)
+               if i == 0 else None)
+        block.mlp.up_proj = SharedBasisLinear(basis, torch.randn(12, 16, generator=gen),
+                                              None, residual=res)
+    _check_against_forward(model)
+
+
+def test_sampling_draws_what_generate_draws() -> None:
+    model = _spread(_tiny("llama"))
+    ids = _prompt(model.config.vocab_size)
+    dec = FusedDecoder(model)
+    kw = dict(max_new_tokens=16, do_sample=True, temperature=0.8, top_p=0.9, top_k=20)
+    with torch.no_grad():
+        torch.manual_seed(11)
+        ref = model.generate(ids, eos_token_id=None, pad_token_id=0, **kw)
+        torch.manual_seed(11)
+        out = dec.generate(ids, eos_token_id=None, **kw)
+    assert torch.equal(out, ref)
+
+
+def test_eos_stops_like_generate() -> None:
+    model = _spread(_tiny("llama"))
+    ids = _prompt(model.config.vocab_size)
+    dec = FusedDecoder(model)
+    free = dec.generate(ids, max_new_tokens=10, eos_token_id=None)
+    stop = int(free[0, ids.shape[1] + 3])  # the 4th new token becomes the EOS
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=stop,
+                             pad_token_id=0)
+    out = dec.generate(ids, max_new_tokens=10, eos_token_id=stop)
+    assert torch.equal(out, ref)
+    assert int(out[0, -1]) == stop and out.shape[1] <= ids.shape[1] + 4
+
+
+def test_changed_weights_and_long_runs_rebind() -> None:
+    model = _spread(_tiny("llama"))
+    convert_(model, AlgebraConfig("Q2^2", "cyclic", "mlp"))
+    dec = FusedDecoder(model, capacity=32)
+    ids = _prompt(model.config.vocab_size)
+    dec.generate(ids, max_new_tokens=4, eos_token_id=None)
+    with torch.no_grad():  # an in-place update of an algebra weight: its typed copies are stale
+        model.model.layers[1].mlp.down_proj.weight.mul_(1.5)
+        ref = model.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    assert torch.equal(dec.generate(ids, max_new_tokens=20, eos_token_id=None), ref)
+    assert dec.stack.capacity == 32
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    assert torch.equal(dec.generate(ids, max_new_tokens=40, eos_token_id=None), ref)
+    assert dec.stack.capacity == 64  # 47 positions: the next power of two
+
+
+def test_unsupported_models_are_refused_with_the_reason() -> None:
+    with pytest.raises(UnsupportedModel, match="model type 'gpt2'"):
+        FusedDecoder(tiny_gpt2())
+    short = FusedDecoder(tiny_family("mistral", sliding_window=12))  # binds 12 positions
+    with pytest.raises(UnsupportedModel, match="sliding-window"):
+        short.generate(_prompt(97), max_new_tokens=6, eos_token_id=None)
+    with pytest.raises(UnsupportedModel, match="hidden_act 'gelu'"):
+        FusedDecoder(tiny_llama(hidden_act="gelu"))
+    with pytest.raises(UnsupportedModel, match="dtype"):
+        FusedDecoder(tiny_llama().to(torch.bfloat16))
+    model = tiny_llama()
+    model.model.layers[0].mlp.down_proj = torch.nn.Identity()
+    decoder, why = fused_decoder_or_none(model)
+    assert decoder is None and "Identity" in why
+
+
+def test_bad_generate_arguments_are_refused() -> None:
+    dec = FusedDecoder(_spread(tiny_llama()))
+    ids = _prompt(89, batch=2)
+    with pytest.raises(ValueError, match="eos_token_id=None"):
+        dec.generate(ids, max_new_tokens=3, eos_token_id=5)
+    with pytest.raises(ValueError, match="unpadded"):
+        dec.generate(ids, torch.tensor([[0, 1, 1, 1, 1, 1, 1], [1] * 7]), max_new_tokens=3,
+                     eos_token_id=None)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        dec.generate(ids, max_new_tokens=0, eos_token_id=None)
+    with pytest.raises(RuntimeError, match="token id"):
+        dec.step(torch.tensor([89, 0]), 7)
