@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -102,9 +103,15 @@ def test_bench_any_pretrained_model_against_its_converted_copy(tmp_path) -> None
         assert r["stream_read_gbps"] > 0 and r["bytes_per_token"] > 0
         assert r["achieved_gbps"] == round(r["bytes_per_token"] * r["tokens_per_s"] / 1e9, 2)
         assert r["pct_of_stream"] == round(100 * r["achieved_gbps"] / r["stream_read_gbps"], 1)
-        assert r["runtime"] == "structlm" and r["greedy_tokens_equal_dense"] == ""
+        # both arms on the fused step, each checked against its own model's generate
+        assert r["runtime"] == "structlm" and r["decode_path"] == "fused"
+        assert r["greedy_tokens_equal_reference"] == "5/5"
     md = (tmp_path / "out" / "gen.md").read_text()
     assert "% of stream" in md and "(1 run: no CI)" in md and "nan" not in md  # runs=2: 1 kept
+    assert "| fused |" in md and "dense 5/5, algebra 5/5" in md
+    hf = run_generate_bench(replace(cfg, decode="hf"), str(tmp_path / "out" / "hf"),
+                            progress=False)
+    assert [r["decode_path"] for r in hf] == ["hf generate"] * 2
     model = load_model(str(src)).model
     before = decode_macs_per_token(model, 10)
     assert use_decode_kernels_(model) == 2 * 7 + 1  # q/k/v/o/gate/up/down per layer + head

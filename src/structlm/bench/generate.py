@@ -98,6 +98,11 @@ class GenerateBenchConfig:
     """With ``model``: the projections converted (mlp, attn, all, or q,k,v,o,...)."""
     schedule: Annotated[str, NonEmpty()] = "cyclic"
     """With ``model``: the converted layers' position-type schedule."""
+    decode: Annotated[str, OneOf("fused", "hf")] = "fused"
+    """With ``model``: how the dense and algebra arms decode: ``fused`` (one compiled call
+    per token, :mod:`structlm.hf.fused_decode`; a family it does not run falls back to
+    ``hf`` with a note) or ``hf`` (``transformers``' ``generate``, the projections on the
+    decode kernel)."""
     peers: Annotated[tuple[Annotated[str, OneOf(*PEER_ARMS)], ...], Distinct()] = ()
     """With a built-in ``model``: llama.cpp arms on the same weights (llamacpp-f32: the
     same function, its greedy tokens checked against the dense arm's; llamacpp-q8_0 /
@@ -224,6 +229,49 @@ def _pretrained_pair(cfg: GenerateBenchConfig) -> tuple[Any, dict[str, Any]]:
     return loaded.tokenizer, {"dense": dense, "algebra": converted}
 
 
+def _runners(cfg: GenerateBenchConfig, models: dict[str, Any]
+             ) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+    """What generates for each arm (the fused decode step of a pretrained model where it
+    runs the model, else the model itself), each arm's decode path, and notes."""
+    runners: dict[str, Any] = dict(models)
+    paths = {name: "structlm" for name in models}
+    notes: list[str] = []
+    if not cfg.model:
+        return runners, paths, notes
+    paths = {name: "hf generate" for name in models}
+    if cfg.decode == "fused":
+        from structlm.hf.fused_decode import fused_decoder_or_none
+
+        for name, model in models.items():
+            decoder, why = fused_decoder_or_none(model)
+            if decoder is None:
+                notes.append(f"the {name} arm decodes with hf generate: the fused step "
+                             f"does not run it ({why})")
+                continue
+            runners[name], paths[name] = decoder, "fused"
+            notes.append(f"the {name} arm decodes with the fused step (one compiled call per "
+                         f"token; weights {decoder.weight_bytes / 1e6:.0f} MB "
+                         + ("on transparent huge pages" if decoder.huge_pages else
+                            "on 4 KiB pages: the kernel offers no transparent huge pages")
+                         + "); its prompt goes through the model's forward")
+    return runners, paths, notes
+
+
+def _fused_agreement(models: dict[str, Any], runners: dict[str, Any], paths: dict[str, str],
+                     tok: Any, cfg: GenerateBenchConfig) -> dict[str, str]:
+    """For each fused arm, its greedy tokens on the first prompt against its own model's
+    ``generate`` (``"128/128"``: equal up to the first difference)."""
+    from structlm.bench.llamacpp import greedy_agreement
+
+    out = {}
+    for name, path in paths.items():
+        if path == "fused":
+            equal, total = greedy_agreement(models[name], runners[name], tok, cfg.prompts[0],
+                                            cfg.max_new_tokens)
+            out[name] = f"{equal}/{total}"
+    return out
+
+
 def _one_generate(model: Any, tok: Any, prompt: str, mode: str, max_new: int,
                   seed: int) -> tuple[int, float]:
     """New tokens and seconds for one prompt: tokenising, ``generate``, decoding."""
@@ -274,18 +322,26 @@ def run_generate_bench(cfg: GenerateBenchConfig, out_prefix: str,
                   "algebra": _random_model(cfg.preset, cfg.algebra, cfg.seed)}
     env = environment()
     rows: list[dict[str, Any]] = []
+    runners, paths, notes = _runners(cfg, models)
     prompt_lens = [len(tok(p)["input_ids"]) for p in cfg.prompts]
     prompt_len = statistics.mean(prompt_lens)
-    agreement: dict[str, str] = {}
-    notes: list[str] = []
+    agreement = _fused_agreement(models, runners, paths, tok, cfg)
+    if agreement:
+        notes.append("greedy tokens of the fused step equal its model's own generate on the "
+                     "first prompt (up to the first difference): "
+                     + ", ".join(f"{k} {v}" for k, v in agreement.items()))
     if cfg.peers:  # llama.cpp on the same weights, interleaved with the other arms
         from structlm.bench.llamacpp import peer_arms
 
-        peers, agreement, notes = peer_arms(
+        peers, peer_agreement, peer_notes = peer_arms(
             cfg.model, tuple(p.removeprefix("llamacpp-") for p in cfg.peers), cfg.threads,
             max(prompt_lens) + cfg.max_new_tokens + 16, models["dense"], tok, cfg.prompts[0],
             cfg.max_new_tokens)
+        notes += peer_notes
+        agreement.update(peer_agreement)
         models.update(peers)
+        runners.update(peers)
+        paths.update({name: "llama.cpp" for name in peers})
     from structlm.bench.bandwidth import add_stream_columns, stream_read_gbps
 
     stream = [stream_read_gbps()]  # the memory floor, before and after the timed runs
@@ -295,7 +351,7 @@ def run_generate_bench(cfg: GenerateBenchConfig, out_prefix: str,
         bar = tqdm(total=cfg.runs * len(cfg.prompts) * len(models), unit="gen",
                    desc=f"bench generate ({mode})", disable=not progress)
         for run in range(cfg.runs):
-            totals = _one_run(models, tok, cfg.prompts, mode, cfg.max_new_tokens, run,
+            totals = _one_run(runners, tok, cfg.prompts, mode, cfg.max_new_tokens, run,
                               cfg.seed, bar)
             if run > 0:  # the first run is a warm-up
                 for name, (n, sec) in totals.items():
@@ -329,19 +385,21 @@ def run_generate_bench(cfg: GenerateBenchConfig, out_prefix: str,
                 "bytes_per_token": int(step_bytes[name]),
                 "ideal_bytes_speedup": round(float(step_bytes["dense"] / step_bytes[name]), 4),
                 "achieved_gbps": round(int(step_bytes[name]) * round(rate, 3) / 1e9, 2),
-                "runtime": "llama.cpp" if name in agreement else "structlm",
-                "greedy_tokens_equal_dense": agreement.get(name, ""),
+                "runtime": "llama.cpp" if paths[name] == "llama.cpp" else "structlm",
+                "decode_path": paths[name],
+                "greedy_tokens_equal_reference": agreement.get(name, ""),
                 **{f"env_{k}": v for k, v in env.items()},
             })
     stream.append(stream_read_gbps())
     add_stream_columns(rows, stream, (("achieved_gbps", "pct_of_stream"),))
     os.makedirs(os.path.dirname(os.path.abspath(out_prefix)), exist_ok=True)
     write_csv_atomic(out_prefix + ".csv", rows)
-    lines = ["| mode | model | tokens/s (mean ± 95% CI) | new tokens / prompt | speed-up | "
-             "MAC ideal | bytes ideal | MB / token | GB/s | % of stream |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| mode | model | decode | tokens/s (mean ± 95% CI) | new tokens / prompt | "
+             "speed-up | MAC ideal | bytes ideal | MB / token | GB/s | % of stream |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['mode']} | {r['model']} ({r['algebra']}) | {r['tokens_per_s']:.2f} "
+        lines.append(f"| {r['mode']} | {r['model']} ({r['algebra']}) | {r['decode_path']} | "
+                     f"{r['tokens_per_s']:.2f} "
                      + (f"± {r['ci95']:.2f}" if math.isfinite(r["ci95"]) else "(1 run: no CI)")
                      + f" | {r['mean_new_tokens']} | "
                      f"{r['speedup_vs_dense']:.3f}× | "
