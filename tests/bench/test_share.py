@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import dataclasses
 import math
 import os
 from collections.abc import Iterator
@@ -69,6 +70,20 @@ def test_greedy_decode_equals_generate(models) -> None:
     torch.testing.assert_close(greedy_decode(compressed, prompt, 3), ref[:, 7:])
 
 
+def test_fused_step_decodes_the_compressed_model_as_its_forward(models) -> None:
+    """The fused decode step on a compressed model (a shared basis on every matrix type,
+    the stacked gate/up MLP-in) produces the model's own greedy tokens."""
+    from structlm.hf.fused_decode import FusedDecoder
+
+    _, compressed, _ = models
+    prompt = _ids(3 * 7, seed=5).view(3, 7)
+    dec = FusedDecoder(compressed)
+    with torch.no_grad():
+        token = dec.prefill(prompt, 6).argmax(-1)
+        fused = torch.cat([token[:, None], dec.greedy_steps(token, 7, 5)], 1)
+        assert torch.equal(fused, greedy_decode(compressed, prompt, 5))
+
+
 def test_measure_rows_and_outputs(models, tmp_path) -> None:
     original, compressed, report = models
     cfg = ShareBenchConfig(batches=(1, 3), prompt_len=7, decode_tokens=3, trials=2,
@@ -108,7 +123,7 @@ def test_measure_rows_and_outputs(models, tmp_path) -> None:
     assert mat["compressed"] == 4 * report["stored_parameters"]
     assert mat["compressed"] <= 0.6 * mat["original"] + 4
     assert all(r["env_torch"] and r["model"] == "tiny-llama" and r["method"] == "shared"
-               for r in rows)
+               and r["decode_path"] == "fused" for r in rows)
 
     prefix = str(tmp_path / "out" / "share")
     write_outputs(rows, prefix)
@@ -116,7 +131,10 @@ def test_measure_rows_and_outputs(models, tmp_path) -> None:
         assert len(list(csv.DictReader(fh))) == len(rows)
     md = open(prefix + ".md").read()
     assert "| decode | 3 |" in md and "KV cache" in md and "Environment:" in md
-    assert "% of the stream read bandwidth" in md
+    assert "% of the stream read bandwidth" in md and "the fused step for both" in md
+    hf_rows = measure(original, compressed, _ids(64), dataclasses.replace(cfg, decode="hf"),
+                      report)
+    assert {r["decode_path"] for r in hf_rows} == {"hf"}
     assert ("compressed model is slower" in md) == any(r["speedup"] < 1 for r in lat)
     assert os.path.getsize(prefix + ".png") > 1000
 

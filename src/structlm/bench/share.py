@@ -45,7 +45,7 @@ from tqdm import tqdm
 from structlm.bench.bandwidth import add_stream_columns, stream_read_gbps
 from structlm.bench.greedy import decode_steps, greedy_decode, prefill
 from structlm.bench.timing import environment, interleaved_medians, write_csv_atomic
-from structlm.config import ConfigError, Distinct, NonEmpty, Range, validated
+from structlm.config import ConfigError, Distinct, NonEmpty, OneOf, Range, validated
 
 __all__ = ["ShareBenchConfig", "greedy_decode", "markdown_from_csv", "measure",
            "peak_memory_rows", "plot_from_csv", "run_share_bench", "unique_parameters",
@@ -87,6 +87,11 @@ class ShareBenchConfig:
     """Torch threads."""
     seed: Annotated[int, Range(ge=0)] = 0
     """Seed of the prompts and of the calibration windows."""
+    decode: Annotated[str, OneOf("fused", "hf")] = "fused"
+    """How both models decode: ``fused`` (one compiled call per token,
+    :mod:`structlm.hf.fused_decode`; a family it does not run falls back to ``hf``, said in
+    the ``decode_path`` column) or ``hf`` (the model's forward per token, projections on
+    the decode kernel)."""
     peak_memory: bool = True
     """Measure peak resident memory in a fresh process per model and batch."""
 
@@ -127,20 +132,48 @@ def weights_read_per_token(model: torch.nn.Module) -> int:
     return total
 
 
-def _decode_medians(models: Sequence[Any], ids: torch.Tensor, steps: int, trials: int,
+def _timed_decode(runner: Any, ids: torch.Tensor, steps: int) -> float:
+    """Seconds of ``steps`` greedy decode steps after an untimed prefill of ``ids``, on a
+    model or its fused decode step."""
+    from structlm.hf.fused_decode import FusedDecoder
+
+    if isinstance(runner, FusedDecoder):
+        token = runner.prefill(ids, steps + 1).argmax(-1)  # (B,)
+        t0 = time.perf_counter()
+        runner.greedy_steps(token, ids.shape[1], steps)
+        return time.perf_counter() - t0
+    cache, token = prefill(runner, ids)
+    t0 = time.perf_counter()
+    decode_steps(runner, cache, token, steps)
+    return time.perf_counter() - t0
+
+
+def _decode_medians(runners: Sequence[Any], ids: torch.Tensor, steps: int, trials: int,
                     warmup: int) -> list[float]:
-    """Median seconds of the decode loop of each model; the prefill is untimed, a fresh
-    cache every trial, the order alternates per trial."""
-    times: list[list[float]] = [[] for _ in models]
+    """Median seconds of the decode loop of each model (or its fused step); the prefill
+    is untimed, a fresh cache every trial, the order alternates per trial."""
+    times: list[list[float]] = [[] for _ in runners]
     for i in range(warmup + trials):
-        order = range(len(models)) if i % 2 == 0 else reversed(range(len(models)))
+        order = range(len(runners)) if i % 2 == 0 else reversed(range(len(runners)))
         for j in order:
-            cache, token = prefill(models[j], ids)
-            t0 = time.perf_counter()
-            decode_steps(models[j], cache, token, steps)
+            dt = _timed_decode(runners[j], ids, steps)
             if i >= warmup:
-                times[j].append(time.perf_counter() - t0)
+                times[j].append(dt)
     return [statistics.median(t) for t in times]
+
+
+def _runners(models: Sequence[Any], decode: str) -> tuple[list[Any], str]:
+    """Each model's decode runner (its fused step where it runs, else the model) and the
+    decode path both take (``fused``, ``hf``, or ``hf (fused: <why not>)``)."""
+    if decode == "hf":
+        return list(models), "hf"
+    from structlm.hf.fused_decode import fused_decoder_or_none
+
+    found = [fused_decoder_or_none(m) for m in models]
+    why = "; ".join(w for d, w in found if d is None)
+    if why:  # both arms on one path: the fairness rule
+        return list(models), f"hf (fused: {why})"
+    return [d for d, _ in found], "fused"
 
 
 @torch.no_grad()
@@ -184,6 +217,10 @@ def measure(original: Any, compressed: Any, ids: torch.Tensor, cfg: ShareBenchCo
              "unit": unit, "memory_ratio": round(o / max(c, 1), 4)} for item, o, c, unit in mem]
     ideal = round(read_o / read_c, 4)
     models = [original, compressed]
+    runners, path = _runners(models, cfg.decode)
+    for r in rows:
+        r["decode_path"] = path
+    base["decode_path"] = path
     stream = [stream_read_gbps()]  # the memory floor, before and after the timed rows
     grid = [(phase, b) for b in cfg.batches for phase in ("prefill", "decode")]
     for phase, b in tqdm(grid, desc="share bench", disable=not progress, unit="meas"):
@@ -193,7 +230,7 @@ def measure(original: Any, compressed: Any, ids: torch.Tensor, cfg: ShareBenchCo
                                            cfg.trials, cfg.warmup)
             unit, tokens = "s_per_call", b * cfg.prompt_len
         else:
-            t_o, t_c = _decode_medians(models, x, cfg.decode_tokens, cfg.trials, cfg.warmup)
+            t_o, t_c = _decode_medians(runners, x, cfg.decode_tokens, cfg.trials, cfg.warmup)
             t_o, t_c = t_o / cfg.decode_tokens, t_c / cfg.decode_tokens
             unit, tokens = "s_per_token", b
         rows.append({**base, "phase": phase, "batch": b, "original": t_o, "compressed": t_c,
@@ -299,12 +336,21 @@ def markdown_from_csv(csv_path: str) -> str:
               "ideal = weights read per token, original / compressed (a speed-up above it "
               "would mean an unfair baseline). Both models run on the project's fastest "
               "dense path (the compiled few-row kernel at cached decode, `F.linear` "
-              "otherwise), the compressed model's factor products included. GB/s = bytes "
+              "otherwise), the compressed model's factor products included; decode path: "
+              + _decode_path_text(r0.get("decode_path", "hf")) + ". GB/s = bytes "
               "per decode step (weights read once, the KV cache of every sequence at the mean "
               "context) / time; % of the stream read bandwidth measured in the same run"
               + (f" ({r0['stream_read_gbps']} GB/s)" if r0.get("stream_read_gbps") else "")
               + ". " + verdict]
     return "\n".join(lines) + "\n"
+
+
+def _decode_path_text(path: str) -> str:
+    if path == "fused":
+        return ("the fused step for both (one compiled call per token, the weights copied "
+                "into a huge-page arena in read order; peak memory is measured on the model's "
+                "own forward, without that copy)")
+    return f"the models' own forward per token ({path})"
 
 
 def plot_from_csv(csv_path: str, png_path: str) -> None:

@@ -268,6 +268,22 @@ class FusedDecoder:
     def generation_config(self) -> Any:
         return self.model.generation_config
 
+    def prefill(self, input_ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        """Runs the prompt ``(B, T)`` through the model (rebinding first if a parameter
+        changed or ``T + new_tokens`` positions exceed the caches) and loads its keys and
+        values; returns the last position's logits ``(B, V)``."""
+        self._fresh(input_ids.shape[1] + new_tokens)
+        return self._prefill(input_ids)
+
+    def greedy_steps(self, token: torch.Tensor, pos: int, steps: int) -> torch.Tensor:
+        """``steps`` greedy steps from ``token`` ``(B,)`` at position ``pos`` (after
+        :meth:`prefill`); returns the ids produced ``(B, steps)``."""
+        out = []
+        for i in range(steps):
+            token = self.stack.step(token, pos + i).argmax(dim=-1)
+            out.append(token)
+        return torch.stack(out, dim=1)
+
     def _prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Runs the prompt through the model, loads its keys and values; last logits."""
         with torch.no_grad():
