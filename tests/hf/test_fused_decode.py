@@ -62,7 +62,7 @@ def _check_against_forward(model: torch.nn.Module, steps: int = 12, batch: int =
             torch.testing.assert_close(logits, full[:, T + i], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3", "phi3"])
 def test_plain_models_match_generate(family: str) -> None:
     model = _spread(_tiny(family))
     if family == "qwen2":
@@ -83,9 +83,16 @@ def test_rotary_scaling_tables_come_from_the_model() -> None:
     _check_against_forward(model)
 
 
-@pytest.mark.parametrize("targets", ["mlp", "all"])
-def test_converted_model_reads_each_positions_type(targets: str) -> None:
-    model = _spread(_tiny("llama"))
+def test_partial_rotary_phi3() -> None:
+    model = _spread(tiny_family("phi3", partial_rotary_factor=0.5))
+    assert model.model.rotary_emb(torch.ones(1), torch.arange(3)[None])[0].shape[-1] == 6
+    _check_against_forward(model)
+
+
+@pytest.mark.parametrize(("family", "targets"), [("llama", "mlp"), ("llama", "all"),
+                                                 ("phi3", "all")])
+def test_converted_model_reads_each_positions_type(family: str, targets: str) -> None:
+    model = _spread(_tiny(family))
     convert_(model, AlgebraConfig("Q2^2", "cyclic", targets))
     _check_against_forward(model, steps=13)  # positions 7..19: every type of Q2^2
 

@@ -1,15 +1,16 @@
 """A decode step without Python per layer for LLaMA-family Hugging Face models.
 
 :class:`FusedDecoder` wraps a ``LlamaForCausalLM``-shaped model (``llama``, ``mistral``,
-``qwen2``, ``qwen3``: RMSNorm pre-norms, rotary positions, grouped-query attention, a
-SiLU-gated MLP) — plain, converted by :func:`structlm.convert_` or compressed by
-``structlm share compress`` — and generates with it: the prompt goes through the
-model's own forward (prefill), then every new token is one call into the compiled
-``LlamaDecodeStack`` (``ops/csrc/decode_llama.cpp``): embedding row, every layer
-(norms, projections on the few-row kernel, rotary embedding, cached attention, gated
-MLP), final norm and LM head, with the keys and values in caches the step owns. A Hugging
-Face decode step dispatches ~40 small PyTorch ops per layer from Python; this one
-crosses into C++ once per token.
+``qwen2``, ``qwen3``, ``phi3``: RMSNorm pre-norms, rotary positions — partial where the
+model's tables are narrower than a head —, grouped-query attention, a SiLU-gated MLP;
+Phi-3's stacked ``qkv_proj`` and ``gate_up_proj`` as they are) — plain, converted by
+:func:`structlm.convert_` or compressed by ``structlm share compress`` — and generates
+with it: the prompt goes through the model's own forward (prefill), then every new token
+is one call into the compiled ``LlamaDecodeStack`` (``ops/csrc/decode_llama.cpp``):
+embedding row, every layer (norms, projections on the few-row kernel, rotary embedding,
+cached attention, gated MLP), final norm and LM head, with the keys and values in caches
+the step owns. A Hugging Face decode step dispatches ~40 small PyTorch ops per layer
+from Python; this one crosses into C++ once per token.
 
 Every projection becomes a sum of chains of bound weights: a dense matrix (read in place),
 an algebra layer's typed copies (its type at each position from the conversion's
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from structlm.hf.adapters.modules import ConcatProjection
 from structlm.nn import AlgebraLinear
 from structlm.nn.factorized import LowRankLinear, OneSidedLinear, SharedBasisLinear
 from structlm.ops import cpu_kernels
@@ -41,7 +43,7 @@ from structlm.ops.weight_arena import WeightArena
 
 __all__ = ["FUSED_MODEL_TYPES", "FusedDecoder", "UnsupportedModel", "fused_decoder_or_none"]
 
-FUSED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+FUSED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 """``config.model_type`` values the fused step handles."""
 
 _DEFAULT_CAPACITY = 1024
@@ -139,13 +141,30 @@ def _check_model(model: nn.Module) -> Any:
     return config
 
 
+def _attention_inputs(mod: Any, attn: nn.Module, slots: _Slots, arena: WeightArena
+                      ) -> list[Any]:
+    """``[q, k, v]``, or one stacked ``[q; k; v]`` (Phi-3's ``qkv_proj``; split into three
+    modules when a conversion replaced them)."""
+    qkv = getattr(attn, "qkv_proj", None)
+    if qkv is None:
+        return [_chain(mod, getattr(attn, n), slots, arena) for n in ("q_proj", "k_proj", "v_proj")]
+    if isinstance(qkv, ConcatProjection):
+        return [_chain(mod, part, slots, arena) for part in qkv.parts]
+    return [_chain(mod, qkv, slots, arena)]
+
+
 def _layer(mod: Any, block: nn.Module, slots: _Slots, arena: WeightArena) -> Any:
     attn, mlp = block.self_attn, block.mlp
-    attn_in = [_chain(mod, getattr(attn, n), slots, arena) for n in ("q_proj", "k_proj", "v_proj")]
+    attn_in = _attention_inputs(mod, attn, slots, arena)
     if hasattr(mlp, "proj_in"):  # GatedMLP: one stacked [gate; up] projection
         if not _is_silu(mlp.act):
             raise UnsupportedModel(f"MLP activation {type(mlp.act).__name__}: expected SiLU")
         mlp_in, down = [_chain(mod, mlp.proj_in, slots, arena)], mlp.down
+    elif hasattr(mlp, "gate_up_proj"):  # Phi-3: one stacked [gate; up] projection
+        if not _is_silu(mlp.activation_fn):
+            raise UnsupportedModel(f"MLP activation {type(mlp.activation_fn).__name__}: "
+                                   "expected SiLU")
+        mlp_in, down = [_chain(mod, mlp.gate_up_proj, slots, arena)], mlp.down_proj
     else:
         if not _is_silu(mlp.act_fn):
             raise UnsupportedModel(f"MLP activation {type(mlp.act_fn).__name__}: expected SiLU")
