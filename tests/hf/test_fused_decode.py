@@ -25,7 +25,7 @@ def _spread(model: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
         for name, p in model.named_parameters():
             if p.dim() > 1:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.25)
-            elif "norm" in name or "layernorm" in name:
+            elif "norm" in name or ".ln_" in name:
                 p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
@@ -36,6 +36,8 @@ def _tiny(family: str, **overrides: object) -> torch.nn.Module:
     """A tiny random model of the family (hidden 48, FFN 80, 4 query / 2 KV heads)."""
     if family == "llama":
         return tiny_llama(hidden_size=48, intermediate_size=80, vocab_size=97, **overrides)
+    if family == "gpt2":
+        return tiny_gpt2(**overrides)
     return tiny_family(family, **overrides)
 
 
@@ -62,14 +64,26 @@ def _check_against_forward(model: torch.nn.Module, steps: int = 12, batch: int =
             torch.testing.assert_close(logits, full[:, T + i], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2",
+                                    "gpt2"])
 def test_plain_models_match_generate(family: str) -> None:
     model = _spread(_tiny(family))
     if family == "qwen2":
         assert model.model.layers[0].self_attn.q_proj.bias is not None  # biases exercised
-    if family == "qwen3":
-        assert hasattr(model.model.layers[0].self_attn, "q_norm")
+    if family == "qwen3":  # per-head q/k norms
+        assert model.model.layers[0].self_attn.q_norm.weight.numel() == 12
+    if family == "olmo2":  # full-width q/k norms, norms after attention and MLP
+        assert model.model.layers[0].self_attn.q_norm.weight.numel() == 48
     _check_against_forward(model)
+
+
+def test_gpt2_variants() -> None:
+    """Exact GELU, attention scaled by the inverse layer index, untied head."""
+    model = _spread(tiny_gpt2(activation_function="gelu", scale_attn_by_inverse_layer_idx=True,
+                              tie_word_embeddings=False))
+    _check_against_forward(model)
+    with pytest.raises(ValueError, match="position embeddings"):
+        FusedDecoder(model).generate(_prompt(97), max_new_tokens=60, eos_token_id=None)
 
 
 def test_batch_and_decode_kernels() -> None:
@@ -90,7 +104,8 @@ def test_partial_rotary_phi3() -> None:
 
 
 @pytest.mark.parametrize(("family", "targets"), [("llama", "mlp"), ("llama", "all"),
-                                                 ("phi3", "all")])
+                                                 ("phi3", "all"), ("gpt2", "all"),
+                                                 ("olmo2", "all")])
 def test_converted_model_reads_each_positions_type(family: str, targets: str) -> None:
     model = _spread(_tiny(family))
     convert_(model, AlgebraConfig("Q2^2", "cyclic", targets))
@@ -161,8 +176,8 @@ def test_changed_weights_and_long_runs_rebind() -> None:
 
 
 def test_unsupported_models_are_refused_with_the_reason() -> None:
-    with pytest.raises(UnsupportedModel, match="model type 'gpt2'"):
-        FusedDecoder(tiny_gpt2())
+    with pytest.raises(UnsupportedModel, match="model type 'gemma2'"):
+        FusedDecoder(tiny_family("gemma2"))
     short = FusedDecoder(tiny_family("mistral", sliding_window=12))  # binds 12 positions
     with pytest.raises(UnsupportedModel, match="sliding-window"):
         short.generate(_prompt(97), max_new_tokens=6, eos_token_id=None)

@@ -8,6 +8,7 @@
 // append, SDPA, residual adds), each a few microseconds of dispatch.
 // The slow obvious version is the model's own forward; tests compare the two.
 #include "dot.h"
+#include "norms.h"
 #include "rows_kernel.h"
 
 #include <ATen/Parallel.h>
@@ -17,25 +18,7 @@
 
 namespace {
 
-// y = (x - mean) / sqrt(var + eps) * w + b over rows of width d; moments in double.
-template <typename T>
-void layer_norm_rows(const T* x, const T* w, const T* b, double eps, int64_t rows, int64_t d,
-                     T* y) {
-  for (int64_t m = 0; m < rows; ++m) {
-    const T* xr = x + m * d;
-    double mean = 0.0, var = 0.0;
-    for (int64_t i = 0; i < d; ++i) mean += xr[i];
-    mean /= static_cast<double>(d);
-    for (int64_t i = 0; i < d; ++i) {
-      const double c = xr[i] - mean;
-      var += c * c;
-    }
-    const double inv = 1.0 / std::sqrt(var / static_cast<double>(d) + eps);
-    for (int64_t i = 0; i < d; ++i) {
-      y[m * d + i] = static_cast<T>((xr[i] - mean) * inv) * w[i] + b[i];
-    }
-  }
-}
+using structlm::layer_norm_rows;
 
 // For sequence m and head h: writes k, v at cache position `past`, then
 // out[m, h*hs:(h+1)*hs] = softmax(q . K[0..past] / sqrt(hs)) V[0..past].

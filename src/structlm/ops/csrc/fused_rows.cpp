@@ -466,8 +466,8 @@ at::Tensor swiglu_rows_forward(at::Tensor x, at::Tensor gate, at::Tensor up, at:
   return project(g, down, types, dn_out_off, dn_in_off, dn_uses, q, none);
 }
 
-// decode_llama.cpp: the LLaMA-family decode step's classes
-void register_decode_llama(pybind11::module_& m);
+// decode_hf.cpp: the Hugging Face decoders' decode step classes
+void register_decode_hf(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu_rows_forward", &swiglu_rows_forward,
@@ -484,7 +484,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__call__", &TypedRowsBinding::call, py::arg("x"), py::arg("types"),
            py::arg("weight"), py::arg("bias"))
       .def("matches", &TypedRowsBinding::matches, py::arg("weight"));
-  register_decode_llama(m);
+  register_decode_hf(m);
   m.def("decode_stack_forward", &decode_stack_forward,
         "every decoder block in turn for one new token per sequence, caches written in place");
 }
