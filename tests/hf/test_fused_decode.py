@@ -7,9 +7,15 @@ import pytest
 import torch
 
 from structlm.convert import AlgebraConfig, convert_
+from structlm.hf.adapters.modules import ConcatProjection, GatedMLP
 from structlm.hf.decode import use_decode_kernels_
 from structlm.hf.fused_decode import FusedDecoder, UnsupportedModel, fused_decoder_or_none
-from structlm.nn.factorized import LowRankLinear, SharedBasis, SharedBasisLinear
+from structlm.nn.factorized import (
+    LowRankLinear,
+    OneSidedLinear,
+    SharedBasis,
+    SharedBasisLinear,
+)
 from structlm.ops import cpu_kernels
 from tiny_models import tiny_family, tiny_gpt2, tiny_llama
 
@@ -126,6 +132,13 @@ def test_compressed_layers_stay_factorised() -> None:
                if i == 0 else None)
         block.mlp.up_proj = SharedBasisLinear(basis, torch.randn(12, 16, generator=gen),
                                               None, residual=res)
+    # Basis Sharing's layout: a GatedMLP whose MLP-in is [gate, up] as two one-sided layers
+    one_sided = SharedBasis(torch.randn(20, d, generator=gen) * 0.2, None)
+    mlp = layers[2].mlp
+    layers[2].mlp = GatedMLP(ConcatProjection([
+        OneSidedLinear(one_sided, torch.randn(f, 20, generator=gen) * 0.3, None),
+        OneSidedLinear(one_sided, torch.randn(f, 20, generator=gen) * 0.3, None)]),
+        mlp.down_proj, f, mlp.act_fn)
     _check_against_forward(model)
 
 

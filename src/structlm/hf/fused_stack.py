@@ -176,7 +176,14 @@ def _gated_mlp(mod: Any, mlp: nn.Module, slots: _Slots, arena: WeightArena
                ) -> tuple[list[Any], Any]:
     """``([gate, up] or [stacked gate; up], down)`` of a SiLU-gated MLP."""
     if hasattr(mlp, "proj_in"):  # GatedMLP (a compressed model): stacked [gate; up]
-        act, mlp_in, down = mlp.act, [_chain(mod, mlp.proj_in, slots, arena)], mlp.down
+        act, down = mlp.act, mlp.down
+        if isinstance(mlp.proj_in, ConcatProjection):  # [gate, up] as two modules
+            if len(mlp.proj_in.parts) != 2:
+                raise UnsupportedModel(f"an MLP input of {len(mlp.proj_in.parts)} parts: "
+                                       "expected gate and up")
+            mlp_in = [_chain(mod, part, slots, arena) for part in mlp.proj_in.parts]
+        else:
+            mlp_in = [_chain(mod, mlp.proj_in, slots, arena)]
     elif hasattr(mlp, "gate_up_proj"):  # Phi-3: stacked [gate; up]
         act, mlp_in = mlp.activation_fn, [_chain(mod, mlp.gate_up_proj, slots, arena)]
         down = mlp.down_proj
