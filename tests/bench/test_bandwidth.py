@@ -90,10 +90,27 @@ def test_call_bytes_and_absolute_columns() -> None:
     assert call_bytes(100, 2, 10, 5, "fwdbwd") == 3 * (100 + 20 + 10) * 4
     with pytest.raises(ValueError, match="mode"):
         call_bytes(100, 2, 10, 5, "bwd")
-    cols = absolute_columns(4000, 1000, 1.5, 2e-6, 1e-6)
-    assert cols["bytes_ideal"] == 4.0 and cols["roofline_ideal"] == 1.5  # the tighter
+    cols = absolute_columns(4000, 1000, 1.5, 2e-6, 1e-6, 600)
+    assert cols["bytes_ideal"] == 4.0 and cols["dense_macs"] == 600
     assert cols["dense_gbps"] == 2.0 and cols["algebra_gbps"] == 1.0
     rows = [dict(cols)]
     add_stream_columns(rows, [3.0, 5.0])
     assert rows[0]["stream_read_gbps"] == 4.0 and rows[0]["dense_pct_of_stream"] == 50.0
     assert rows[0]["stream_read_gbps_before_after"] == "3.00;5.00"
+
+
+def test_roofline_is_the_ratio_of_the_two_floors() -> None:
+    from structlm.bench.bandwidth import add_roofline_columns, roofline_seconds
+
+    assert roofline_seconds(8e9, 1e9, 4.0, 1.0) == 2.0  # bytes: 2 s; flops: 2 s
+    assert roofline_seconds(8e9, 4e9, 4.0, 1.0) == 8.0  # compute-bound
+    # both arms bound by bytes: the bytes ideal (4x), whatever the MAC ideal (1.5x)
+    rows = [{"dense_bytes": 4e9, "algebra_bytes": 1e9, "dense_macs": 1e6, "ideal": 1.5}]
+    add_roofline_columns(rows, 1.0, 100.0)
+    assert rows[0]["roofline_ideal"] == 4.0 and rows[0]["gemm_peak_gflops"] == 100.0
+    # a compute-bound dense call (M = 32 style): the algebra, reading every byte, still
+    # gains up to dense flops time / its bytes time (8 s / 4 s), below its MAC ideal (16x)
+    rows = [{"dense_bytes": 4e9, "algebra_bytes": 4e9, "dense_macs": 4e9, "ideal": 16.0},
+            {"dense_bytes": ""}]  # a row without a floor is left as it is
+    add_roofline_columns(rows, 1.0, 1.0)
+    assert rows[0]["roofline_ideal"] == 2.0 and "roofline_ideal" not in rows[1]

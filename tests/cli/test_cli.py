@@ -71,8 +71,13 @@ def test_layer_bench_writes_csv_md_png(tmp_path: os.PathLike[str]) -> None:
             assert int(r["types_present"]) == Q_OF[r["algebra"]]
             used = k * n  # every block of Q2 / Q2^2 is used by some type
         assert int(r["algebra_bytes"]) == passes * 4 * (used + m * k + m * n)
-        assert float(r["roofline_ideal"]) == min(float(r["ideal"]), float(r["bytes_ideal"]))
-        stream = float(r["stream_read_gbps"])
+        stream, peak = float(r["stream_read_gbps"]), float(r["gemm_peak_gflops"])
+        dense_macs = passes * m * k * n
+        assert int(r["dense_macs"]) == dense_macs
+        floors = [max(int(r[f"{arm}_bytes"]) / (stream * 1e9), 2 * macs / (peak * 1e9))
+                  for arm, macs in (("dense", dense_macs),
+                                    ("algebra", dense_macs / float(r["ideal"])))]
+        assert float(r["roofline_ideal"]) == pytest.approx(floors[0] / floors[1], rel=1e-3)
         assert stream > 0
         for arm in ("dense", "algebra"):  # bytes / median seconds
             ms = float(r[f"{arm}_ms"])  # written to 4 decimals: up to 5e-5 ms off
@@ -92,6 +97,25 @@ def test_layer_bench_writes_csv_md_png(tmp_path: os.PathLike[str]) -> None:
         expected = ({"F.linear", "dense-rows kernel", "DecodeLinear"}
                     if few_rows_fwd and cpu_kernels.fused_rows_available() else {"F.linear"})
         assert r["dense_path"] in expected, r
+
+
+def test_layer_bench_cold_rows_rotate_copies(tmp_path: os.PathLike[str]) -> None:
+    """Cold forward rows run each arm on the next of enough copies of the layer for the
+    weights to hold rotate_mib; forward + backward rows flush."""
+    from dataclasses import replace
+
+    cfg = LayerBenchConfig(ms=(1,), shapes=((64, 32),), algebras=("Q2^2",),
+                           schedules=("cyclic",), modes=("fwd", "fwdbwd"), trials=2,
+                           threads=1, flush_max_m=1, rotate_mib=1)
+    rows = run_layer_bench(cfg, os.path.join(tmp_path, "cold"), progress=False)
+    fwd, bwd = rows
+    assert fwd["cold"] == "rotate" and fwd["copies"] == (1 << 20) // (64 * 32 * 4) == 128
+    assert bwd["cold"] == "flush" and bwd["copies"] == 1 and bwd["flushed"]
+    md = open(os.path.join(tmp_path, "cold.md")).read()
+    assert f"fwd (cold: {fwd['copies']} copies) | 1 |" in md and "fwdbwd (flushed)" in md
+    flush = run_layer_bench(replace(cfg, cold="flush", modes=("fwd",)),
+                            os.path.join(tmp_path, "flush"), progress=False)
+    assert flush[0]["cold"] == "flush" and flush[0]["copies"] == 1
 
 
 def test_layer_bench_swiglu_rows_and_shape_checks(tmp_path: os.PathLike[str]) -> None:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["absolute_columns", "add_stream_columns", "call_bytes", "gemm_peak_gflops",
-           "gguf_bytes_per_token", "stream_read_gbps"]
+__all__ = ["absolute_columns", "add_roofline_columns", "add_stream_columns", "call_bytes",
+           "gemm_peak_gflops", "gguf_bytes_per_token", "roofline_seconds", "stream_read_gbps"]
 
 
 def stream_read_gbps(nbytes: int = 256 << 20, trials: int = 7) -> float:
@@ -64,16 +64,41 @@ def call_bytes(weight_elements: int, m: int, k: int, n: int, mode: str,
 
 
 def absolute_columns(dense_bytes: int, algebra_bytes: int, mac_ideal: float,
-                     dense_s: float, algebra_s: float) -> dict[str, float | int]:
+                     dense_s: float, algebra_s: float, dense_macs: int) -> dict[str, float | int]:
     """The per-row columns of the memory floor: bytes of each arm, the bytes ideal
-    (dense/algebra bytes), the roofline ideal (the tighter of the MAC and bytes ideals:
-    a call bound by either cannot beat it) and each arm's achieved GB/s."""
-    bytes_ideal = dense_bytes / algebra_bytes
+    (dense/algebra bytes), the dense arm's multiply-adds (the algebra arm's are
+    ``dense_macs / mac_ideal``; :func:`add_roofline_columns` reads both) and each arm's
+    achieved GB/s."""
     return {"dense_bytes": dense_bytes, "algebra_bytes": algebra_bytes,
-            "bytes_ideal": round(bytes_ideal, 4),
-            "roofline_ideal": round(min(mac_ideal, bytes_ideal), 4),
+            "bytes_ideal": round(dense_bytes / algebra_bytes, 4), "dense_macs": dense_macs,
             "dense_gbps": round(dense_bytes / dense_s / 1e9, 6),
             "algebra_gbps": round(algebra_bytes / algebra_s / 1e9, 6)}
+
+
+def roofline_seconds(nbytes: float, macs: float, stream_gbps: float,
+                     peak_gflops: float) -> float:
+    """The least time a call can take on this machine: the slower of reading its bytes at
+    the stream bandwidth and doing its ``2 * macs`` flops at the GEMM rate."""
+    return max(nbytes / (stream_gbps * 1e9), 2 * macs / (peak_gflops * 1e9))
+
+
+def add_roofline_columns(rows: list[dict[str, object]], stream_gbps: float,
+                         peak_gflops: float) -> None:
+    """``roofline_ideal`` of each row with ``dense_bytes``: the dense arm's roofline time
+    over the algebra arm's (:func:`roofline_seconds`, the algebra's multiply-adds
+    ``dense_macs / ideal``), and the GEMM rate it used; in place. Where the dense call is
+    bound by bytes and the algebra's by bytes too this is the bytes ideal; where the
+    dense call is compute-bound (M = 32 on this machine) an algebra call that must read
+    the whole weight can still gain up to the ratio of the two floors."""
+    for r in rows:
+        if r.get("dense_bytes", "") == "":
+            continue
+        dm = float(r["dense_macs"])  # type: ignore[arg-type]
+        dense = roofline_seconds(float(r["dense_bytes"]), dm, stream_gbps, peak_gflops)  # type: ignore[arg-type]
+        alg = roofline_seconds(float(r["algebra_bytes"]), dm / float(r["ideal"]),  # type: ignore[arg-type]
+                               stream_gbps, peak_gflops)
+        r["roofline_ideal"] = round(dense / alg, 4)
+        r["gemm_peak_gflops"] = round(peak_gflops, 2)
 
 
 _ARM_COLUMNS = (("dense_gbps", "dense_pct_of_stream"), ("algebra_gbps", "algebra_pct_of_stream"))

@@ -7,18 +7,27 @@ like the algebra layer's); all are timed in the same interleaved trials and the 
 is the reference (named in the table), so a ratio above the ideal means something to
 explain, not an unfair baseline. Interleaved trials (order alternates), medians, ratio
 dense/algebra next to the ideal ``1/rho`` of the batch; CSV with the environment, a
-Markdown table and a plot, both drawn from the CSV.  Small batches (``M <= 32``) are timed
-cache-flushed: a 512 MiB buffer is read outside the timed region before each
-call, so neither the weights nor the code and objects of the call are in cache (as in
-a decode step of a model larger than the last-level cache).
+Markdown table and a plot, both drawn from the CSV. Small batches (``M <= 32``) read
+weights that are not in cache, as a decode step of a model larger than the last-level
+cache does. Forward rows by default *rotate* (``cold="rotate"``): the layer is
+replicated until the weights alone hold 1 GiB (twice this machine's 480 MiB last-level
+cache), and each call of an arm runs on its next copy, the arms staggered so that no arm
+reads a copy another has just read, so its weights (and the algebra arm's decode copies)
+come from memory while the code stays warm, as between the layers of a decode step.
+``cold="flush"`` (and every SwiGLU and forward + backward row) reads a 512 MiB buffer
+before each call instead: the code, Python objects and page tables are cold too, which
+costs ~40-100 us a call on this machine (``x.add(1)`` on 64 floats: 4 us warm, 97 us
+after the flush) and dominates the M = 1 calls of small weights.
 """
 
 from __future__ import annotations
 
 import csv
+import itertools
 import os
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Annotated
 
@@ -28,8 +37,10 @@ from tqdm import tqdm
 
 from structlm.bench.bandwidth import (
     absolute_columns,
+    add_roofline_columns,
     add_stream_columns,
     call_bytes,
+    gemm_peak_gflops,
     stream_read_gbps,
 )
 from structlm.bench.swiglu_block import time_swiglu_block
@@ -76,8 +87,16 @@ class LayerBenchConfig:
     """Interleaved trials per configuration (medians reported)."""
     threads: Annotated[int, Range(ge=1)] = 2
     """Torch threads."""
-    flush_max_m: Annotated[int, Range(ge=0, note="0: never flushed")] = 32
-    """Up to this M, caches are flushed before each timed call (weights not in cache)."""
+    flush_max_m: Annotated[int, Range(ge=0, note="0: never cold")] = 32
+    """Up to this M, every timed call reads weights not in cache (see ``cold``)."""
+    cold: Annotated[str, OneOf("rotate", "flush")] = "rotate"
+    """How a linear row's weights are kept out of cache: ``rotate`` (the layer replicated
+    until the weights hold >= ``rotate_mib``, each call of an arm on its next copy, the arms
+    staggered: cold weights, warm code, as in a decode step) or ``flush`` (a 512 MiB read
+    before each call: code, Python objects and page tables cold too, ~40-100 us more per
+    call here). SwiGLU rows and forward + backward rows always flush."""
+    rotate_mib: Annotated[int, Range(ge=1)] = 1024
+    """With ``cold: rotate``: the least memory the copies of a layer hold."""
     seed: Annotated[int, Range(ge=0)] = 0
     """Seed of inputs and weights."""
     extra: dict[str, str] = field(default_factory=dict)
@@ -133,23 +152,30 @@ PRESETS: dict[str, LayerBenchConfig] = {
 def _time_one(cfg: LayerBenchConfig, m: int, k: int, n: int, algebra: str, schedule: str,
               mode: str, flusher: CacheFlusher | None) -> dict[str, object]:
     gen = torch.Generator().manual_seed(cfg.seed)
-    layer = AlgebraLinear(k, n, algebra, backend="blocked")
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(n, k, generator=gen) / k**0.5)
+    layer = _random_layer(k, n, algebra, gen)
     w = layer.weight
     types = get_schedule(schedule, layer.q)(torch.arange(m))
     start = time.perf_counter()
     part = layer.partition(types)
     partition_us = (time.perf_counter() - start) * 1e6
     x = torch.randn(m, k, generator=gen)
+    rotating = (mode == "fwd" and cfg.cold == "rotate" and flusher is not None
+                and m <= cfg.flush_max_m)
+    layers = [layer]
+    if rotating:  # copies until they hold rotate_mib: each call reads a cold copy
+        layers += [_random_layer(k, n, algebra, gen)
+                   for _ in range(_copies(layer, cfg.rotate_mib) - 1)]
+    # each arm starts at its own copy: no arm reads a copy another arm has just read
+    at = {arm: _cycle(len(layers), i * len(layers) // 4)
+          for i, arm in enumerate(("dense", "rows", "module", "algebra"))}
     if mode == "fwd":
         def dense() -> object:
             with torch.no_grad():
-                return F.linear(x, w)
+                return F.linear(x, layers[next(at["dense"])].weight)
 
         def algebra_fn() -> object:
             with torch.no_grad():
-                return layer(x, part)
+                return layers[next(at["algebra"])](x, part)
     elif mode == "fwdbwd":
         xg = x.clone().requires_grad_(True)
         g = torch.randn(m, n, generator=gen)
@@ -167,29 +193,33 @@ def _time_one(cfg: LayerBenchConfig, m: int, k: int, n: int, algebra: str, sched
     if (mode == "fwd" and m <= DENSE_ARM_KERNEL_MAX_ROWS
             and choose(DenseCall(x[:1], wd)).route is not Route.TORCH):
         def dense_rows() -> object:  # the project's dense few-row kernel (decode's GEMV)
-            return cpu_kernels.dense_rows_linear(x, wd)
+            return cpu_kernels.dense_rows_linear(x, layers[next(at["rows"])].weight.detach())
 
-        dense_layer = DecodeLinear(k, n, bias=False)
-        dense_layer.weight = w  # the same weight; its calls cross into C++ bound, as the
-        # algebra layer's do (module against module)
+        dense_layers = []
+        for lay in layers:
+            dense_layer = DecodeLinear(k, n, bias=False)
+            dense_layer.weight = lay.weight  # the same weight; its calls cross into C++
+            dense_layers.append(dense_layer)  # bound, as the algebra layer's do
 
         def dense_module() -> object:
             with torch.no_grad():
-                return dense_layer(x)
+                return dense_layers[next(at["module"])](x)
 
         fns = {"F.linear": dense, "dense-rows kernel": dense_rows,
                "DecodeLinear": dense_module, "algebra": algebra_fn}
-    times = dict(zip(fns, interleaved_medians(list(fns.values()), cfg.trials,
-                                              before_each=flusher if flushed else None),
-                     strict=True))
+    # every copy once untimed (bindings and copies made), then the trials
+    times = dict(zip(fns, interleaved_medians(
+        list(fns.values()), cfg.trials, warmup=len(layers),
+        before_each=flusher if flushed and not rotating else None), strict=True))
     t_alg = times.pop("algebra")
     dense_path = min(times, key=times.__getitem__)  # the fastest dense path, this run
     t_dense = times[dense_path]
     rho = layer.mac_ratio(types)
     speedup = t_dense / t_alg
     used = layer.support.weight_elements(part.present, layer.in_widths, layer.out_widths)
+    passes = 1 if mode == "fwd" else 3  # fwd+bwd: the forward and the two gradients
     floor = absolute_columns(call_bytes(k * n, m, k, n, mode), call_bytes(used, m, k, n, mode),
-                             1 / float(rho), t_dense, t_alg)
+                             1 / float(rho), t_dense, t_alg, passes * m * k * n)
     return {
         "kind": "linear", "algebra": algebra, "q": layer.q, "schedule": schedule, "mode": mode,
         "M": m, "K": k, "N": n, "dtype": "float32", "dense_path": dense_path,
@@ -198,9 +228,32 @@ def _time_one(cfg: LayerBenchConfig, m: int, k: int, n: int, algebra: str, sched
         "speedup": round(speedup, 4), "ideal": round(1 / float(rho), 4),
         "frac_of_ideal": round(speedup * float(rho), 4), "rho": str(rho),
         "types_present": len(part.present), "flushed": flushed,
+        "cold": ("rotate" if rotating else "flush") if flushed else "",
+        "copies": len(layers),
         "layout": _route_taken(algebra_fn),
         "partition_us": round(partition_us, 1), "trials": cfg.trials, **floor,
     }
+
+
+def _random_layer(k: int, n: int, algebra: str, gen: torch.Generator) -> AlgebraLinear:
+    layer = AlgebraLinear(k, n, algebra, backend="blocked")
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n, k, generator=gen) / k**0.5)
+    return layer
+
+
+def _copies(layer: AlgebraLinear, rotate_mib: int) -> int:
+    """Copies of the layer whose weights alone hold at least ``rotate_mib`` MiB. With the
+    arms staggered (:func:`_cycle`), a copy's weight is read again only after every other
+    copy's: at least ``rotate_mib`` of other weights in between (the dense arms read the
+    weight, the algebra arm its decode copy of it)."""
+    w = layer.weight.detach()
+    return max(1, -(-(rotate_mib << 20) // (w.numel() * w.element_size())))
+
+
+def _cycle(n: int, start: int = 0) -> Iterator[int]:
+    """``start, start + 1, ..., n - 1, 0, 1, ...`` forever."""
+    return itertools.cycle([(start + i) % n for i in range(n)])
 
 
 def run_layer_bench(cfg: LayerBenchConfig, out_prefix: str, progress: bool = True
@@ -217,6 +270,7 @@ def run_layer_bench(cfg: LayerBenchConfig, out_prefix: str, progress: bool = Tru
     rows: list[dict[str, object]] = []
     os.makedirs(os.path.dirname(os.path.abspath(out_prefix)), exist_ok=True)
     stream = [stream_read_gbps()]  # the memory floor of this run, before and after
+    peak = [gemm_peak_gflops()]  # and the compute ceiling
     bar = tqdm(grid, desc="layer bench", disable=not progress, unit="cfg")
     for kind, m, k, n, a, s, mode in bar:
         bar.set_postfix_str(f"{kind} M={m} {k}x{n} {a} {s} {mode}")
@@ -227,9 +281,12 @@ def run_layer_bench(cfg: LayerBenchConfig, out_prefix: str, progress: bool = Tru
             row = _time_one(cfg, m, k, n, a, s, mode, flusher)
         rows.append({**row, **{f"env_{key}": v for key, v in env.items()}})
         add_stream_columns(rows[-1:], stream)
+        add_roofline_columns(rows[-1:], statistics.mean(stream), statistics.mean(peak))
         write_csv_atomic(out_prefix + ".csv", rows)  # partial results survive a stop
     stream.append(stream_read_gbps())
+    peak.append(gemm_peak_gflops())
     add_stream_columns(rows, stream)
+    add_roofline_columns(rows, statistics.mean(stream), statistics.mean(peak))
     write_csv_atomic(out_prefix + ".csv", rows)
     md = markdown_from_csv(out_prefix + ".csv")
     with open(out_prefix + ".md.tmp", "w") as fh:
@@ -261,16 +318,24 @@ def markdown_from_csv(csv_path: str) -> str:
              "(a few rows, forward) the compiled SwiGLU kernel.", "",
              "Memory floor: the bytes each call must read and write (the weight blocks its "
              "rows' types use, the input and the output); bytes ideal = dense/algebra "
-             "bytes; roofline = the tighter of 1/ρ and the bytes ideal; GB/s achieved and "
+             "bytes; roofline = the dense arm's least time over the algebra arm's, each the "
+             "slower of its bytes at the stream bandwidth and its flops at the float32 GEMM "
+             "rate measured in the run"
+             + (f" ({rows[0]['gemm_peak_gflops']} GFLOP/s)" if rows[0].get("gemm_peak_gflops")
+                else "") + " (the bytes ideal where both are bound by bytes), and the "
+             "speed-up as a share of it; GB/s achieved and "
              "its share of the stream read bandwidth measured in the same run"
              + (f" ({rows[0]['stream_read_gbps']} GB/s)" if rows[0].get("stream_read_gbps")
                 else "") + ".", "",
              "| mode | M | K×N | algebra | schedule | dense path | dense ms | algebra ms | "
-             "speed-up | ideal 1/ρ | % of ideal | roofline | dense GB/s (% stream) | "
+             "speed-up | ideal 1/ρ | % of ideal | roofline (% of it) | dense GB/s (% stream) | "
              "algebra GB/s (% stream) | layout |",
              "|---|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        flush = " (flushed)" if r["flushed"] == "True" else ""
+        flush = ""
+        if r["flushed"] == "True":  # older CSVs have no cold column: they flushed
+            flush = (f" (cold: {r['copies']} copies)" if r.get("cold") == "rotate"
+                     else " (flushed)")
         frac = float(r["frac_of_ideal"])
         mark = " ⚠ above ideal" if frac > 1.0 else ""
         block = " SwiGLU" if r.get("kind") == "swiglu" else ""
@@ -287,7 +352,10 @@ def _floor_cells(r: dict[str, str]) -> str:
     """The roofline and GB/s cells of a row (dashes for a CSV written without them)."""
     if not r.get("roofline_ideal"):
         return "— | — | —"
-    return (f"{float(r['roofline_ideal']):.2f}× | {float(r['dense_gbps']):.1f} "
+    share = float(r["speedup"]) / float(r["roofline_ideal"])
+    slow = " ⚠ dense off its floor" if share > 1.0 else ""
+    return (f"{float(r['roofline_ideal']):.2f}× ({100 * share:.0f}%{slow}) | "
+            f"{float(r['dense_gbps']):.1f} "
             f"({float(r['dense_pct_of_stream']):.0f}%) | {float(r['algebra_gbps']):.1f} "
             f"({float(r['algebra_pct_of_stream']):.0f}%)")
 

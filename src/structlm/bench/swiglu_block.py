@@ -117,8 +117,10 @@ def time_swiglu_block(m: int, d: int, f: int, algebra: str, schedule: str, mode:
     used = sum(lin.support.weight_elements(part.present, lin.in_widths, lin.out_widths)
                for lin in (mlp.gate, mlp.up, mlp.down))
     # weights, the input and the output (the (M, F) intermediates are left out)
+    passes = 1 if mode == "fwd" else 3
     floor = absolute_columns(call_bytes(3 * d * f, m, d, d, mode),
-                             call_bytes(used, m, d, d, mode), 1 / float(rho), t_dense, t_alg)
+                             call_bytes(used, m, d, d, mode), 1 / float(rho), t_dense, t_alg,
+                             passes * 3 * m * d * f)
     return {
         "kind": "swiglu", "algebra": algebra, "q": q, "schedule": schedule, "mode": mode,
         "M": m, "K": d, "N": f, "dtype": "float32", "dense_path": dense_path,
