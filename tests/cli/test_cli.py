@@ -111,6 +111,12 @@ def test_layer_bench_cold_rows_rotate_copies(tmp_path: os.PathLike[str]) -> None
     fwd, bwd = rows
     assert fwd["cold"] == "rotate" and fwd["copies"] == (1 << 20) // (64 * 32 * 4) == 128
     assert bwd["cold"] == "flush" and bwd["copies"] == 1 and bwd["flushed"]
+    from structlm.ops import cpu_kernels
+
+    if cpu_kernels.fused_rows_available():  # module time minus the bare kernel's
+        assert isinstance(fwd["algebra_call_overhead_us"], float)
+        assert isinstance(fwd["dense_call_overhead_us"], float)
+        assert bwd["algebra_call_overhead_us"] == ""
     md = open(os.path.join(tmp_path, "cold.md")).read()
     assert f"fwd (cold: {fwd['copies']} copies) | 1 |" in md and "fwdbwd (flushed)" in md
     flush = run_layer_bench(replace(cfg, cold="flush", modes=("fwd",)),

@@ -166,8 +166,8 @@ def _time_one(cfg: LayerBenchConfig, m: int, k: int, n: int, algebra: str, sched
         layers += [_random_layer(k, n, algebra, gen)
                    for _ in range(_copies(layer, cfg.rotate_mib) - 1)]
     # each arm starts at its own copy: no arm reads a copy another arm has just read
-    at = {arm: _cycle(len(layers), i * len(layers) // 4)
-          for i, arm in enumerate(("dense", "rows", "module", "algebra"))}
+    arms = ("dense", "rows", "module", "algebra", "bare dense", "bare algebra")
+    at = {arm: _cycle(len(layers), i * len(layers) // len(arms)) for i, arm in enumerate(arms)}
     if mode == "fwd":
         def dense() -> object:
             with torch.no_grad():
@@ -207,10 +207,13 @@ def _time_one(cfg: LayerBenchConfig, m: int, k: int, n: int, algebra: str, sched
 
         fns = {"F.linear": dense, "dense-rows kernel": dense_rows,
                "DecodeLinear": dense_module, "algebra": algebra_fn}
+        if len(part.present) == 1 and cpu_kernels.fused_rows_available():
+            fns.update(_bare_kernels(x, layers, part, at))
     # every copy once untimed (bindings and copies made), then the trials
     times = dict(zip(fns, interleaved_medians(
         list(fns.values()), cfg.trials, warmup=len(layers),
         before_each=flusher if flushed and not rotating else None), strict=True))
+    bare = {arm: times.pop(arm) for arm in ("bare dense", "bare algebra") if arm in times}
     t_alg = times.pop("algebra")
     dense_path = min(times, key=times.__getitem__)  # the fastest dense path, this run
     t_dense = times[dense_path]
@@ -232,7 +235,34 @@ def _time_one(cfg: LayerBenchConfig, m: int, k: int, n: int, algebra: str, sched
         "copies": len(layers),
         "layout": _route_taken(algebra_fn),
         "partition_us": round(partition_us, 1), "trials": cfg.trials, **floor,
+        # the modules' fixed cost per call: module time minus its bare kernel's
+        "algebra_call_overhead_us": (round((t_alg - bare["bare algebra"]) * 1e6, 1)
+                                     if bare else ""),
+        "dense_call_overhead_us": (round((times["DecodeLinear"] - bare["bare dense"]) * 1e6, 1)
+                                   if bare else ""),
     }
+
+
+def _bare_kernels(x: torch.Tensor, layers: list[AlgebraLinear], part: object,
+                  at: dict[str, Iterator[int]]) -> dict[str, Callable[[], object]]:
+    """The compiled kernels called directly (no module, no binding, no checks in Python)
+    on the same copies the modules read: what a layer call costs beyond its kernel."""
+    mod = cpu_kernels.extension()
+    plan = layers[0].plan
+    tables = cpu_kernels.block_tables(plan)
+    weights = [lay.weight.detach() for lay in layers]
+    # keyed on the parameter itself: the very copies the modules' bound calls read
+    typed = [cpu_kernels.typed_weight(lay.weight, plan) for lay in layers]
+    types = part.types.to(torch.int64).contiguous()  # type: ignore[attr-defined]
+
+    def bare_dense() -> object:
+        return mod.dense_rows_forward(x, weights[next(at["bare dense"])], None)
+
+    def bare_algebra() -> object:
+        return mod.typed_rows_forward(x, typed[next(at["bare algebra"])], types, *tables,
+                                      plan.q, None)
+
+    return {"bare dense": bare_dense, "bare algebra": bare_algebra}
 
 
 def _random_layer(k: int, n: int, algebra: str, gen: torch.Generator) -> AlgebraLinear:
@@ -345,6 +375,13 @@ def markdown_from_csv(csv_path: str) -> str:
             f"{float(r['dense_ms']):.3f} | {float(r['algebra_ms']):.3f} | "
             f"{float(r['speedup']):.2f}× | {float(r['ideal']):.2f}× | "
             f"{100 * frac:.0f}%{mark} | {_floor_cells(r)} | {r['layout']} |")
+    over = [r for r in rows if r.get("algebra_call_overhead_us")]
+    if over:
+        lines += ["", "Fixed cost of a module call over its bare compiled kernel (the same "
+                  "copies, called directly), µs: " + "; ".join(
+                      f"M = {r['M']} {r['algebra']}: algebra layer "
+                      f"{float(r['algebra_call_overhead_us']):.0f}, `DecodeLinear` "
+                      f"{float(r['dense_call_overhead_us']):.0f}" for r in over) + "."]
     return "\n".join(lines) + "\n"
 
 
