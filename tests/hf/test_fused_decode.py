@@ -98,6 +98,12 @@ def test_batch_and_decode_kernels() -> None:
     _check_against_forward(model, batch=3)
 
 
+def test_float64_model() -> None:
+    model = _spread(_tiny("qwen2")).double()
+    _check_against_forward(model)
+    assert FusedDecoder(model).stack.step(torch.tensor([3]), 0).dtype == torch.float64
+
+
 def test_rotary_scaling_tables_come_from_the_model() -> None:
     model = _spread(tiny_llama(rope_scaling={"rope_type": "linear", "factor": 2.0}))
     _check_against_forward(model)
