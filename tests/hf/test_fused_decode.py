@@ -44,6 +44,8 @@ def _tiny(family: str, **overrides: object) -> torch.nn.Module:
         return tiny_llama(hidden_size=48, intermediate_size=80, vocab_size=97, **overrides)
     if family == "gpt2":
         return tiny_gpt2(**overrides)
+    if family == "gemma3_text":  # its tiny window (8) would end every test early
+        overrides = {"sliding_window": 64, **overrides}
     return tiny_family(family, **overrides)
 
 
@@ -71,7 +73,7 @@ def _check_against_forward(model: torch.nn.Module, steps: int = 12, batch: int =
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2",
-                                    "gpt2"])
+                                    "gemma2", "gemma3_text", "gpt2"])
 def test_plain_models_match_generate(family: str) -> None:
     model = _spread(_tiny(family))
     if family == "qwen2":
@@ -80,6 +82,17 @@ def test_plain_models_match_generate(family: str) -> None:
         assert model.model.layers[0].self_attn.q_norm.weight.numel() == 12
     if family == "olmo2":  # full-width q/k norms, norms after attention and MLP
         assert model.model.layers[0].self_attn.q_norm.weight.numel() == 48
+    if family == "gemma2":  # soft-capped attention and final logits
+        assert model.config.attn_logit_softcapping and model.config.final_logit_softcapping
+    _check_against_forward(model)
+
+
+def test_gemma3_local_and_global_rotary_tables() -> None:
+    """Sliding (local base) and full (global base) layers read different rotary tables."""
+    model = _spread(_tiny("gemma3_text", layer_types=["sliding_attention", "full_attention",
+                                                      "sliding_attention"]))
+    assert model.config.rope_parameters["sliding_attention"] != model.config.rope_parameters[
+        "full_attention"]
     _check_against_forward(model)
 
 
@@ -117,7 +130,7 @@ def test_partial_rotary_phi3() -> None:
 
 @pytest.mark.parametrize(("family", "targets"), [("llama", "mlp"), ("llama", "all"),
                                                  ("phi3", "all"), ("gpt2", "all"),
-                                                 ("olmo2", "all")])
+                                                 ("olmo2", "all"), ("gemma2", "all")])
 def test_converted_model_reads_each_positions_type(family: str, targets: str) -> None:
     model = _spread(_tiny(family))
     convert_(model, AlgebraConfig("Q2^2", "cyclic", targets))
@@ -195,8 +208,8 @@ def test_changed_weights_and_long_runs_rebind() -> None:
 
 
 def test_unsupported_models_are_refused_with_the_reason() -> None:
-    with pytest.raises(UnsupportedModel, match="model type 'gemma2'"):
-        FusedDecoder(tiny_family("gemma2"))
+    with pytest.raises(UnsupportedModel, match="model type 'gemma3'"):
+        FusedDecoder(tiny_family("gemma3"))  # the multimodal model
     short = FusedDecoder(tiny_family("mistral", sliding_window=12))  # binds 12 positions
     with pytest.raises(UnsupportedModel, match="sliding-window"):
         short.generate(_prompt(97), max_new_tokens=6, eos_token_id=None)

@@ -1,7 +1,8 @@
 """A decode step without Python per layer for Hugging Face decoders.
 
 :class:`FusedDecoder` wraps a Hugging Face decoder the compiled step runs
-(:mod:`structlm.hf.fused_stack`: the LLaMA family with Qwen3 and Phi-3, OLMo 2, GPT-2) —
+(:mod:`structlm.hf.fused_stack`: the LLaMA family with Qwen3 and Phi-3, OLMo 2, Gemma 2/3,
+GPT-2) —
 plain, converted by :func:`structlm.convert_` or compressed by ``structlm share
 compress`` — and generates with it: the prompt goes through the model's own forward
 (prefill), then every new token is one call into the compiled ``DecodeStack``

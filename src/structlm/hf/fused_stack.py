@@ -6,7 +6,10 @@ Families: the LLaMA family (``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``phi3
 pre-norms, rotary positions — partial where the model's tables are narrower than a head
 —, grouped-query attention, a SiLU-gated MLP; Qwen3's per-head q/k norms; Phi-3's stacked
 ``qkv_proj`` and ``gate_up_proj``), ``olmo2`` (no pre-norms: RMSNorms after attention and
-MLP, before the residual add; full-width q/k norms) and ``gpt2`` (LayerNorm with biases,
+MLP, before the residual add; full-width q/k norms), ``gemma2`` and ``gemma3_text``
+(pre- and post-norms scaling by ``1 + w``, a scaled embedding, a GELU-tanh gate,
+soft-capped attention and final logits, Gemma 3's per-head q/k norms and local / global
+rotary tables; sliding-window layers only up to their window) and ``gpt2`` (LayerNorm with biases,
 learned positions, a GELU MLP, ``Conv1D`` weights stored transposed). Every projection
 becomes a sum of chains of bound weights: a dense matrix, an algebra layer's typed copy
 (its type at each position tabulated once from the conversion's schedule), the factors of
@@ -32,7 +35,8 @@ __all__ = ["FUSED_MODEL_TYPES", "UnsupportedModel", "build_stack", "check_model"
            "decoder_layers", "position_limit"]
 
 _LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3")
-FUSED_MODEL_TYPES = (*_LLAMA_FAMILY, "olmo2", "gpt2")
+_GEMMA = ("gemma2", "gemma3_text")
+FUSED_MODEL_TYPES = (*_LLAMA_FAMILY, "olmo2", *_GEMMA, "gpt2")
 """``config.model_type`` values the fused step handles."""
 
 #: GPT-2's ``activation_function`` -> the step's MLP activation
@@ -129,6 +133,10 @@ def check_model(model: nn.Module) -> Any:
         if config.activation_function not in _GPT2_ACTIVATIONS:
             raise UnsupportedModel(f"activation_function {config.activation_function!r}: "
                                    f"the fused step runs {sorted(_GPT2_ACTIVATIONS)}")
+    elif kind in _GEMMA:
+        if config.hidden_activation != "gelu_pytorch_tanh":
+            raise UnsupportedModel(f"hidden_activation {config.hidden_activation!r}: the "
+                                   "fused step's Gemma MLP gate is gelu_pytorch_tanh")
     elif getattr(config, "hidden_act", "silu") != "silu":
         raise UnsupportedModel(f"hidden_act {config.hidden_act!r}: the fused step's MLP "
                                "gate is SiLU")
@@ -154,6 +162,11 @@ def _weight(module: nn.Module | None) -> torch.Tensor | None:
     return None if module is None else module.weight.detach()
 
 
+def _gemma_norm(module: nn.Module | None) -> torch.Tensor | None:
+    """A Gemma RMSNorm's effective weight: it scales by ``1 + weight``."""
+    return None if module is None else (1.0 + module.weight.detach()).contiguous()
+
+
 def _bias(module: nn.Module | None) -> torch.Tensor | None:
     b = None if module is None else getattr(module, "bias", None)
     return None if b is None else b.detach()
@@ -172,9 +185,10 @@ def _attention_inputs(mod: Any, attn: nn.Module, slots: _Slots, arena: WeightAre
     return [_chain(mod, qkv, slots, arena)]
 
 
-def _gated_mlp(mod: Any, mlp: nn.Module, slots: _Slots, arena: WeightArena
-               ) -> tuple[list[Any], Any]:
-    """``([gate, up] or [stacked gate; up], down)`` of a SiLU-gated MLP."""
+def _gated_mlp(mod: Any, mlp: nn.Module, slots: _Slots, arena: WeightArena,
+               gelu: bool = False) -> tuple[list[Any], Any]:
+    """``([gate, up] or [stacked gate; up], down)`` of a SiLU-gated MLP (GELU-tanh-gated
+    with ``gelu``: Gemma)."""
     if hasattr(mlp, "proj_in"):  # GatedMLP (a compressed model): stacked [gate; up]
         act, down = mlp.act, mlp.down
         if isinstance(mlp.proj_in, ConcatProjection):  # [gate, up] as two modules
@@ -191,13 +205,16 @@ def _gated_mlp(mod: Any, mlp: nn.Module, slots: _Slots, arena: WeightArena
         act, down = mlp.act_fn, mlp.down_proj
         mlp_in = [_chain(mod, mlp.gate_proj, slots, arena), _chain(mod, mlp.up_proj, slots,
                                                                     arena)]
-    if not _is_silu(act):
+    if gelu and "Tanh" not in type(act).__name__:
+        raise UnsupportedModel(f"MLP activation {type(act).__name__}: expected GELU-tanh")
+    if not gelu and not _is_silu(act):
         raise UnsupportedModel(f"MLP activation {type(act).__name__}: expected SiLU")
     return mlp_in, _chain(mod, down, slots, arena)
 
 
-def _layer(mod: Any, kind: str, block: nn.Module, slots: _Slots, arena: WeightArena) -> Any:
-    """One block as the step's ``DecoderLayer``."""
+def _layer(mod: Any, kind: str, block: nn.Module, slots: _Slots, arena: WeightArena,
+           rope: int = 0) -> Any:
+    """One block as the step's ``DecoderLayer`` (``rope``: its rotary table)."""
     if kind == "gpt2":
         attn = block.attn
         attn_in = _attention_inputs(mod, attn, slots, arena)
@@ -210,8 +227,14 @@ def _layer(mod: Any, kind: str, block: nn.Module, slots: _Slots, arena: WeightAr
     attn = block.self_attn
     attn_in = _attention_inputs(mod, attn, slots, arena)
     o = _chain(mod, attn.o_proj, slots, arena)
-    mlp_in, down = _gated_mlp(mod, block.mlp, slots, arena)
+    mlp_in, down = _gated_mlp(mod, block.mlp, slots, arena, gelu=kind in _GEMMA)
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    if kind in _GEMMA:  # norms before and after attention and MLP, all scaling by 1 + w
+        return mod.DecoderLayer(
+            _gemma_norm(block.input_layernorm), None, _gemma_norm(block.pre_feedforward_layernorm),
+            None, _gemma_norm(block.post_attention_layernorm),
+            _gemma_norm(block.post_feedforward_layernorm), attn_in, o, mlp_in, down,
+            _gemma_norm(q_norm), _gemma_norm(k_norm), float(attn.scaling), rope)
     if kind == "olmo2":  # norms after attention and MLP, none before
         pre = (None, None, None, None)
         post = (_weight(block.post_attention_layernorm),
@@ -244,15 +267,22 @@ def build_stack(model: nn.Module, capacity: int, arena: WeightArena) -> Any:
     head_module = model.lm_head
     mod = cpu_kernels.kernel_for(head_module.weight, head_module.weight)
     slots = _Slots(capacity)
-    layers = [_layer(mod, kind, b, slots, arena) for b in decoder_layers(model)]
+    # the rotary tables: one, or one per layer type (Gemma 3: local and global)
+    layer_types = list(getattr(config, "layer_types", None) or []) if kind == "gemma3_text" else []
+    tables = sorted(set(layer_types)) or [None]
+    ropes = [tables.index(lt) for lt in layer_types] or [0] * len(decoder_layers(model))
+    layers = [_layer(mod, kind, b, slots, arena, rope)
+              for b, rope in zip(decoder_layers(model), ropes, strict=True)]
     head = _chain(mod, head_module, slots, arena)
     eps = _norm_eps(model, config)
-    embed = arena.place(model.get_input_embeddings().weight.detach().contiguous())
+    embeddings = model.get_input_embeddings()
+    embed = arena.place(embeddings.weight.detach().contiguous())
+    embed_scale = float(getattr(embeddings, "embed_scale", 1.0))  # Gemma: sqrt(hidden)
     if kind == "gpt2":
         n_heads = n_kv = int(config.n_head)
         head_dim = int(config.n_embd) // n_heads
         final, pos_embed = model.transformer.ln_f, model.transformer.wpe.weight.detach()
-        cos = sin = embed.new_zeros(capacity, 0)  # no rotary positions
+        cos = sin = [embed.new_zeros(capacity, 0)]  # no rotary positions
         act, gated = _GPT2_ACTIVATIONS[config.activation_function], False
     else:
         attn = decoder_layers(model)[0].self_attn
@@ -260,11 +290,19 @@ def build_stack(model: nn.Module, capacity: int, arena: WeightArena) -> Any:
         n_heads = int(config.num_attention_heads)
         n_kv = int(getattr(config, "num_key_value_heads", None) or n_heads)
         final, pos_embed = model.model.norm, None
+        cos, sin = [], []
+        positions = torch.arange(capacity)[None]
         with torch.no_grad():  # the model's own tables (scaling included): (1, cap, rot)
-            cos, sin = model.model.rotary_emb(embed[:1], torch.arange(capacity)[None])
-        cos, sin = cos[0], sin[0]
-        act, gated = "silu", True
+            for lt in tables:
+                c, s = (model.model.rotary_emb(embed[:1], positions) if lt is None
+                        else model.model.rotary_emb(embed[:1], positions, lt))
+                cos.append(c[0].to(embed.dtype).contiguous())
+                sin.append(s[0].to(embed.dtype).contiguous())
+        act, gated = ("gelu_tanh" if kind in _GEMMA else "silu"), True
+    final_w = _gemma_norm(final) if kind in _GEMMA else _weight(final)
     return mod.DecodeStack(
-        embed, pos_embed, layers, _weight(final), _bias(final), head, eps, kind == "gpt2",
-        n_heads, n_kv, head_dim, act, gated, cos.to(embed.dtype).contiguous(),
-        sin.to(embed.dtype).contiguous(), slots.table())
+        embed, embed_scale, pos_embed, layers, final_w, _bias(final), head, eps,
+        kind == "gpt2", n_heads, n_kv, head_dim, act, gated,
+        float(getattr(config, "attn_logit_softcapping", None) or 0.0),
+        float(getattr(config, "final_logit_softcapping", None) or 0.0), cos, sin,
+        slots.table())

@@ -3,7 +3,9 @@
 // LM head. The layers are the pre-norm decoders and their variants: LLaMA, Mistral,
 // Qwen2/3, Phi-3 (RMSNorm, rotary positions, grouped-query attention, a SiLU-gated MLP),
 // OLMo 2 (no pre-norms: norms after attention and MLP, before the residual add; full-width
-// q/k norms) and GPT-2 (LayerNorm with biases, learned positions, a GELU MLP). Every
+// q/k norms), Gemma 2 / 3 (pre- and post-norms, a scaled embedding, a GELU-gated MLP,
+// soft-capped attention logits and final logits, Gemma 3's local and global rotary
+// tables) and GPT-2 (LayerNorm with biases, learned positions, a GELU MLP). Every
 // projection is a `ChainLinear`: a sum of chains of bound weights (`BoundRows`: a dense
 // weight, or an algebra layer's typed copies, each reading its type from the step's type
 // table), so plain, converted (`convert_`) and compressed (low-rank, shared-basis) models
@@ -104,6 +106,7 @@ struct DecoderLayer {
   std::vector<ChainLinear> down;  // one
   c10::optional<at::Tensor> q_norm, k_norm;
   double scaling = 1.0;
+  int64_t rope = 0;  // which of the stack's rotary tables (Gemma 3: local or global)
 };
 
 enum class Activation { kSilu, kGeluTanh, kGelu };
@@ -145,17 +148,18 @@ void rope(T* v, int64_t heads, int64_t hd, int64_t rot, const T* cos, const T* s
 // decodes one token per sequence at position `pos` (all sequences unpadded, equal length).
 class DecodeStack {
  public:
-  DecodeStack(at::Tensor embed, c10::optional<at::Tensor> pos_embed,
+  DecodeStack(at::Tensor embed, double embed_scale, c10::optional<at::Tensor> pos_embed,
               std::vector<DecoderLayer> layers, at::Tensor final_norm,
               c10::optional<at::Tensor> final_norm_bias, ChainLinear head, double eps,
               bool layer_norm, int64_t n_heads, int64_t n_kv, int64_t head_dim,
-              const std::string& act, bool gated, at::Tensor cos, at::Tensor sin,
-              at::Tensor types)
-      : embed_(std::move(embed)), pos_embed_(std::move(pos_embed)), layers_(std::move(layers)),
-        final_norm_(std::move(final_norm)), final_norm_bias_(std::move(final_norm_bias)),
-        head_(std::move(head)), eps_(eps), layer_norm_(layer_norm), n_heads_(n_heads),
-        n_kv_(n_kv), hd_(head_dim), gated_(gated), cos_(std::move(cos)), sin_(std::move(sin)),
-        types_(std::move(types)) {
+              const std::string& act, bool gated, double attn_softcap, double final_softcap,
+              std::vector<at::Tensor> cos, std::vector<at::Tensor> sin, at::Tensor types)
+      : embed_(std::move(embed)), embed_scale_(embed_scale), pos_embed_(std::move(pos_embed)),
+        layers_(std::move(layers)), final_norm_(std::move(final_norm)),
+        final_norm_bias_(std::move(final_norm_bias)), head_(std::move(head)), eps_(eps),
+        layer_norm_(layer_norm), n_heads_(n_heads), n_kv_(n_kv), hd_(head_dim),
+        gated_(gated), attn_softcap_(attn_softcap), final_softcap_(final_softcap),
+        cos_(std::move(cos)), sin_(std::move(sin)), types_(std::move(types)) {
     TORCH_CHECK(embed_.dim() == 2 && embed_.is_contiguous(), "DecodeStack: embedding "
                 "(V, D) contiguous expected");
     D_ = embed_.size(1);
@@ -171,12 +175,20 @@ class DecodeStack {
     }
     TORCH_CHECK(n_heads_ > 0 && n_kv_ > 0 && n_heads_ % n_kv_ == 0, "DecodeStack: ",
                 n_heads_, " query heads cannot share ", n_kv_, " key/value heads");
-    TORCH_CHECK(cos_.dim() == 2 && cos_.sizes() == sin_.sizes() && cos_.is_contiguous() &&
-                    sin_.is_contiguous() && cos_.scalar_type() == dt &&
-                    sin_.scalar_type() == dt && cos_.size(1) <= hd_ && cos_.size(1) % 2 == 0,
-                "DecodeStack: rotary tables (capacity, rot <= head_dim, even; rot = 0: none) "
-                "of the embedding's dtype expected, got ", cos_.sizes());
-    cap_ = cos_.size(0);
+    TORCH_CHECK(!cos_.empty() && cos_.size() == sin_.size(), "DecodeStack: one or more "
+                "pairs of rotary tables expected");
+    cap_ = cos_[0].size(0);
+    for (size_t i = 0; i < cos_.size(); ++i) {
+      const auto& c = cos_[i];
+      TORCH_CHECK(c.dim() == 2 && c.sizes() == sin_[i].sizes() && c.is_contiguous() &&
+                      sin_[i].is_contiguous() && c.scalar_type() == dt &&
+                      sin_[i].scalar_type() == dt && c.size(0) == cap_ && c.size(1) <= hd_ &&
+                      c.size(1) % 2 == 0,
+                  "DecodeStack: rotary tables (capacity, rot <= head_dim, even; rot = 0: "
+                  "none) of the embedding's dtype expected, got ", c.sizes());
+    }
+    TORCH_CHECK(attn_softcap_ >= 0 && final_softcap_ >= 0, "DecodeStack: soft-caps must be "
+                ">= 0 (0: none)");
     TORCH_CHECK(types_.dim() == 2 && types_.size(0) == cap_ &&
                     types_.scalar_type() == at::kLong && types_.is_contiguous(),
                 "DecodeStack: a type table (", cap_, ", slots) int64 expected, got ",
@@ -199,6 +211,8 @@ class DecodeStack {
       }
       TORCH_CHECK(L.o.size() == 1 && L.down.size() == 1, "DecodeStack: one o and one "
                   "down projection per layer expected");
+      TORCH_CHECK(L.rope >= 0 && L.rope < static_cast<int64_t>(cos_.size()), "DecodeStack: "
+                  "rotary table ", L.rope, " outside [0, ", cos_.size(), ")");
       if (L.attn_in.size() == 3) {
         check_linear(L.attn_in[0], D_, q_width, "q_proj");
         check_linear(L.attn_in[1], D_, kv_width, "k_proj");
@@ -274,6 +288,9 @@ class DecodeStack {
     }
     const int64_t* types = types_.data_ptr<int64_t>() + pos * types_.size(1);
     at::Tensor x = embed_.index_select(0, idc);  // (M, D)
+    if (embed_scale_ != 1.0) {  // in the embedding's dtype, as the models scale it
+      x.mul_(at::scalar_tensor(embed_scale_, x.options()));
+    }
     if (pos_embed_.has_value()) x.add_(pos_embed_->select(0, pos));
     at::Tensor h = at::empty_like(x);
     for (size_t l = 0; l < layers_.size(); ++l) {
@@ -316,7 +333,9 @@ class DecodeStack {
       add_residual(x, L.down[0].forward(g, types), L.post_mlp);
     }
     norm(x, final_norm_, final_norm_bias_, h);
-    return head_.forward(h, types);  // (M, V)
+    auto logits = head_.forward(h, types);  // (M, V)
+    if (final_softcap_ > 0) logits.div_(final_softcap_).tanh_().mul_(final_softcap_);
+    return logits;
   }
 
  private:
@@ -375,7 +394,7 @@ class DecodeStack {
   at::Tensor attend(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const DecoderLayer& L,
                     size_t l, int64_t pos) {
     const int64_t M = batch_, H = n_heads_, KV = n_kv_, hd = hd_, keys = pos + 1;
-    const int64_t group = H / KV, rot = cos_.size(1);
+    const int64_t group = H / KV, rot = cos_[L.rope].size(1);
     auto scores = at::empty({M * H, keys}, q.options());
     auto out = at::empty({M, H * hd}, q.options());
     AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "decode_attend", [&] {
@@ -390,8 +409,8 @@ class DecodeStack {
                                 kp);
       }
       if (rot > 0) {
-        const scalar_t* c = cos_.data_ptr<scalar_t>() + pos * rot;
-        const scalar_t* s = sin_.data_ptr<scalar_t>() + pos * rot;
+        const scalar_t* c = cos_[L.rope].data_ptr<scalar_t>() + pos * rot;
+        const scalar_t* s = sin_[L.rope].data_ptr<scalar_t>() + pos * rot;
         rope<scalar_t>(qp, M * H, hd, rot, c, s);
         rope<scalar_t>(kp, M * KV, hd, rot, c, s);
       }
@@ -416,6 +435,7 @@ class DecodeStack {
           }
         }
       });
+      if (attn_softcap_ > 0) scores.div_(attn_softcap_).tanh_().mul_(attn_softcap_);
       const auto probs = at::softmax(scores, 1);  // (M H, keys), vectorised exp
       const scalar_t* pr = probs.data_ptr<scalar_t>();
       scalar_t* op = out.data_ptr<scalar_t>();
@@ -436,6 +456,7 @@ class DecodeStack {
   }
 
   at::Tensor embed_;
+  double embed_scale_;
   c10::optional<at::Tensor> pos_embed_;
   std::vector<DecoderLayer> layers_;
   at::Tensor final_norm_;
@@ -445,8 +466,10 @@ class DecodeStack {
   bool layer_norm_;
   int64_t n_heads_, n_kv_, hd_;
   bool gated_;
+  double attn_softcap_, final_softcap_;
   Activation act_ = Activation::kSilu;
-  at::Tensor cos_, sin_, types_;
+  std::vector<at::Tensor> cos_, sin_;
+  at::Tensor types_;
   int64_t D_ = 0, cap_ = 0, batch_ = 0;
   std::vector<at::Tensor> k_, v_;
 };
@@ -472,26 +495,27 @@ void register_decode_hf(pybind11::module_& m) {
                        c10::optional<at::Tensor> post_mlp, std::vector<ChainLinear> attn_in,
                        ChainLinear o, std::vector<ChainLinear> mlp_in, ChainLinear down,
                        c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm,
-                       double scaling) {
+                       double scaling, int64_t rope) {
              return DecoderLayer{std::move(ln_1), std::move(ln_1_bias), std::move(ln_2),
                                  std::move(ln_2_bias), std::move(post_attn),
                                  std::move(post_mlp), std::move(attn_in), {std::move(o)},
                                  std::move(mlp_in), {std::move(down)}, std::move(q_norm),
-                                 std::move(k_norm), scaling};
+                                 std::move(k_norm), scaling, rope};
            }),
            py::arg("ln_1"), py::arg("ln_1_bias"), py::arg("ln_2"), py::arg("ln_2_bias"),
            py::arg("post_attn"), py::arg("post_mlp"), py::arg("attn_in"), py::arg("o"),
            py::arg("mlp_in"), py::arg("down"), py::arg("q_norm"), py::arg("k_norm"),
-           py::arg("scaling"));
+           py::arg("scaling"), py::arg("rope") = 0);
   py::class_<DecodeStack>(m, "DecodeStack", "a decoder's decode step, caches owned")
-      .def(py::init<at::Tensor, c10::optional<at::Tensor>, std::vector<DecoderLayer>,
+      .def(py::init<at::Tensor, double, c10::optional<at::Tensor>, std::vector<DecoderLayer>,
                     at::Tensor, c10::optional<at::Tensor>, ChainLinear, double, bool, int64_t,
-                    int64_t, int64_t, const std::string&, bool, at::Tensor, at::Tensor,
-                    at::Tensor>(),
-           py::arg("embed"), py::arg("pos_embed"), py::arg("layers"), py::arg("final_norm"),
-           py::arg("final_norm_bias"), py::arg("head"), py::arg("eps"), py::arg("layer_norm"),
-           py::arg("n_heads"), py::arg("n_kv"), py::arg("head_dim"), py::arg("act"),
-           py::arg("gated"), py::arg("cos"), py::arg("sin"), py::arg("types"))
+                    int64_t, int64_t, const std::string&, bool, double, double,
+                    std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor>(),
+           py::arg("embed"), py::arg("embed_scale"), py::arg("pos_embed"), py::arg("layers"),
+           py::arg("final_norm"), py::arg("final_norm_bias"), py::arg("head"), py::arg("eps"),
+           py::arg("layer_norm"), py::arg("n_heads"), py::arg("n_kv"), py::arg("head_dim"),
+           py::arg("act"), py::arg("gated"), py::arg("attn_softcap"), py::arg("final_softcap"),
+           py::arg("cos"), py::arg("sin"), py::arg("types"))
       .def_property_readonly("capacity", &DecodeStack::capacity)
       .def("reset", &DecodeStack::reset, py::arg("batch"))
       .def("set_cache", &DecodeStack::set_cache, py::arg("layer"), py::arg("k"), py::arg("v"))
