@@ -48,6 +48,17 @@ def test_tiny_bench_train_writes_rows(tmp_path) -> None:
         assert r[f"{arm}_pct_of_peak"] == pytest.approx(
             100 * r[f"{arm}_gflops"] / r["gemm_peak_gflops"], abs=0.06)
     assert r["gemm_peak_gflops"] > 0 and "% of GEMM" in (tmp_path / "t.md").read_text()
+    assert not (tmp_path / "t_profile.md").exists()  # profiling only when asked
+
+
+def test_bench_train_profile_names_the_operators(tmp_path) -> None:
+    cfg = TrainBenchConfig(preset="study-tiny", seq_len=32, batch_size=1, trials=1, warmup=0,
+                           profile=True)
+    rows = run_train_bench([cfg], str(tmp_path / "p"), progress=False)
+    assert "profiles" not in rows[0]  # the tables go to their own file, not the CSV
+    text = (tmp_path / "p_profile.md").read_text()
+    assert ": dense (dense)" in text and ": algebra (Q2^2)" in text
+    assert text.count("aten::mm") >= 2 and "Self CPU" in text  # each arm's operators
 
 
 def test_bench_train_cli_and_bad_input(tmp_path, capsys) -> None:

@@ -66,6 +66,9 @@ class TrainBenchConfig:
     """Torch threads."""
     seed: Annotated[int, Range(ge=0)] = 0
     """Seed of initialisation and token ids."""
+    profile: bool = False
+    """After the timed rounds, two more steps of each arm under ``torch.profiler``; the
+    operators by self CPU time go to ``<out>_profile.md`` (where the time goes)."""
 
     def __post_init__(self) -> None:
         """Cross-field checks (each field's own range is checked by ``@validated``)."""
@@ -155,6 +158,7 @@ def _one(cfg: TrainBenchConfig) -> dict[str, Any]:
 
     t_dense, t_alg = interleaved_medians([lambda a=a: step(*arms[a]) for a in arms],
                                          cfg.trials, cfg.warmup)
+    profiles = {a: _profile(lambda a=a: step(*arms[a])) for a in arms} if cfg.profile else {}
     macs = {a: training_step_macs(arms[a][0], cfg.seq_len) for a in arms}
     tokens = cfg.batch_size * cfg.seq_len
     speedup = t_dense / t_alg
@@ -171,7 +175,17 @@ def _one(cfg: TrainBenchConfig) -> dict[str, Any]:
             "algebra_train_macs_per_token": int(macs["algebra"]),
             "trials": cfg.trials, "threads": cfg.threads,
             **{f"{a}_gflops": round(2 * float(macs[a]) * tokens / t / 1e9, 2)
-               for a, t in (("dense", t_dense), ("algebra", t_alg))}}
+               for a, t in (("dense", t_dense), ("algebra", t_alg))},
+            **({"profiles": profiles} if profiles else {})}
+
+
+def _profile(step: Any, steps: int = 2, rows: int = 12) -> str:
+    """The operators of ``steps`` calls of ``step`` by self CPU time (a text table)."""
+    with torch.profiler.profile() as prof:
+        for _ in range(steps):
+            step()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows,
+                                     max_name_column_width=40)
 
 
 def run_train_bench(cfgs: list[TrainBenchConfig], out_prefix: str, progress: bool = True
@@ -181,10 +195,15 @@ def run_train_bench(cfgs: list[TrainBenchConfig], out_prefix: str, progress: boo
     os.makedirs(os.path.dirname(os.path.abspath(out_prefix)), exist_ok=True)
     rows: list[dict[str, Any]] = []
     peaks: list[float] = []
+    profiles: list[str] = []
     for cfg in tqdm(cfgs, desc="bench train", disable=not progress, unit="cfg"):
         torch.set_num_threads(cfg.threads)
         peaks.append(gemm_peak_gflops())  # the compute ceiling, measured beside each row
         row = {**_one(cfg), **env}
+        for arm, table in row.pop("profiles", {}).items():
+            profiles.append(f"## {cfg.preset}, T = {cfg.seq_len}, B = {cfg.batch_size}: "
+                            f"{arm} ({row['algebra'] if arm == 'algebra' else 'dense'})\n\n"
+                            f"```\n{table}\n```\n")
         peaks.append(gemm_peak_gflops())
         row["gemm_peak_gflops"] = round(statistics.mean(peaks[-2:]), 1)
         for arm in ("dense", "algebra"):
@@ -196,6 +215,11 @@ def run_train_bench(cfgs: list[TrainBenchConfig], out_prefix: str, progress: boo
     with open(tmp, "w") as fh:
         fh.write(markdown_from_csv(out_prefix + ".csv"))
     os.replace(tmp, out_prefix + ".md")
+    if profiles:
+        with open(tmp, "w") as fh:
+            fh.write("# Where a training step's time goes (two steps per arm, "
+                     "`torch.profiler`, operators by self CPU time)\n\n" + "\n".join(profiles))
+        os.replace(tmp, out_prefix + "_profile.md")
     return rows
 
 
