@@ -235,3 +235,74 @@ def test_bad_generate_arguments_are_refused() -> None:
         dec.generate(ids, max_new_tokens=0, eos_token_id=None)
     with pytest.raises(RuntimeError, match="token id"):
         dec.step(torch.tensor([89, 0]), 7)
+
+
+def _greedy(model: torch.nn.Module, ids: torch.Tensor, n: int) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+
+
+def test_replaced_parameters_rebind() -> None:
+    """A ``.data`` swap and ``load_state_dict(assign=True)`` leave every version counter
+    as it was; the decoder still sees them."""
+    model = _spread(_tiny("llama"))
+    ids = _prompt(97)
+    dec = FusedDecoder(model)
+    dec.generate(ids, max_new_tokens=4, eos_token_id=None)
+    down = model.model.layers[0].mlp.down_proj
+    down.weight.data = down.weight.data * 1.7
+    assert torch.equal(dec.generate(ids, max_new_tokens=12, eos_token_id=None),
+                       _greedy(model, ids, 12))
+    state = {k: v * 0.9 if v.dim() == 2 else v for k, v in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)
+    assert torch.equal(dec.generate(ids, max_new_tokens=12, eos_token_id=None),
+                       _greedy(model, ids, 12))
+
+
+def test_a_failed_rebind_keeps_the_decoder(monkeypatch: pytest.MonkeyPatch) -> None:
+    import structlm.hf.fused_decode as fd
+
+    model = _spread(_tiny("llama"))
+    ids = _prompt(97)
+    dec = FusedDecoder(model, capacity=16)
+
+    def fail(*args: object) -> None:
+        raise MemoryError("no room for the arena")
+
+    monkeypatch.setattr(fd, "build_stack", fail)
+    with pytest.raises(MemoryError):
+        dec.generate(ids, max_new_tokens=30, eos_token_id=None)  # needs a larger capacity
+    monkeypatch.undo()
+    assert dec.stack is not None and dec.stack.capacity == 16
+    assert torch.equal(dec.generate(ids, max_new_tokens=5, eos_token_id=None),
+                       _greedy(model, ids, 5))
+
+
+def test_capacity_growth_stays_within_the_position_table() -> None:
+    model = _spread(tiny_gpt2(n_positions=48))
+    dec = FusedDecoder(model, capacity=32)
+    ids = _prompt(97)
+    out = dec.generate(ids, max_new_tokens=33, eos_token_id=None)  # 40 of 48 positions
+    assert torch.equal(out, _greedy(model, ids, 33)) and dec.stack.capacity == 48
+
+
+def test_length_dependent_rotary_matches_decode_beyond_the_original_context() -> None:
+    """Dynamic NTK scaling: a decode step's frequencies depend on its own position."""
+    model = _spread(tiny_llama(rope_scaling={"rope_type": "dynamic", "factor": 4.0},
+                               max_position_embeddings=64))
+    rotary = model.model.rotary_emb
+    before = rotary.inv_freq.clone()
+    ids = _prompt(89)
+    out = FusedDecoder(model).generate(ids, max_new_tokens=70, eos_token_id=None)
+    assert torch.equal(rotary.inv_freq, before)  # the tables came from a copy
+    assert torch.equal(out, _greedy(model, ids, 70))
+
+
+def test_generation_settings_the_step_does_not_apply_are_refused() -> None:
+    model = _spread(_tiny("llama"))
+    model.generation_config.repetition_penalty = 1.3
+    with pytest.raises(UnsupportedModel, match="repetition_penalty"):
+        FusedDecoder(model)
+    decoder, why = fused_decoder_or_none(model)
+    assert decoder is None and "repetition_penalty" in why

@@ -242,16 +242,18 @@ def _runners(cfg: GenerateBenchConfig, models: dict[str, Any]
     if cfg.decode == "fused":
         from structlm.hf.fused_decode import fused_decoder_or_none
 
-        for name, model in models.items():
-            decoder, why = fused_decoder_or_none(model)
-            if decoder is None:
-                notes.append(f"the {name} arm decodes with hf generate: the fused step "
-                             f"does not run it ({why})")
-                continue
+        found = {name: fused_decoder_or_none(model) for name, model in models.items()}
+        why = {name: w for name, (d, w) in found.items() if d is None}
+        if why:  # both arms on one path, or the ratio would credit the decode path
+            notes.append("both arms decode with hf generate: the fused step does not run "
+                         + "; ".join(f"the {n} arm ({w})" for n, w in why.items()))
+            return runners, paths, notes
+        for name, (decoder, _) in found.items():
             runners[name], paths[name] = decoder, "fused"
             notes.append(f"the {name} arm decodes with the fused step (one compiled call per "
                          f"token; weights {decoder.weight_bytes / 1e6:.0f} MB "
-                         + ("on transparent huge pages" if decoder.huge_pages else
+                         + ("in memory advised for transparent huge pages"
+                            if decoder.huge_pages else
                             "on 4 KiB pages: the kernel offers no transparent huge pages")
                          + "); its prompt goes through the model's forward")
     return runners, paths, notes

@@ -207,7 +207,11 @@ def _time_one(cfg: LayerBenchConfig, m: int, k: int, n: int, algebra: str, sched
 
         fns = {"F.linear": dense, "dense-rows kernel": dense_rows,
                "DecodeLinear": dense_module, "algebra": algebra_fn}
-        if len(part.present) == 1 and cpu_kernels.fused_rows_available():
+        # the bare arms call the in-place kernels: only where the modules take them too
+        # (a few more rows run the dense packed layout, and the difference would be a
+        # layout's, not a call's cost)
+        if (len(part.present) == 1 and cpu_kernels.fused_rows_available()
+                and choose(DenseCall(x, wd)).route is Route.DENSE_KERNEL):
             fns.update(_bare_kernels(x, layers, part, at))
     # every copy once untimed (bindings and copies made), then the trials
     times = dict(zip(fns, interleaved_medians(

@@ -348,8 +348,8 @@ def markdown_from_csv(csv_path: str) -> str:
 def _decode_path_text(path: str) -> str:
     if path == "fused":
         return ("the fused step for both (one compiled call per token, the weights copied "
-                "into a huge-page arena in read order; peak memory is measured on the model's "
-                "own forward, without that copy)")
+                "into one buffer in read order, advised for huge pages; peak memory is "
+                "measured on the model's own forward, without that copy)")
     return f"the models' own forward per token ({path})"
 
 

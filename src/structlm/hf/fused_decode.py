@@ -42,6 +42,30 @@ from structlm.ops.weight_arena import WeightArena
 
 __all__ = ["FUSED_MODEL_TYPES", "FusedDecoder", "UnsupportedModel", "fused_decoder_or_none"]
 
+#: generation-config settings whose logits processors the fused generate does not apply,
+#: with the value at which each does nothing
+_PROCESSORS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_new_tokens": None,
+               "min_length": 0, "suppress_tokens": None, "begin_suppress_tokens": None,
+               "bad_words_ids": None, "min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0,
+               "eta_cutoff": 0.0, "encoder_repetition_penalty": 1.0, "forced_bos_token_id": None,
+               "forced_eos_token_id": None, "sequence_bias": None, "length_penalty": 1.0,
+               "num_beams": 1}
+
+
+def _unsupported_generation_settings(model: nn.Module) -> dict[str, Any]:
+    """The model's generation-config settings that would change ``generate``'s tokens and
+    that the fused generate does not implement."""
+    gc = getattr(model, "generation_config", None)
+    if gc is None:
+        return {}
+    out = {}
+    for name, neutral in _PROCESSORS.items():
+        value = getattr(gc, name, neutral)
+        if value not in (neutral, None) and not (name == "min_length" and value == 0):
+            out[name] = value
+    return out
+
+
 def _cache_kv(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer ``layer``'s keys and values ``(B, KV, T, hd)`` from a ``transformers`` cache."""
     if hasattr(cache, "layers"):
@@ -93,18 +117,39 @@ class FusedDecoder:
         #: positions attention may span: the sliding window where the model has one in use
         self.window = (int(window) if window is not None
                        and getattr(self.config, "use_sliding_window", True) else None)
-        limits = [n for n in (self.window, position_limit(model)) if n is not None]
-        self._capacity = min([capacity, *limits])
-        self._bind()
+        self._limits = [n for n in (self.window, position_limit(model)) if n is not None]
+        unsupported = _unsupported_generation_settings(model)
+        if unsupported:
+            raise UnsupportedModel(f"the model's generation config sets {unsupported}, which "
+                                   "the fused step's generate does not apply")
+        self.stack: Any = None
+        self._bind(min([capacity, *self._limits]))
 
-    def _bind(self) -> None:
-        self._versions = [(p, p._version) for p in self.model.parameters()]
-        self.stack = None  # the old arena is freed before the new one is made
-        arena = WeightArena()
-        build_stack(self.model, self._capacity, arena)  # counting pass: the arena's size
-        arena.allocate()
-        self.stack = build_stack(self.model, self._capacity, arena)
-        #: whether the weights lie on transparent huge pages (see structlm.ops.weight_arena)
+    def _state(self) -> list[tuple[object, ...]]:
+        """What the bound copies depend on: every parameter and floating buffer by name,
+        object, address, dtype, shape and version (a ``.data`` swap, ``load_state_dict(...,
+        assign=True)``, ``.to(dtype)`` or an in-place update all change it)."""
+        tensors = [*self.model.named_parameters(),
+                   *((n, b) for n, b in self.model.named_buffers() if b.is_floating_point())]
+        return [(n, id(t), t.data_ptr(), t.dtype, tuple(t.shape), t._version)
+                for n, t in tensors]
+
+    def _bind(self, capacity: int) -> None:
+        """Builds the step for ``capacity`` positions; on failure the previous step (if
+        any) stays as it was."""
+        state = self._state()
+        old, self.stack = self.stack, None  # the old arena may be freed for the new one
+        try:
+            arena = WeightArena()
+            build_stack(self.model, capacity, arena)  # counting pass: the arena's size
+            arena.allocate()
+            stack = build_stack(self.model, capacity, arena)
+        except BaseException:
+            self.stack = old
+            raise
+        self.stack, self._capacity, self._bound_state = stack, capacity, state
+        #: whether the weights' memory was advised for transparent huge pages
+        #: (see structlm.ops.weight_arena; the kernel may still back it with small pages)
         self.huge_pages = arena.huge_pages
         self.weight_bytes = arena.nbytes
 
@@ -119,11 +164,9 @@ class FusedDecoder:
                                    f"window of {self.window}: the fused step attends to every "
                                    "cached position (no window)")
         if needed > self._capacity:
-            self._capacity = 1 << (needed - 1).bit_length()
-            self._bind()
-        elif (len(self._versions) != len(list(self.model.parameters()))
-              or any(p._version != v for p, v in self._versions)):
-            self._bind()
+            self._bind(min([1 << (needed - 1).bit_length(), *self._limits]))
+        elif self._state() != self._bound_state:
+            self._bind(self._capacity)
 
     @property
     def generation_config(self) -> Any:
@@ -141,7 +184,7 @@ class FusedDecoder:
         :meth:`prefill`); returns the ids produced ``(B, steps)``."""
         out = []
         for i in range(steps):
-            token = self.stack.step(token, pos + i).argmax(dim=-1)
+            token = self.stack.step(token, pos + i).float().argmax(dim=-1)
             out.append(token)
         return torch.stack(out, dim=1)
 
@@ -198,7 +241,7 @@ class FusedDecoder:
             new.append(nxt)
             if (stops and int(nxt[0]) in stops) or i + 1 == max_new_tokens:
                 break
-            logits = self.stack.step(nxt, T + i)
+            logits = self.stack.step(nxt, T + i).float()  # as generate: float32 logits
         return torch.cat([input_ids, torch.stack(new, dim=1)], dim=1)
 
 
@@ -207,5 +250,6 @@ def fused_decoder_or_none(model: nn.Module, capacity: int = 1024
     """The model's :class:`FusedDecoder` and ``""``, or ``None`` and why not."""
     try:
         return FusedDecoder(model, capacity), ""
-    except (UnsupportedModel, RuntimeError) as e:
-        return None, str(e)
+    except (UnsupportedModel, RuntimeError, TypeError, AttributeError, KeyError,
+            ValueError) as e:  # a module the step cannot read: the caller falls back
+        return None, f"{type(e).__name__}: {e}"

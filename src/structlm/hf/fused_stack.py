@@ -20,6 +20,7 @@ is refused with the module's name (:class:`UnsupportedModel`). The weights are p
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -259,6 +260,28 @@ def _norm_eps(model: nn.Module, config: Any) -> float:
     return eps
 
 
+#: rotary types whose frequencies depend on the longest position of the call: a decode
+#: step's (one position) differ from a table computed over all positions at once
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def _rotary_tables(rotary: nn.Module, embed: torch.Tensor, capacity: int,
+                   layer_type: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` ``(capacity, rot)`` from the model's own rotary module (its scaling
+    included), on a copy so that the model's state is left as it was. Length-dependent
+    types (dynamic NTK, LongRoPE) are evaluated one position at a time, in order, as a
+    decode step calls them; the rest over all positions at once."""
+    rotary = copy.deepcopy(rotary)
+    args = () if layer_type is None else (layer_type,)
+    with torch.no_grad():
+        if getattr(rotary, "rope_type", "default") in _LENGTH_DEPENDENT_ROPE:
+            rows = [rotary(embed[:1], torch.tensor([[p]]), *args) for p in range(capacity)]
+            c, s = torch.cat([r[0][0] for r in rows]), torch.cat([r[1][0] for r in rows])
+        else:
+            c, s = (r[0] for r in rotary(embed[:1], torch.arange(capacity)[None], *args))
+    return c.to(embed.dtype).contiguous(), s.to(embed.dtype).contiguous()
+
+
 def build_stack(model: nn.Module, capacity: int, arena: WeightArena) -> Any:
     """The compiled step for ``capacity`` positions; its weights placed in ``arena`` in
     the order a step reads them (layer by layer, the head last)."""
@@ -291,13 +314,10 @@ def build_stack(model: nn.Module, capacity: int, arena: WeightArena) -> Any:
         n_kv = int(getattr(config, "num_key_value_heads", None) or n_heads)
         final, pos_embed = model.model.norm, None
         cos, sin = [], []
-        positions = torch.arange(capacity)[None]
-        with torch.no_grad():  # the model's own tables (scaling included): (1, cap, rot)
-            for lt in tables:
-                c, s = (model.model.rotary_emb(embed[:1], positions) if lt is None
-                        else model.model.rotary_emb(embed[:1], positions, lt))
-                cos.append(c[0].to(embed.dtype).contiguous())
-                sin.append(s[0].to(embed.dtype).contiguous())
+        for lt in tables:
+            c, s = _rotary_tables(model.model.rotary_emb, embed, capacity, lt)
+            cos.append(c)
+            sin.append(s)
         act, gated = ("gelu_tanh" if kind in _GEMMA else "silu"), True
     final_w = _gemma_norm(final) if kind in _GEMMA else _weight(final)
     return mod.DecodeStack(

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -68,6 +69,22 @@ class ChainLinear {
     return s;
   }
   at::ScalarType dtype() const { return terms_[0][0].typed().scalar_type(); }
+
+  // Every type the step's table (capacity, slots) gives a weight is one it has.
+  void check_types(const at::Tensor& table, const char* what) const {
+    const int64_t rows = table.size(0), slots = table.size(1);
+    const int64_t* t = table.data_ptr<int64_t>();
+    for (const auto& chain : terms_) {
+      for (const auto& w : chain) {
+        if (w.slot() < 0) continue;
+        for (int64_t p = 0; p < rows; ++p) {
+          const int64_t a = t[p * slots + w.slot()];
+          TORCH_CHECK(a >= 0 && a < w.n_types(), "DecodeStack: ", what, ": position ", p,
+                      " has type ", a, " but the weight has ", w.n_types(), " types");
+        }
+      }
+    }
+  }
 
   // x (M, in) contiguous -> (M, out); types: the step's type table row.
   at::Tensor forward(const at::Tensor& x, const int64_t* types) const {
@@ -251,6 +268,7 @@ class DecodeStack {
 
   // Empty caches for `batch` sequences: (batch, n_kv, capacity, head_dim) per layer.
   void reset(int64_t batch) {
+    std::lock_guard<std::mutex> lock(mutex_);  // step runs without the GIL
     TORCH_CHECK(batch >= 1, "DecodeStack: batch ", batch, " must be >= 1");
     k_.clear();
     v_.clear();
@@ -264,6 +282,7 @@ class DecodeStack {
   // Layer `layer`'s keys and values for positions 0 .. T - 1: (batch, n_kv, T, head_dim),
   // keys with the rotary embedding applied (as the Hugging Face caches hold them).
   void set_cache(int64_t layer, const at::Tensor& k, const at::Tensor& v) {
+    std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(layer >= 0 && layer < n_layers(), "set_cache: layer ", layer, " outside [0, ",
                 n_layers(), ")");
     TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.size(0) == batch_ &&
@@ -276,6 +295,7 @@ class DecodeStack {
 
   // Logits (batch, V) for token ids (batch,) at position `pos` (the caches hold 0..pos-1).
   at::Tensor step(const at::Tensor& ids, int64_t pos) {
+    std::lock_guard<std::mutex> lock(mutex_);  // one step at a time per stack
     TORCH_CHECK(ids.dim() == 1 && ids.size(0) == batch_ && ids.scalar_type() == at::kLong,
                 "step: ", batch_, " int64 token ids expected, got ", ids.sizes());
     TORCH_CHECK(pos >= 0 && pos < cap_, "step: position ", pos, " outside the capacity ",
@@ -357,6 +377,7 @@ class DecodeStack {
                 " has another dtype than the embedding");
     TORCH_CHECK(lin.max_slot() < types_.size(1), "DecodeStack: ", what, " reads type "
                 "slot ", lin.max_slot(), " but the type table has ", types_.size(1));
+    lin.check_types(types_, what);
   }
 
   // out = the model's norm of x (LayerNorm or RMSNorm).
@@ -472,6 +493,7 @@ class DecodeStack {
   at::Tensor types_;
   int64_t D_ = 0, cap_ = 0, batch_ = 0;
   std::vector<at::Tensor> k_, v_;
+  std::mutex mutex_;
 };
 
 void register_decode_hf(pybind11::module_& m) {

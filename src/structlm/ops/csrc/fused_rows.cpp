@@ -229,6 +229,7 @@ void check_rows(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
 // The tables as a Support after checking them; N and K from the group offsets.
 Support support_of(const at::Tensor& out_off, const at::Tensor& in_off, const at::Tensor& uses,
                    int64_t q) {
+  TORCH_CHECK(q >= 1, "fused_rows: q = ", q, " must be >= 1");
   TORCH_CHECK(in_off.numel() == q + 1 && out_off.numel() == q + 1,
               "fused_rows: q + 1 group offsets expected");
   TORCH_CHECK(out_off.scalar_type() == at::kLong && in_off.scalar_type() == at::kLong,
@@ -356,6 +357,8 @@ BoundRows::BoundRows(at::Tensor typed, at::Tensor out_off, at::Tensor in_off, at
 
 at::Tensor BoundRows::forward(const at::Tensor& x, int64_t type,
                               const c10::optional<at::Tensor>& bias) const {
+  TORCH_CHECK(type >= 0 && type < n_types_, "BoundRows: type ", type, " outside [0, ",
+              n_types_, ")");
   return run_typed(x, typed_, base_[type], type, lengths_.data() + type * s_.q, s_, bias, N_,
                    K_);
 }
