@@ -240,15 +240,14 @@ def _runners(cfg: GenerateBenchConfig, models: dict[str, Any]
         return runners, paths, notes
     paths = {name: "hf generate" for name in models}
     if cfg.decode == "fused":
-        from structlm.hf.fused_decode import fused_decoder_or_none
+        from structlm.hf.fused_decode import fused_decoders
 
-        found = {name: fused_decoder_or_none(model) for name, model in models.items()}
-        why = {name: w for name, (d, w) in found.items() if d is None}
-        if why:  # both arms on one path, or the ratio would credit the decode path
+        decoders, why = fused_decoders(models)
+        if decoders is None:  # both arms on one path, or the ratio would credit the path
             notes.append("both arms decode with hf generate: the fused step does not run "
                          + "; ".join(f"the {n} arm ({w})" for n, w in why.items()))
             return runners, paths, notes
-        for name, (decoder, _) in found.items():
+        for name, decoder in decoders.items():
             runners[name], paths[name] = decoder, "fused"
             notes.append(f"the {name} arm decodes with the fused step (one compiled call per "
                          f"token; weights {decoder.weight_bytes / 1e6:.0f} MB "

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from structlm.hf.decode import output_cache
+
 __all__ = ["decode_steps", "greedy_decode", "prefill"]
 
 
@@ -18,15 +20,10 @@ def _step_kwargs(model: Any) -> tuple[dict[str, Any], str]:
     return kw, "cache" if "cache" in sig else "past_key_values"
 
 
-def _cache_of(out: Any) -> Any:
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else out.past_key_values
-
-
 def prefill(model: Any, ids: torch.Tensor) -> tuple[Any, torch.Tensor]:
     """One forward of ``ids`` ``(B, T)``: the filled cache and the greedy next ids ``(B,)``."""
     out = model(input_ids=ids, **_step_kwargs(model)[0])
-    return _cache_of(out), out.logits[:, -1].argmax(-1)  # logits (B, 1, V)
+    return output_cache(out), out.logits[:, -1].argmax(-1)  # logits (B, 1, V)
 
 
 def decode_steps(model: Any, cache: Any, token: torch.Tensor, steps: int) -> torch.Tensor:
@@ -35,7 +32,7 @@ def decode_steps(model: Any, cache: Any, token: torch.Tensor, steps: int) -> tor
     (kw, name), out = _step_kwargs(model), []
     for _ in range(steps):
         res = model(input_ids=token[:, None], **{name: cache}, **kw)  # (B, 1) in
-        cache, token = _cache_of(res), res.logits[:, -1].argmax(-1)  # (B,)
+        cache, token = output_cache(res), res.logits[:, -1].argmax(-1)  # (B,)
         out.append(token)
     return torch.stack(out, 1)
 

@@ -167,13 +167,12 @@ def _runners(models: Sequence[Any], decode: str) -> tuple[list[Any], str]:
     decode path both take (``fused``, ``hf``, or ``hf (fused: <why not>)``)."""
     if decode == "hf":
         return list(models), "hf"
-    from structlm.hf.fused_decode import fused_decoder_or_none
+    from structlm.hf.fused_decode import fused_decoders
 
-    found = [fused_decoder_or_none(m) for m in models]
-    why = "; ".join(w for d, w in found if d is None)
-    if why:  # both arms on one path: the fairness rule
-        return list(models), f"hf (fused: {why})"
-    return [d for d, _ in found], "fused"
+    decoders, why = fused_decoders(dict(enumerate(models)))
+    if decoders is None:  # both arms on one path: the fairness rule
+        return list(models), f"hf (fused: {'; '.join(why.values())})"
+    return list(decoders.values()), "fused"
 
 
 @torch.no_grad()

@@ -13,11 +13,13 @@ the algebra with the kernel).
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from structlm.nn import DecodeLinear
 
-__all__ = ["use_decode_kernels_"]
+__all__ = ["output_cache", "use_decode_kernels_"]
 
 
 def use_decode_kernels_(model: nn.Module) -> int:
@@ -29,3 +31,10 @@ def use_decode_kernels_(model: nn.Module) -> int:
             m.__class__ = DecodeLinear
             n += 1
     return n
+
+
+def output_cache(out: Any) -> Any:
+    """The KV cache a ``transformers`` forward returned (``cache``; ``past_key_values``
+    before transformers 5.x renamed it)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values

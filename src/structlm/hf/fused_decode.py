@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from structlm.hf.decode import output_cache
 from structlm.hf.fused_stack import (
     FUSED_MODEL_TYPES,
     UnsupportedModel,
@@ -40,7 +41,8 @@ from structlm.hf.fused_stack import (
 )
 from structlm.ops.weight_arena import WeightArena
 
-__all__ = ["FUSED_MODEL_TYPES", "FusedDecoder", "UnsupportedModel", "fused_decoder_or_none"]
+__all__ = ["FUSED_MODEL_TYPES", "FusedDecoder", "UnsupportedModel", "fused_decoder_or_none",
+           "fused_decoders"]
 
 #: generation-config settings whose logits processors the fused generate does not apply,
 #: with the value at which each does nothing
@@ -71,13 +73,6 @@ def _cache_kv(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     if hasattr(cache, "layers"):
         return cache.layers[layer].keys, cache.layers[layer].values
     return cache.key_cache[layer], cache.value_cache[layer]
-
-
-def _output_cache(out: Any) -> Any:
-    """The cache a ``transformers`` forward returned (``cache``; ``past_key_values`` before
-    transformers 5.x renamed it)."""
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else out.past_key_values
 
 
 def _warp(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -194,7 +189,7 @@ class FusedDecoder:
             out = self.model(input_ids=input_ids, use_cache=True)
         self.stack.reset(input_ids.shape[0])
         for i in range(len(decoder_layers(self.model))):
-            k, v = _cache_kv(_output_cache(out), i)
+            k, v = _cache_kv(output_cache(out), i)
             self.stack.set_cache(i, k.contiguous(), v.contiguous())
         return out.logits[:, -1].float()
 
@@ -253,3 +248,15 @@ def fused_decoder_or_none(model: nn.Module, capacity: int = 1024
     except (UnsupportedModel, RuntimeError, TypeError, AttributeError, KeyError,
             ValueError) as e:  # a module the step cannot read: the caller falls back
         return None, f"{type(e).__name__}: {e}"
+
+
+def fused_decoders(models: dict[str, nn.Module]) -> tuple[dict[str, FusedDecoder] | None,
+                                                          dict[str, str]]:
+    """Every model's :class:`FusedDecoder`, or ``None`` and why not for each model the step
+    does not run: the arms of a speed comparison decode on one path, so a ratio never
+    credits one arm with the fused step."""
+    found = {name: fused_decoder_or_none(m) for name, m in models.items()}
+    why = {name: w for name, (d, w) in found.items() if d is None}
+    if why:
+        return None, why
+    return {name: d for name, (d, _) in found.items() if d is not None}, {}
