@@ -7,7 +7,7 @@ import torch
 
 __all__ = ["captured_energy", "effective_rank", "energy_weighted_basis", "psd_inv_sqrt",
            "psd_roots", "psd_sqrt", "random_like_spectrum", "random_orthonormal", "singular_values",
-           "subspace_overlap", "thin_svd", "top_subspace"]
+           "subspace_overlap", "thin_svd", "top_eigenvectors_", "top_subspace"]
 
 EXPLICIT_EIGH_MAX = 1024
 """Above this dimension the shared basis is found by subspace iteration, not ``eigh``."""
@@ -84,6 +84,30 @@ def captured_energy(W: torch.Tensor, basis: torch.Tensor, side: str) -> float:
     return float(proj.pow(2).sum() / W.pow(2).sum())
 
 
+def top_eigenvectors_(G: torch.Tensor, k: int) -> torch.Tensor:
+    """The top-``k`` eigenvectors ``(dim, k)`` of symmetric float64 ``G``, by decreasing
+    eigenvalue. **Consumes** ``G`` (LAPACK's MRRR driver ``syevr`` overwrites it in place,
+    then its storage is released: ``G`` is empty afterwards): the peak is ``G`` plus the
+    ``(dim, k)`` result, where ``torch.linalg.eigh`` holds ``G``, a
+    copy and a ``2·dim²`` workspace — 1.5 GB instead of 3 GB for a 9,728-wide Gram
+    matrix (Qwen2.5-Coder's stacked ``[gate; up]``)."""
+    dim = G.shape[0]
+    if not 1 <= k <= dim:
+        raise ValueError(f"k={k} must be in [1, {dim}]")
+    if G.dtype != torch.float64 or not G.is_contiguous():
+        raise ValueError("top_eigenvectors_ needs a contiguous float64 matrix")
+    import scipy.linalg
+    from threadpoolctl import threadpool_limits
+
+    # G.T: the same symmetric matrix, Fortran-ordered, so LAPACK works in place (no copy);
+    # SciPy's BLAS gets torch's thread count (an experiment's --threads holds for it too)
+    with threadpool_limits(limits=torch.get_num_threads(), user_api="blas"):
+        _, Z = scipy.linalg.eigh(G.numpy().T, overwrite_a=True, check_finite=False,
+                                 driver="evr", subset_by_index=[dim - k, dim - 1])
+    G.set_()  # consumed: its storage goes before the reordered copy of Z is made
+    return torch.from_numpy(Z[:, ::-1].copy())
+
+
 def energy_weighted_basis(mats: list[torch.Tensor], k: int, side: str,
                           iters: int = 5) -> torch.Tensor:
     """Shared basis: top-``k`` eigenvectors of ``G = sum_l W_l^T W_l`` (input side) or
@@ -109,9 +133,8 @@ def energy_weighted_basis(mats: list[torch.Tensor], k: int, side: str,
         G = torch.zeros(dim, dim, dtype=torch.float64)  # summed layer by layer: no stack
         for W in mats:
             Wd = W.double()
-            G += Wd.T @ Wd if side == "input" else Wd @ Wd.T
-        _, V = torch.linalg.eigh(G)  # (dim, dim), float64
-        return V[:, -k:].flip(1)
+            G.addmm_(Wd.T, Wd) if side == "input" else G.addmm_(Wd, Wd.T)  # no temporary
+        return top_eigenvectors_(G, k)
     # block Krylov (float32 iterations, float64 Rayleigh-Ritz): the span of
     # [X, G X, ..., G^q X] holds the top-k subspace far better than G^q X alone
     A32 = torch.cat([W.float() if side == "output" else W.float().T for W in mats], 1)

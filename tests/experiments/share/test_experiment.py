@@ -195,3 +195,33 @@ def test_plateau_rule() -> None:
     # a run that got worse while training: its last evaluation 20% above its best (50)
     res["whole_model"][0]["arms"] = [arm(60.0), arm(45.0)]
     assert plateau_rows(res)[1].endswith("| still moving | 1 of 2 (up to +20%) |")
+
+
+def test_arm_copy_shares_parameters_and_catches_in_place_writes() -> None:
+    """An arm's model shares the source's parameters (no second copy of the weights),
+    replacing a module in it leaves the source alone, fine-tuning-style flag changes pass,
+    and any in-place write into a shared parameter is caught by the arm's check."""
+    from structlm.experiments.share.experiment import _parameter_sharing_copy
+
+    torch.manual_seed(0)
+    src = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=32,
+                                       num_attention_heads=4, num_key_value_heads=2,
+                                       intermediate_size=48, vocab_size=97,
+                                       tie_word_embeddings=True))
+    ids = torch.randint(0, 97, (1, 7))
+    before = src(ids).logits.detach().clone()
+    arm, check = _parameter_sharing_copy(src)
+    assert arm is not src
+    for (n, p), (m, q) in zip(src.named_parameters(), arm.named_parameters(), strict=True):
+        assert n == m and p is q  # shared, tied weights stay tied
+    assert arm.lm_head.weight is arm.model.embed_tokens.weight
+    arm.model.layers[0].mlp.down_proj = torch.nn.Linear(48, 32, bias=False)
+    for p in arm.parameters():
+        p.requires_grad_(False)
+    check()
+    torch.testing.assert_close(src(ids).logits, before, rtol=0, atol=0)
+    assert not torch.equal(arm(ids).logits, before)
+    with torch.no_grad():
+        arm.model.layers[1].mlp.up_proj.weight.mul_(1.5)
+    with pytest.raises(AssertionError, match="changed in place"):
+        check()

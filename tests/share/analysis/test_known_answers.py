@@ -13,6 +13,7 @@ from structlm.hf.linalg import (
     random_like_spectrum,
     random_orthonormal,
     subspace_overlap,
+    top_eigenvectors_,
 )
 from structlm.share.analysis.alignment import align, drop_split
 from structlm.share.analysis.analyze import Thresholds, _alignment_test, _subspace_test
@@ -257,3 +258,33 @@ def test_shared_basis_through_the_small_gram_matches_the_direct_one() -> None:
     torch.testing.assert_close(B.T @ B, torch.eye(200, dtype=torch.float64))
     top = torch.linalg.eigh(sum(W @ W.T for W in mats))[1][:, -200:]
     assert subspace_overlap(B, top) == pytest.approx(1.0, abs=1e-9)
+
+
+@pytest.mark.parametrize("dim", [1, 7, 97, 1025])
+def test_top_eigenvectors_match_torch_eigh_and_consume_the_gram(dim: int) -> None:
+    """The in-place MRRR path (``top_eigenvectors_``, used by the explicit shared-basis
+    path to halve its peak memory) gives ``torch.linalg.eigh``'s top eigenvectors: the
+    same Rayleigh quotients in decreasing order, orthonormal, spanning the same subspace
+    where the spectrum has a gap; ``G`` is consumed."""
+    g = _gen(dim)
+    A = torch.randn(dim, dim + 3, generator=g, dtype=torch.float64)
+    G = A @ A.T
+    ref = G.clone()
+    evals, evecs = torch.linalg.eigh(ref)
+    for k in sorted({1, max(1, dim // 3), dim}):
+        Gk = ref.clone()
+        V = top_eigenvectors_(Gk, k)
+        assert V.shape == (dim, k) and Gk.numel() == 0
+        torch.testing.assert_close(V.T @ V, torch.eye(k, dtype=torch.float64), atol=1e-10,
+                                   rtol=0)
+        quotients = (V.T @ ref @ V).diagonal()
+        torch.testing.assert_close(quotients, evals.flip(0)[:k], atol=1e-9 * float(evals[-1]),
+                                   rtol=1e-10)
+        assert subspace_overlap(V, evecs[:, -k:]) == pytest.approx(1.0, abs=1e-9)
+
+
+def test_top_eigenvectors_refuse_bad_input() -> None:
+    with pytest.raises(ValueError, match="k=0 must be in"):
+        top_eigenvectors_(torch.eye(3, dtype=torch.float64), 0)
+    with pytest.raises(ValueError, match="contiguous float64"):
+        top_eigenvectors_(torch.eye(3), 1)

@@ -30,6 +30,7 @@ import hashlib
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -171,19 +172,46 @@ def _ppl(model: Any, prep: Prepared) -> dict[str, float]:
     return {k: v["ppl"] for k, v in evaluate_all(model, prep.eval_ids, progress=False).items()}
 
 
-def _compress(prep: Prepared, ccfg: CompressionConfig) -> tuple[Any, dict[str, Any]]:
-    """A fresh copy of the model, compressed (deterministic: no seed involved)."""
-    model = copy.deepcopy(prep.loaded.model)
+def _parameter_sharing_copy(model: Any) -> tuple[Any, Callable[[], None]]:
+    """A copy of ``model``'s module tree that shares its parameters (buffers are copied),
+    and a check that raises if any shared parameter was changed in place since.
+
+    Compression replaces modules (the copy's dense weights are only read) and fine-tuning
+    trains only the new modules' factors, so an arm needs no second copy of the weights:
+    on Qwen2.5-Coder-0.5B that copy was 2.5 GB of a peak that did not fit beside the
+    other experiments. Every arm calls the check after its work (tensor version counters:
+    exact and free), so a method that wrote into a weight it was given fails loudly
+    instead of corrupting the next arm's source."""
+    params = list(model.parameters())
+    versions = [p._version for p in params]
+    copied = copy.deepcopy(model, memo={id(p): p for p in params})
+
+    def check() -> None:
+        changed = [i for i, (p, v) in enumerate(zip(params, versions, strict=True))
+                   if p._version != v]
+        if changed:
+            raise AssertionError(f"{len(changed)} parameters of the source model were "
+                                 f"changed in place by an arm (first: #{changed[0]})")
+
+    return copied, check
+
+
+def _compress(prep: Prepared, ccfg: CompressionConfig
+              ) -> tuple[Any, dict[str, Any], Callable[[], None]]:
+    """A compressed copy of the model (deterministic: no seed involved) sharing the
+    uncompressed parameters with the source, and the check that they stayed unchanged."""
+    model, check = _parameter_sharing_copy(prep.loaded.model)
     assert prep.calibration is not None
     rep = compress_model(get_adapter(model), prep.calibration, ccfg,
                          calib_tokens=prep.calib_ids)
-    return model, rep
+    check()
+    return model, rep, check
 
 
 def _analytic(prep: Prepared, ccfg: CompressionConfig) -> dict[str, Any]:
     """Compress a fresh copy and evaluate it before any training."""
     t0 = time.time()
-    model, rep = _compress(prep, ccfg)
+    model, rep, check = _compress(prep, ccfg)
     out: dict[str, Any] = {
         "method": ccfg.method, "types": ccfg.types, "reduction": ccfg.target_reduction,
         "ratio": rep["ratio"], "stored_parameters": rep["stored_parameters"],
@@ -198,6 +226,7 @@ def _analytic(prep: Prepared, ccfg: CompressionConfig) -> dict[str, Any]:
             t: sum(d["residual_share_of_basis_error"]) / len(d["residual_share_of_basis_error"])
             for t, d in rep["types"].items() if "residual_share_of_basis_error" in d},
         "ppl_analytic": _ppl(model, prep), "analytic_seconds": time.time() - t0}
+    check()
     if "update" in rep:
         out["update"] = rep["update"]
     return out
@@ -225,12 +254,13 @@ def _tuned(prep: Prepared, ccfg: CompressionConfig, ft: FinetuneConfig, seed: in
     """Compress a fresh copy, fine-tune it with ``seed`` (resuming from ``state_path``
     if a killed run left one), evaluate."""
     t0 = time.time()
-    model, _ = _compress(prep, ccfg)
+    model, _, check = _compress(prep, ccfg)
     torch.manual_seed(seed)
     in_domain = next(iter(prep.eval_ids.values()))
     ftc = dataclasses.replace(ft, seed=seed)
     curve = finetune(model, prep.train_ids, spread_windows(in_domain, ft.eval_tokens), ftc,
                      progress, state_path=state_path, prefix=prep.window_prefix)
+    check()
     return {"seed": seed, "finetune": dataclasses.asdict(ftc), "curve": curve,
             "ppl_finetuned": _ppl(model, prep), "finetune_seconds": time.time() - t0}
 

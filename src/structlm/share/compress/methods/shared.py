@@ -90,10 +90,9 @@ def factorize_shared(method: str, weights: list[torch.Tensor], Cs: Sequence[torc
     r = ranks.r if (ranks is not None and m.has_residual) else 0
     if not 0 <= r <= min(out, inn):
         raise ValueError(f"residual rank r={r} must be in [0, {min(out, inn)}]")
-    W = [w.double() for w in weights]
     C = sum(c.double() for c in Cs) / L
     S, S_inv = (roots or RootCache(floor)).get(C)
-    Wh = [w @ S for w in W]
+    Wh = [w.double() @ S for w in weights]  # the float64 originals are never held at once
     info: dict[str, Any] = {}
     if budget is not None:
         found, U_all, V_all, share = best_rectangular_ranks(Wh, budget, r * (out + inn))
@@ -111,7 +110,7 @@ def factorize_shared(method: str, weights: list[torch.Tensor], Cs: Sequence[torc
     tf = TypeFactors(method, ranks, [list(range(L))], 1, [{"P": V.T @ S_inv, "U": U}],
                      info=info)
     res_cover = []
-    for w, wh, c in zip(W, Wh, Cs, strict=True):
+    for w, wh, c in zip(weights, Wh, Cs, strict=True):
         A = U.T @ wh @ V  # (k_out, k_in)
         entry = {"core": A}
         What = U @ A @ tf.bases[0]["P"]
