@@ -194,3 +194,53 @@ def test_layout_choice() -> None:
     assert choose(q22, one.expand(65)) == "diag-first"
     with pytest.raises(ValueError, match="unknown layout"), force_layout("fused"):
         pass
+
+
+@pytest.mark.parametrize("algebra", ["Q2^2", "Q2^3", "Q2xQ3"])
+@pytest.mark.parametrize("m", [7, 1025])
+def test_block_major_with_an_absent_type_and_unequal_counts(algebra: str, m: int) -> None:
+    """Block-major sorts the rows by type: exact when one type has no rows, the counts
+    differ, and the shared blocks' rows split into several sorted ranges."""
+    gen = torch.Generator().manual_seed(m)
+    q = support_of(get_algebra(algebra)).q
+    in_w = [2 + (i % 3) for i in range(q)]
+    out_w = [3 + (i % 2) for i in range(q)]
+    layer = AlgebraLinear(sum(in_w), sum(out_w), algebra, group_sizes=(in_w, out_w))
+    types = torch.randint(1, q, (m,), generator=gen)  # type 0 absent
+    types[: m // 2] = torch.where(types[: m // 2] == 1, 2, types[: m // 2])  # unequal
+    with force_layout("block-major"):
+        for dtype in (torch.float64, torch.float32):
+            _check(layer, torch.randn(m, sum(in_w), generator=gen), types, dtype, gen)
+
+
+def test_type_sorted_rows_round_trip_and_ranges() -> None:
+    """Sorting by type is a permutation (unsort inverts it), each type's rows are one
+    range, a type set's ranges hold exactly its rows, and rows already in order are not
+    copied."""
+    from structlm.ops.partition import TypePartition
+    from structlm.ops.plan import make_plan
+
+    gen = torch.Generator().manual_seed(5)
+    types = torch.randint(0, 4, (97,), generator=gen)
+    part = TypePartition(types, 4)
+    plan = make_plan(support_of(get_algebra("Q2^2")), [2] * 4, [3] * 4)
+    order = plan.sorted_type_order
+    rows = part.type_sorted(order)
+    x = torch.randn(97, 5, generator=gen)
+    xs = rows.sort(x)
+    torch.testing.assert_close(rows.unsort(xs), x, rtol=0, atol=0)
+    sorted_types = rows.sort(types[:, None])[:, 0]
+    assert [int(t) for t in sorted_types.unique_consecutive()] == [
+        a for a in order if part.counts[a]]
+    for *_, ts in plan.shared_runs:
+        got = torch.cat([torch.arange(a, b) for a, b in rows.ranges(ts)])
+        assert sorted(int(t) for t in sorted_types[got]) == sorted(
+            int(t) for t in types if int(t) in ts)
+    # Q2^2's four shared pairs form the cycle 0-1-3-2-0: at most one pair splits in two
+    pairs = {ts for *_, ts in plan.shared_runs if len(ts) == 2}
+    assert sum(len(rows.ranges(ts)) for ts in pairs) <= len(pairs) + 1
+    contiguous = TypePartition(torch.arange(12) // 3, 4).type_sorted((0, 1, 2, 3))
+    head = x[:12]
+    assert contiguous.perm is None and contiguous.sort(head) is head
+    with pytest.raises(ValueError, match="not a permutation"):
+        part.type_sorted((0, 1, 1, 2))

@@ -20,8 +20,12 @@ Five layouts, all doing exactly the MACs of the cost model in forward, ``dX`` an
   is diag-first's.
   Where the kernel cannot be built it is never chosen.
 * **block-major** (supports whose extra blocks are shared by several types, e.g.
-  ``Q2^2``, with several types present): every weight block once, on the gathered rows
-  of all the types that use it (per-type runs would read a shared block once per type).
+  ``Q2^2``, with several types present): the rows sorted by type once (in the order
+  :attr:`~structlm.ops.plan.BlockPlan.sorted_type_order` that keeps each shared block's
+  types adjacent), then every weight block once, on the contiguous rows of all the
+  types that use it (per-type runs would read a shared block once per type); the
+  results are put back in row order once. Sorted, a shared block's rows are views, so
+  no GEMM output is scattered into strided columns.
 * **row-first gathered** (``Q_q``-shaped supports, equal widths, every type with
   the same small number of rows, e.g. ``M = 32`` cyclic): each type's full weight
   row as one batched GEMM over types, then the diagonal blocks of the *other*
@@ -42,7 +46,7 @@ from typing import Any
 import torch
 
 from structlm.ops import cpu_kernels
-from structlm.ops.partition import RowSet, TypePartition
+from structlm.ops.partition import RowSet, TypePartition, TypeSortedRows
 from structlm.ops.plan import BlockPlan, Run
 from structlm.ops.route import KERNEL_DTYPES, AlgebraCall, Backend, Route, choose
 
@@ -282,38 +286,48 @@ def _backward_diag_first(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, pla
 
 
 # ------------------------------------------------------------- block-major
-def _shared_run_slices(plan: BlockPlan, part: TypePartition
-                       ) -> Iterator[tuple[torch.Tensor, slice, slice, int, int, int]]:
-    """``(rows, in cols, out cols, beta, d0, d1)`` of every shared run with rows."""
+def _shared_run_ranges(plan: BlockPlan, rows: TypeSortedRows
+                       ) -> Iterator[tuple[list[tuple[int, int]], slice, slice, int, int, int]]:
+    """``(sorted row ranges, in cols, out cols, beta, d0, d1)`` of every shared run with
+    rows (its types' rows are a few contiguous ranges of the type-sorted rows)."""
     io, oo = plan.in_offsets, plan.out_offsets
     for beta, d0, d1, types in plan.shared_runs:
-        idx = part.rows_of(types)
-        if idx.numel():
-            yield idx, _cols(io, beta, beta + 1), _cols(oo, d0, d1), beta, d0, d1
+        ranges = rows.ranges(types)
+        if ranges:
+            yield ranges, _cols(io, beta, beta + 1), _cols(oo, d0, d1), beta, d0, d1
 
 
 def _forward_block_major(x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
                          part: TypePartition) -> torch.Tensor:
-    y = _forward_common(x, w, plan)
-    for idx, bs, cs, *_ in _shared_run_slices(plan, part):
-        y[:, cs].index_add_(0, idx, x[:, bs].index_select(0, idx) @ w[cs, bs].t())
-    return y
+    rows = part.type_sorted(plan.sorted_type_order)
+    xs = rows.sort(x)  # (M, K) type-sorted: every shared block's rows are views
+    ys = _forward_common(xs, w, plan)  # (M, N)
+    for ranges, bs, cs, *_ in _shared_run_ranges(plan, rows):
+        wt = w[cs, bs].t()
+        for a, b in ranges:
+            ys[a:b, cs].addmm_(xs[a:b, bs], wt)
+    return rows.unsort(ys)
 
 
 def _backward_block_major(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,
                           part: TypePartition, need_dx: bool, need_dw: bool
                           ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    dx, dw, written = _backward_common(gy, x, w, plan, need_dx, need_dw)
-    for idx, bs, cs, beta, d0, d1 in _shared_run_slices(plan, part):
-        gr = gy[:, cs].index_select(0, idx)
-        if dx is not None:
-            dx[:, bs].index_add_(0, idx, gr @ w[cs, bs])
-        if dw is not None:  # every non-common block lies in exactly one shared run
-            torch.mm(gr.t(), x[:, bs].index_select(0, idx), out=dw[cs, bs])
-            written[beta, d0:d1] = True
+    rows = part.type_sorted(plan.sorted_type_order)
+    gs, xs = rows.sort(gy), rows.sort(x)  # (M, N), (M, K) type-sorted
+    dxs, dw, written = _backward_common(gs, xs, w, plan, need_dx, need_dw)
+    for ranges, bs, cs, beta, d0, d1 in _shared_run_ranges(plan, rows):
+        for i, (a, b) in enumerate(ranges):
+            if dxs is not None:
+                dxs[a:b, bs].addmm_(gs[a:b, cs], w[cs, bs])
+            if dw is not None:  # every non-common block lies in exactly one shared run
+                if i == 0:
+                    torch.mm(gs[a:b, cs].t(), xs[a:b, bs], out=dw[cs, bs])
+                else:
+                    dw[cs, bs].addmm_(gs[a:b, cs].t(), xs[a:b, bs])
+        written[beta, d0:d1] = True
     if dw is not None:
         _zero_unwritten(dw, plan, written)
-    return dx, dw
+    return (None if dxs is None else rows.unsort(dxs)), dw
 
 
 def _backward_gathered(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, plan: BlockPlan,

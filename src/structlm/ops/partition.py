@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RowSet", "TypePartition", "check_types"]
+__all__ = ["RowSet", "TypePartition", "TypeSortedRows", "check_types"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,40 @@ class RowSet:
             return t[self.rows]
         assert self.index is not None
         return t.index_select(0, self.index)
+
+
+@dataclass(frozen=True)
+class TypeSortedRows:
+    """Rows sorted by type in a chosen order (:meth:`TypePartition.type_sorted`)."""
+
+    perm: torch.Tensor | None
+    """``(M,)``: sorted row ``i`` is original row ``perm[i]`` (``None``: already sorted)."""
+    inverse: torch.Tensor | None
+    """``(M,)``: original row ``j`` is sorted row ``inverse[j]`` (``None`` likewise)."""
+    starts: tuple[int, ...]
+    """First sorted row of each type."""
+    counts: tuple[int, ...]
+    """Rows of each type."""
+
+    def sort(self, t: torch.Tensor) -> torch.Tensor:
+        """``(M, C)`` rows in sorted order (the tensor itself when already sorted)."""
+        return t if self.perm is None else t.index_select(0, self.perm)
+
+    def unsort(self, t: torch.Tensor) -> torch.Tensor:
+        """Sorted ``(M, C)`` rows back in the original order."""
+        return t if self.inverse is None else t.index_select(0, self.inverse)
+
+    def ranges(self, types: tuple[int, ...]) -> list[tuple[int, int]]:
+        """The rows of ``types`` as maximal contiguous ``[start, stop)`` ranges."""
+        spans = sorted((self.starts[a], self.starts[a] + self.counts[a])
+                       for a in types if self.counts[a])
+        merged: list[tuple[int, int]] = []
+        for a, b in spans:
+            if merged and merged[-1][1] == a:
+                merged[-1] = (merged[-1][0], b)
+            else:
+                merged.append((a, b))
+        return merged
 
 
 def check_types(types: torch.Tensor, q: int, leading_shape: torch.Size) -> torch.Tensor:
@@ -84,6 +118,7 @@ class TypePartition:
             self.sets.append(self._row_set(seg))
         self._sorted = order
         self._device_cache: dict[str, torch.Tensor] = {}
+        self._sorted_rows: dict[str, TypeSortedRows] = {}
 
     def _row_set(self, seg: torch.Tensor) -> RowSet:
         c = int(seg.numel())
@@ -111,19 +146,38 @@ class TypePartition:
         """Row indices (on the data device) of all rows whose type is in ``types``."""
         key = "rows" + ",".join(map(str, types))
         if key not in self._device_cache:
-            parts = []
-            for a in types:
-                rs = self.sets[a]
-                if rs.count == 0:
-                    continue
-                if rs.index is not None:
-                    parts.append(rs.index.cpu())
-                else:
-                    assert rs.rows is not None
-                    parts.append(torch.arange(rs.rows.start, rs.rows.stop, rs.rows.step))
+            parts = [self._row_indices(a) for a in types if self.counts[a]]
             idx = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
             self._device_cache[key] = idx.to(self.device)
         return self._device_cache[key]
+
+    def type_sorted(self, order: tuple[int, ...]) -> TypeSortedRows:
+        """The rows sorted by type in ``order`` (cached per order): each type's rows
+        become one contiguous range, so any set of types is a few ranges of views."""
+        key = "type_sorted" + ",".join(map(str, order))
+        if key not in self._sorted_rows:
+            if sorted(order) != list(range(self.q)):
+                raise ValueError(f"order {order} is not a permutation of the {self.q} types")
+            perm = torch.cat([self._row_indices(a) for a in order])
+            identity = bool((perm == torch.arange(self.num_rows)).all())
+            starts, s = [0] * self.q, 0
+            for a in order:
+                starts[a] = s
+                s += self.counts[a]
+            self._sorted_rows[key] = TypeSortedRows(
+                None if identity else perm.to(self.device),
+                None if identity else torch.argsort(perm).to(self.device),
+                tuple(starts), tuple(self.counts))
+        return self._sorted_rows[key]
+
+    def _row_indices(self, a: int) -> torch.Tensor:
+        rs = self.sets[a]
+        if rs.count == 0:
+            return torch.zeros(0, dtype=torch.long)
+        if rs.index is not None:
+            return rs.index.cpu()
+        assert rs.rows is not None
+        return torch.arange(rs.rows.start, rs.rows.stop, rs.rows.step)
 
     def sorted_index(self) -> torch.Tensor:
         """``(q, M/q)`` row indices grouped by type (balanced partitions only)."""
