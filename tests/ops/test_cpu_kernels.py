@@ -282,3 +282,28 @@ def test_batch_of_32_with_a_graph_equals_the_reference(algebra: str, train_weigh
             assert a is None and b is None and not train_weight
         else:
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_dense_packed_rows_every_row_count_of_a_panel_call(dtype: torch.dtype) -> None:
+    """The packed few-row kernel takes rows four (eight with AVX-512) at a time against
+    a panel: every row count 1..17 (each remainder of a call), full and narrow panels
+    (N = 53 = 3 × 16 + 5) and an odd K, NaN propagated row by row, against a float64
+    product."""
+    gen = torch.Generator().manual_seed(29)
+    k, n = 37, 53
+    w = torch.randn(n, k, generator=gen, dtype=torch.float64) / k**0.5
+    bias = torch.randn(n, generator=gen, dtype=torch.float64)
+    for rows in range(1, 18):
+        x = torch.randn(rows, k, generator=gen, dtype=torch.float64)
+        exact = F.linear(x, w, bias)
+        plain = F.linear(x.to(dtype), w.to(dtype), bias.to(dtype))
+        fast = cpu_kernels.dense_rows_linear(x.to(dtype), w.to(dtype), bias.to(dtype),
+                                             packed=True)
+        err_fast = (fast.double() - exact).abs().max().item()
+        err_plain = (plain.double() - exact).abs().max().item()
+        assert err_fast <= 2 * err_plain + 4 * torch.finfo(dtype).eps * k, (rows, err_fast)
+    x = torch.randn(9, k, generator=gen).to(dtype)
+    x[5, 3] = float("nan")
+    y = cpu_kernels.dense_rows_linear(x, w.to(dtype), packed=True)
+    assert torch.isnan(y[5]).all() and torch.isfinite(torch.cat([y[:5], y[6:]])).all()

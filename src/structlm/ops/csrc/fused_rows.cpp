@@ -50,7 +50,8 @@ using structlm::Support;
 // element n0 * K; block (d, b)'s panel of it is its rows in_off[b] .. in_off[b + 1], at
 // n0 * K + in_off[b] * pw. A thread takes strips of every output group and reads each
 // strip front to back (one forward stream), the blocks' parts that some row uses; per
-// panel, those rows go four at a time against it, the strip's outputs in registers.
+// panel, those rows go four (eight with AVX-512) at a time against it, the strip's outputs
+// in registers.
 template <typename T>
 void fused_rows_impl(const T* x, const T* packed, const int64_t* types, const Support& s,
                      const T* bias, int64_t M, int64_t N, int64_t K, T* y) {
@@ -87,10 +88,11 @@ void fused_rows_impl(const T* x, const T* packed, const int64_t* types, const Su
             const int64_t* rows = users.data() + (d * q + b) * M;
             const int64_t width = s.in_off[b + 1] - s.in_off[b];
             const T* pan = packed + n0 * K + s.in_off[b] * pw;
-            for (int64_t k = 0; k < count; k += 4) {
-              const int64_t n_rows = std::min<int64_t>(4, count - k);
-              const T* xs[4];
-              T* as[4];
+            for (int64_t k = 0; k < count; k += structlm::kPanelRowsPerCall) {
+              const int64_t n_rows =
+                  std::min<int64_t>(structlm::kPanelRowsPerCall, count - k);
+              const T* xs[structlm::kPanelRowsPerCall];
+              T* as[structlm::kPanelRowsPerCall];
               for (int64_t r = 0; r < n_rows; ++r) {
                 xs[r] = x + rows[k + r] * K + s.in_off[b];
                 as[r] = acc.data() + rows[k + r] * kPanel;

@@ -1,4 +1,5 @@
-// Panel products for the block-packed few-row kernel: up to four input rows against one
+// Panel products for the block-packed few-row kernel: up to kPanelRowsPerCall input rows
+// (four; eight with AVX-512) against one
 // panel of a weight block, the panel stored input-major (element (k, j) of a panel of
 // `pw` output rows at k * pw + j), so each input value is broadcast against `pw`
 // contiguous weights and the outputs stay in vector accumulators: no horizontal sum per
@@ -14,6 +15,13 @@
 namespace structlm {
 
 constexpr int64_t kPanel = 16;  // output rows of a full panel
+
+#if defined(STRUCTLM_AVX2) && defined(__AVX512F__)
+#define STRUCTLM_AVX512 1
+constexpr int64_t kPanelRowsPerCall = 8;  // rows per panel_rows call (AVX-512: 5-8 at once)
+#else
+constexpr int64_t kPanelRowsPerCall = 4;
+#endif
 
 // acc[u][j] += sum_k x[u][k] * pan[k * pw + j] for u < n_rows, j < pw.
 template <typename T>
@@ -112,9 +120,60 @@ inline void panel_rows12_avx2(const float* const* __restrict x, int64_t n_rows,
 }
 #undef STRUCTLM_PANEL_FMA
 
+#ifdef STRUCTLM_AVX512
+// Five to eight rows against a full panel: the panel's 16 outputs are one zmm, one
+// accumulator per row, so each k is one weight load and eight broadcast FMAs (eight
+// independent chains cover the FMA latency). Rows past n_rows repeat the last row's
+// input and are not stored.
+#define STRUCTLM_ROW_FMA(a, xp, kk, wv) a = _mm512_fmadd_ps(_mm512_set1_ps((xp)[kk]), wv, a)
+inline void panel_rows58_avx512(const float* const* __restrict x, int64_t n_rows,
+                                const float* __restrict pan, int64_t w,
+                                float* const* __restrict acc) {
+  const float* x0 = x[0];
+  const float* x1 = x[1];
+  const float* x2 = x[2];
+  const float* x3 = x[3];
+  const float* x4 = x[4];
+  const float* x5 = n_rows > 5 ? x[5] : x4;
+  const float* x6 = n_rows > 6 ? x[6] : x4;
+  const float* x7 = n_rows > 7 ? x[7] : x4;
+  const __m512 z = _mm512_setzero_ps();
+  __m512 a0 = _mm512_loadu_ps(acc[0]), a1 = _mm512_loadu_ps(acc[1]);
+  __m512 a2 = _mm512_loadu_ps(acc[2]), a3 = _mm512_loadu_ps(acc[3]);
+  __m512 a4 = _mm512_loadu_ps(acc[4]);
+  __m512 a5 = n_rows > 5 ? _mm512_loadu_ps(acc[5]) : z;
+  __m512 a6 = n_rows > 6 ? _mm512_loadu_ps(acc[6]) : z;
+  __m512 a7 = n_rows > 7 ? _mm512_loadu_ps(acc[7]) : z;
+  for (int64_t k = 0; k < w; ++k) {
+    const __m512 wv = _mm512_loadu_ps(pan + k * kPanel);
+    STRUCTLM_ROW_FMA(a0, x0, k, wv);
+    STRUCTLM_ROW_FMA(a1, x1, k, wv);
+    STRUCTLM_ROW_FMA(a2, x2, k, wv);
+    STRUCTLM_ROW_FMA(a3, x3, k, wv);
+    STRUCTLM_ROW_FMA(a4, x4, k, wv);
+    STRUCTLM_ROW_FMA(a5, x5, k, wv);
+    STRUCTLM_ROW_FMA(a6, x6, k, wv);
+    STRUCTLM_ROW_FMA(a7, x7, k, wv);
+  }
+  _mm512_storeu_ps(acc[0], a0), _mm512_storeu_ps(acc[1], a1);
+  _mm512_storeu_ps(acc[2], a2), _mm512_storeu_ps(acc[3], a3);
+  _mm512_storeu_ps(acc[4], a4);
+  if (n_rows > 5) _mm512_storeu_ps(acc[5], a5);
+  if (n_rows > 6) _mm512_storeu_ps(acc[6], a6);
+  if (n_rows > 7) _mm512_storeu_ps(acc[7], a7);
+}
+#undef STRUCTLM_ROW_FMA
+#endif
+
 template <>
 inline void panel_rows<float>(const float* const* x, int64_t n_rows, const float* pan,
                               int64_t w, float* const* acc) {
+#ifdef STRUCTLM_AVX512
+  if (n_rows >= 5) {
+    panel_rows58_avx512(x, n_rows, pan, w, acc);
+    return;
+  }
+#endif
   if (n_rows >= 3) {
     panel_rows34_avx2(x, n_rows, pan, w, acc);
   } else {
