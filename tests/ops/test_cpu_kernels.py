@@ -287,14 +287,15 @@ def test_batch_of_32_with_a_graph_equals_the_reference(algebra: str, train_weigh
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_dense_packed_rows_every_row_count_of_a_panel_call(dtype: torch.dtype) -> None:
     """The packed few-row kernel takes rows four (eight with AVX-512) at a time against
-    a panel: every row count 1..17 (each remainder of a call), full and narrow panels
-    (N = 53 = 3 × 16 + 5) and an odd K, NaN propagated row by row, against a float64
-    product."""
+    a panel, and with AVX-512 six at a time against two full panels: every row count
+    1..17 (each remainder of a call), full and narrow panels (N = 53 = 3 × 16 + 5; 100 =
+    6 × 16 + 4: pairs, a lone full strip, a narrow one) and an odd K, NaN propagated row
+    by row, against a float64 product."""
     gen = torch.Generator().manual_seed(29)
-    k, n = 37, 53
-    w = torch.randn(n, k, generator=gen, dtype=torch.float64) / k**0.5
-    bias = torch.randn(n, generator=gen, dtype=torch.float64)
-    for rows in range(1, 18):
+    k = 37
+    for n, rows in [(53, r) for r in range(1, 18)] + [(100, 13), (100, 6)]:
+        w = torch.randn(n, k, generator=gen, dtype=torch.float64) / k**0.5
+        bias = torch.randn(n, generator=gen, dtype=torch.float64)
         x = torch.randn(rows, k, generator=gen, dtype=torch.float64)
         exact = F.linear(x, w, bias)
         plain = F.linear(x.to(dtype), w.to(dtype), bias.to(dtype))
@@ -302,7 +303,8 @@ def test_dense_packed_rows_every_row_count_of_a_panel_call(dtype: torch.dtype) -
                                              packed=True)
         err_fast = (fast.double() - exact).abs().max().item()
         err_plain = (plain.double() - exact).abs().max().item()
-        assert err_fast <= 2 * err_plain + 4 * torch.finfo(dtype).eps * k, (rows, err_fast)
+        bound = 2 * err_plain + 4 * torch.finfo(dtype).eps * k
+        assert err_fast <= bound, (n, rows, err_fast)
     x = torch.randn(9, k, generator=gen).to(dtype)
     x[5, 3] = float("nan")
     y = cpu_kernels.dense_rows_linear(x, w.to(dtype), packed=True)

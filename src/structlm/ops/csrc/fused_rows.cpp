@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -70,45 +71,82 @@ void fused_rows_impl(const T* x, const T* packed, const int64_t* types, const Su
   const int64_t n_panels = (N + kPanel - 1) / kPanel;  // about: groups round up
   const int64_t n_threads =
       std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_panels));
+  // rows `rows[k0..k1)` against the panel of block (d, b) of the strip at output row n0
+  // (pw outputs), accumulated into acc (kPanel floats per row)
+  auto strip_rows = [&](const int64_t* rows, int64_t k0, int64_t k1, int64_t b, int64_t n0,
+                        int64_t pw, T* acc) {
+    const int64_t width = s.in_off[b + 1] - s.in_off[b];
+    const T* pan = packed + n0 * K + s.in_off[b] * pw;
+    for (int64_t k = k0; k < k1; k += structlm::kPanelRowsPerCall) {
+      const int64_t n_rows = std::min<int64_t>(structlm::kPanelRowsPerCall, k1 - k);
+      const T* xs[structlm::kPanelRowsPerCall];
+      T* as[structlm::kPanelRowsPerCall];
+      for (int64_t r = 0; r < n_rows; ++r) {
+        xs[r] = x + rows[k + r] * K + s.in_off[b];
+        as[r] = acc + rows[k + r] * kPanel;
+      }
+      if (pw == kPanel) {
+        structlm::panel_rows<T>(xs, n_rows, pan, width, as);
+      } else {
+        structlm::panel_rows_generic<T>(xs, n_rows, pan, width, pw, as);
+      }
+    }
+  };
   at::parallel_for(0, n_threads, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<T> acc(M * kPanel);
+    std::vector<T> acc(M * kPanel), acc2(M * kPanel);
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t d = 0; d < q; ++d) {
         const int64_t rows_d = s.out_off[d + 1] - s.out_off[d];
         const int64_t panels_d = (rows_d + kPanel - 1) / kPanel;
         // thread t's panels of group d: every row of a group uses the same blocks, so
         // the threads get equal work whatever the types
-        for (int64_t p = t * panels_d / n_threads; p < (t + 1) * panels_d / n_threads; ++p) {
+        const int64_t p_end = (t + 1) * panels_d / n_threads;
+        for (int64_t p = t * panels_d / n_threads; p < p_end;) {
           const int64_t n0 = s.out_off[d] + p * kPanel;
           const int64_t pw = std::min(kPanel, s.out_off[d + 1] - n0);
+          // two full strips at once where the pair kernel applies (each input broadcast
+          // once for both strips' weight vectors)
+          const bool pair = structlm::kPairedPanels && std::is_same_v<T, float> &&
+                            p + 1 < p_end && s.out_off[d + 1] - n0 >= 2 * kPanel;
           std::fill(acc.begin(), acc.end(), T(0));
+          if (pair) std::fill(acc2.begin(), acc2.end(), T(0));
           for (int64_t b = 0; b < q; ++b) {
             const int64_t count = n_users[d * q + b];
             if (count == 0) continue;
             const int64_t* rows = users.data() + (d * q + b) * M;
-            const int64_t width = s.in_off[b + 1] - s.in_off[b];
-            const T* pan = packed + n0 * K + s.in_off[b] * pw;
-            for (int64_t k = 0; k < count; k += structlm::kPanelRowsPerCall) {
-              const int64_t n_rows =
-                  std::min<int64_t>(structlm::kPanelRowsPerCall, count - k);
-              const T* xs[structlm::kPanelRowsPerCall];
-              T* as[structlm::kPanelRowsPerCall];
-              for (int64_t r = 0; r < n_rows; ++r) {
-                xs[r] = x + rows[k + r] * K + s.in_off[b];
-                as[r] = acc.data() + rows[k + r] * kPanel;
-              }
-              if (pw == kPanel) {
-                structlm::panel_rows<T>(xs, n_rows, pan, width, as);
-              } else {
-                structlm::panel_rows_generic<T>(xs, n_rows, pan, width, pw, as);
+            int64_t k = 0;
+            if constexpr (std::is_same_v<T, float>) {
+              if (pair) {
+                const int64_t width = s.in_off[b + 1] - s.in_off[b];
+                const float* pan0 = packed + n0 * K + s.in_off[b] * kPanel;
+                const float* pan1 = pan0 + kPanel * K;
+                for (; k + structlm::kPairRows <= count; k += structlm::kPairRows) {
+                  const float* xs[structlm::kPairRows];
+                  float* as0[structlm::kPairRows];
+                  float* as1[structlm::kPairRows];
+                  for (int64_t r = 0; r < structlm::kPairRows; ++r) {
+                    xs[r] = x + rows[k + r] * K + s.in_off[b];
+                    as0[r] = acc.data() + rows[k + r] * kPanel;
+                    as1[r] = acc2.data() + rows[k + r] * kPanel;
+                  }
+                  structlm::panel_pair_rows(xs, pan0, pan1, width, as0, as1);
+                }
               }
             }
+            strip_rows(rows, k, count, b, n0, pw, acc.data());
+            if (pair) strip_rows(rows, k, count, b, n0 + kPanel, kPanel, acc2.data());
           }
           for (int64_t m = 0; m < M; ++m) {
             for (int64_t j = 0; j < pw; ++j) {
               y[m * N + n0 + j] = acc[m * kPanel + j] + (bias ? bias[n0 + j] : T(0));
             }
+            if (!pair) continue;
+            for (int64_t j = 0; j < kPanel; ++j) {
+              const int64_t n = n0 + kPanel + j;
+              y[m * N + n] = acc2[m * kPanel + j] + (bias ? bias[n] : T(0));
+            }
           }
+          p += pair ? 2 : 1;
         }
       }
     }

@@ -19,8 +19,18 @@ constexpr int64_t kPanel = 16;  // output rows of a full panel
 #if defined(STRUCTLM_AVX2) && defined(__AVX512F__)
 #define STRUCTLM_AVX512 1
 constexpr int64_t kPanelRowsPerCall = 8;  // rows per panel_rows call (AVX-512: 5-8 at once)
+constexpr bool kPairedPanels = true;      // panel_pair_rows: two strips, six rows at once
 #else
 constexpr int64_t kPanelRowsPerCall = 4;
+constexpr bool kPairedPanels = false;
+#endif
+constexpr int64_t kPairRows = 6;  // rows per panel_pair_rows call
+
+#ifndef STRUCTLM_AVX512
+// Never called without AVX-512 (kPairedPanels is false): declared so the paired branch
+// compiles everywhere.
+inline void panel_pair_rows(const float* const*, const float*, const float*, int64_t,
+                            float* const*, float* const*) {}
 #endif
 
 // acc[u][j] += sum_k x[u][k] * pan[k * pw + j] for u < n_rows, j < pw.
@@ -163,6 +173,50 @@ inline void panel_rows58_avx512(const float* const* __restrict x, int64_t n_rows
   if (n_rows > 7) _mm512_storeu_ps(acc[7], a7);
 }
 #undef STRUCTLM_ROW_FMA
+
+// Six rows against two full panels (32 outputs) at once: each input value is broadcast
+// into a register once and multiplied into both panels' weight vectors, so a k costs two
+// weight loads and six broadcasts for twelve FMAs (the one-panel call: one load and eight
+// broadcasts for eight). Measured alone, hot in cache, one thread: 57 -> 74 GMAC/s.
+#define STRUCTLM_PAIR_FMA(i)                                     \
+  do {                                                           \
+    const __m512 xb_ = _mm512_set1_ps(x##i[k]);                  \
+    a##i = _mm512_fmadd_ps(xb_, w0, a##i);                       \
+    c##i = _mm512_fmadd_ps(xb_, w1, c##i);                       \
+  } while (0)
+inline void panel_pair_rows(const float* const* __restrict x, const float* __restrict pan0,
+                            const float* __restrict pan1, int64_t w,
+                            float* const* __restrict acc0, float* const* __restrict acc1) {
+  const float* x0 = x[0];
+  const float* x1 = x[1];
+  const float* x2 = x[2];
+  const float* x3 = x[3];
+  const float* x4 = x[4];
+  const float* x5 = x[5];
+  __m512 a0 = _mm512_loadu_ps(acc0[0]), a1 = _mm512_loadu_ps(acc0[1]);
+  __m512 a2 = _mm512_loadu_ps(acc0[2]), a3 = _mm512_loadu_ps(acc0[3]);
+  __m512 a4 = _mm512_loadu_ps(acc0[4]), a5 = _mm512_loadu_ps(acc0[5]);
+  __m512 c0 = _mm512_loadu_ps(acc1[0]), c1 = _mm512_loadu_ps(acc1[1]);
+  __m512 c2 = _mm512_loadu_ps(acc1[2]), c3 = _mm512_loadu_ps(acc1[3]);
+  __m512 c4 = _mm512_loadu_ps(acc1[4]), c5 = _mm512_loadu_ps(acc1[5]);
+  for (int64_t k = 0; k < w; ++k) {
+    const __m512 w0 = _mm512_loadu_ps(pan0 + k * kPanel);
+    const __m512 w1 = _mm512_loadu_ps(pan1 + k * kPanel);
+    STRUCTLM_PAIR_FMA(0);
+    STRUCTLM_PAIR_FMA(1);
+    STRUCTLM_PAIR_FMA(2);
+    STRUCTLM_PAIR_FMA(3);
+    STRUCTLM_PAIR_FMA(4);
+    STRUCTLM_PAIR_FMA(5);
+  }
+  _mm512_storeu_ps(acc0[0], a0), _mm512_storeu_ps(acc0[1], a1);
+  _mm512_storeu_ps(acc0[2], a2), _mm512_storeu_ps(acc0[3], a3);
+  _mm512_storeu_ps(acc0[4], a4), _mm512_storeu_ps(acc0[5], a5);
+  _mm512_storeu_ps(acc1[0], c0), _mm512_storeu_ps(acc1[1], c1);
+  _mm512_storeu_ps(acc1[2], c2), _mm512_storeu_ps(acc1[3], c3);
+  _mm512_storeu_ps(acc1[4], c4), _mm512_storeu_ps(acc1[5], c5);
+}
+#undef STRUCTLM_PAIR_FMA
 #endif
 
 template <>
