@@ -288,8 +288,8 @@ def test_batch_of_32_with_a_graph_equals_the_reference(algebra: str, train_weigh
 def test_dense_packed_rows_every_row_count_of_a_panel_call(dtype: torch.dtype) -> None:
     """The packed few-row kernel takes rows four (eight with AVX-512) at a time against
     a panel, and with AVX-512 six at a time against two full panels: every row count
-    1..17 (each remainder of a call), full and narrow panels (N = 53 = 3 × 16 + 5; 100 =
-    6 × 16 + 4: pairs, a lone full strip, a narrow one) and an odd K, NaN propagated row
+    1..17 (each remainder of a call), full and narrow panels (N = 53 = 3 × 16 + 5: a pair,
+    a lone full strip, a narrow one; 100 = 6 × 16 + 4: pairs) and an odd K, NaN propagated row
     by row, against a float64 product."""
     gen = torch.Generator().manual_seed(29)
     k = 37

@@ -324,7 +324,8 @@ def _backward_block_major(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, pl
                     torch.mm(gs[a:b, cs].t(), xs[a:b, bs], out=dw[cs, bs])
                 else:
                     dw[cs, bs].addmm_(gs[a:b, cs].t(), xs[a:b, bs])
-        written[beta, d0:d1] = True
+        if dw is not None:
+            written[beta, d0:d1] = True
     if dw is not None:
         _zero_unwritten(dw, plan, written)
     return (None if dxs is None else rows.unsort(dxs)), dw

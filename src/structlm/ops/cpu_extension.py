@@ -1,9 +1,9 @@
 """Building and loading the compiled CPU kernels (``csrc/``) as a torch extension.
 
 The extension is built once on first use with :func:`torch.utils.cpp_extension.load`
-(a C++ compiler is needed, about a minute on 2 cores), named by a hash of its sources
-and flags, in ``$TORCH_EXTENSIONS_DIR/structlm/`` (by default
-``~/.cache/torch_extensions/structlm/``). Without a compiler, or with
+(a C++ compiler is needed, about a minute on 2 cores), named by a hash of its sources,
+its flags and the host CPU's instruction-set flags (``-march=native``), in
+``$TORCH_EXTENSIONS_DIR/structlm/`` (by default ``~/.cache/torch_extensions/structlm/``). Without a compiler, or with
 ``STRUCTLM_CPU_KERNELS=0``, :func:`extension` is ``None`` and the pure-PyTorch paths run
 (a warning says why, once).
 """
@@ -11,6 +11,7 @@ and flags, in ``$TORCH_EXTENSIONS_DIR/structlm/`` (by default
 from __future__ import annotations
 
 import hashlib
+import platform
 import time
 import warnings
 from pathlib import Path
@@ -41,13 +42,28 @@ def build_directory(name: str) -> Path:
     return path
 
 
+def _cpu_fingerprint() -> bytes:
+    """The host's instruction-set flags: ``-march=native`` builds for this CPU, so a
+    build folder shared with another CPU (an AVX2-only host loading an AVX-512 build)
+    must not match."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.encode()
+    except OSError:
+        pass
+    return platform.machine().encode() + platform.processor().encode()
+
+
 def _build() -> ModuleType | None:
     if not cpu_kernels_enabled():
         return None
     from torch.utils import cpp_extension
 
     text = b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))
-    digest = hashlib.sha1(text + " ".join(_FLAGS).encode()).hexdigest()[:10]
+    digest = hashlib.sha1(text + " ".join(_FLAGS).encode() + _cpu_fingerprint()
+                          ).hexdigest()[:10]
     name = f"structlm_fused_rows_{digest}"
     try:
         return cpp_extension.load(

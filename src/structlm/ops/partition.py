@@ -32,7 +32,7 @@ class RowSet:
         return t.index_select(0, self.index)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TypeSortedRows:
     """Rows sorted by type in a chosen order (:meth:`TypePartition.type_sorted`)."""
 

@@ -199,8 +199,9 @@ def test_plateau_rule() -> None:
 
 def test_arm_copy_shares_parameters_and_catches_in_place_writes() -> None:
     """An arm's model shares the source's parameters (no second copy of the weights),
-    replacing a module in it leaves the source alone, fine-tuning-style flag changes pass,
-    and any in-place write into a shared parameter is caught by the arm's check."""
+    replacing a module in it leaves the source alone, fine-tuning's freezing is undone
+    by the arm's check, and an in-place write, a ``.data`` swap or a dtype change of a
+    shared parameter is caught by it."""
     from structlm.experiments.share.experiment import _parameter_sharing_copy
 
     torch.manual_seed(0)
@@ -219,9 +220,19 @@ def test_arm_copy_shares_parameters_and_catches_in_place_writes() -> None:
     for p in arm.parameters():
         p.requires_grad_(False)
     check()
+    assert all(p.requires_grad for p in src.parameters())  # the source's flags restored
     torch.testing.assert_close(src(ids).logits, before, rtol=0, atol=0)
     assert not torch.equal(arm(ids).logits, before)
+    up = arm.model.layers[1].mlp.up_proj.weight
     with torch.no_grad():
-        arm.model.layers[1].mlp.up_proj.weight.mul_(1.5)
-    with pytest.raises(AssertionError, match="changed in place"):
+        up.mul_(1.5)
+    with pytest.raises(AssertionError, match="changed by an arm"):
         check()
+    arm2, check2 = _parameter_sharing_copy(src)
+    arm2.model.layers[0].self_attn.q_proj.weight.data = torch.zeros(32, 32)
+    with pytest.raises(AssertionError, match="changed by an arm"):
+        check2()
+    arm3, check3 = _parameter_sharing_copy(src)
+    arm3.to(torch.float64)
+    with pytest.raises(AssertionError, match="changed by an arm"):
+        check3()

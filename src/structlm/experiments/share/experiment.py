@@ -172,26 +172,39 @@ def _ppl(model: Any, prep: Prepared) -> dict[str, float]:
     return {k: v["ppl"] for k, v in evaluate_all(model, prep.eval_ids, progress=False).items()}
 
 
+def _parameter_state(p: torch.nn.Parameter) -> tuple[Any, ...]:
+    """What an arm must leave unchanged in a shared parameter: its storage, dtype,
+    device and shape (``.data`` swaps and ``.to`` do not bump the version counter) and
+    its version counter (in-place writes)."""
+    return (p.data_ptr(), p.dtype, p.device, tuple(p.shape), p._version)
+
+
 def _parameter_sharing_copy(model: Any) -> tuple[Any, Callable[[], None]]:
     """A copy of ``model``'s module tree that shares its parameters (buffers are copied),
-    and a check that raises if any shared parameter was changed in place since.
+    and a check that raises if any shared parameter was changed since, then gives each
+    its ``requires_grad`` flag back.
 
     Compression replaces modules (the copy's dense weights are only read) and fine-tuning
     trains only the new modules' factors, so an arm needs no second copy of the weights:
     on Qwen2.5-Coder-0.5B that copy was 2.5 GB of a peak that did not fit beside the
-    other experiments. Every arm calls the check after its work (tensor version counters:
-    exact and free), so a method that wrote into a weight it was given fails loudly
-    instead of corrupting the next arm's source."""
+    other experiments. Every arm calls the check after its work (storage, dtype, device,
+    shape and version counter of every shared parameter: exact and free), so a method
+    that wrote into a weight it was given fails loudly instead of corrupting the next
+    arm's source; fine-tuning freezes every parameter of its copy, the shared ones too,
+    and the check restores their flags."""
     params = list(model.parameters())
-    versions = [p._version for p in params]
+    states = [_parameter_state(p) for p in params]
+    flags = [p.requires_grad for p in params]
     copied = copy.deepcopy(model, memo={id(p): p for p in params})
 
     def check() -> None:
-        changed = [i for i, (p, v) in enumerate(zip(params, versions, strict=True))
-                   if p._version != v]
+        changed = [i for i, (p, st) in enumerate(zip(params, states, strict=True))
+                   if _parameter_state(p) != st]
         if changed:
             raise AssertionError(f"{len(changed)} parameters of the source model were "
-                                 f"changed in place by an arm (first: #{changed[0]})")
+                                 f"changed by an arm (first: #{changed[0]})")
+        for p, flag in zip(params, flags, strict=True):
+            p.requires_grad_(flag)
 
     return copied, check
 

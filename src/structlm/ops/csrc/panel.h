@@ -49,7 +49,7 @@ inline void panel_rows_generic(const T* const* __restrict x, int64_t n_rows,
   }
 }
 
-// The same for a full panel (pw = kPanel) and up to four rows.
+// The same for a full panel (pw = kPanel) and up to kPanelRowsPerCall rows.
 template <typename T>
 inline void panel_rows(const T* const* x, int64_t n_rows, const T* pan, int64_t w,
                        T* const* acc) {
@@ -133,8 +133,8 @@ inline void panel_rows12_avx2(const float* const* __restrict x, int64_t n_rows,
 #ifdef STRUCTLM_AVX512
 // Five to eight rows against a full panel: the panel's 16 outputs are one zmm, one
 // accumulator per row, so each k is one weight load and eight broadcast FMAs (eight
-// independent chains cover the FMA latency). Rows past n_rows repeat the last row's
-// input and are not stored.
+// independent chains cover the FMA latency). Rows past n_rows repeat row 4's input and
+// are not stored.
 #define STRUCTLM_ROW_FMA(a, xp, kk, wv) a = _mm512_fmadd_ps(_mm512_set1_ps((xp)[kk]), wv, a)
 inline void panel_rows58_avx512(const float* const* __restrict x, int64_t n_rows,
                                 const float* __restrict pan, int64_t w,
