@@ -3,9 +3,9 @@
 The extension is built once on first use with :func:`torch.utils.cpp_extension.load`
 (a C++ compiler is needed, about a minute on 2 cores), named by a hash of its sources,
 its flags and the host CPU's instruction-set flags (``-march=native``), in
-``$TORCH_EXTENSIONS_DIR/structlm/`` (by default ``~/.cache/torch_extensions/structlm/``). Without a compiler, or with
-``STRUCTLM_CPU_KERNELS=0``, :func:`extension` is ``None`` and the pure-PyTorch paths run
-(a warning says why, once).
+``$TORCH_EXTENSIONS_DIR/structlm/`` (by default ``~/.cache/torch_extensions/structlm/``).
+Without a compiler, or with ``STRUCTLM_CPU_KERNELS=0``, :func:`extension` is ``None`` and
+the pure-PyTorch paths run (a warning says why, once).
 """
 
 from __future__ import annotations
