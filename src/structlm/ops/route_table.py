@@ -60,7 +60,9 @@ THRESHOLDS: dict[str, Threshold] = {
         "against MKL, 2 threads, weights from DRAM: 1.2-3.4x faster at M = 1..16 for "
         "4096x4096, 576x1536 and 1536x576; at M = 32 2-30% faster on the paper-110m and "
         "SmolLM2 FFN shapes, 7% slower at 4096x4096 "
-        "(benchmarks/results/decode_projections_cpu.md)"),
+        "(benchmarks/results/decode_projections_cpu.md); Intel Xeon VM with the AVX-512 "
+        "panel calls, weights rotated over 1 GiB: 1.08-1.28x faster at M = 32 (4096x4096, "
+        "1536x576), 0.89-1.04x at M = 64 (docs/benchmarks.md, few-row panel calls)"),
     "triton_decode_max_rows": Threshold(
         4, "the Triton vector-reduction decode kernel up to this many rows",
         "not yet measured on a GPU (no GPU results are committed; benchmarks/gpu_kernels.py "
