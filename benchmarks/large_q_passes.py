@@ -20,8 +20,10 @@ rows name the limit of any decomposition into GEMMs with the support's inner dim
 the same dense GEMM (M rows, N outputs) with an inner dimension of only ``s`` and ``2s``
 (a type's output group reads at most two blocks: its diagonal one and its own input
 group's), and ``at the 2s rate: % of ideal`` — the share of the MAC ideal a one-pass
-kernel reaches if it runs at that GEMM's rate. CSV with the environment and a Markdown
-table drawn from it.
+kernel reaches if it runs at that GEMM's rate. And pass B with each type's slice of the
+weight packed once (MKL's packed GEMM, ``torch.ops.mkl._mkl_linear``, the rows of each
+type gathered, the outputs left unplaced: a lower bound on its time), with the memory one
+packed slice takes. CSV with the environment and a Markdown table drawn from it.
 """
 
 from __future__ import annotations
@@ -65,11 +67,23 @@ def measure(algebra: str, m: int, k: int, trials: int) -> dict[str, object]:
     y_b = blocked._forward_common(x, w, layer.plan)  # pass B accumulates into a written y
     s = k // q
     x1, x2 = x[:, :s].contiguous(), x[:, :2 * s].contiguous()
+    # pass B with the weight packed once (MKL's packed GEMM, as torch.compile's freezing
+    # uses it): each type's rows gathered, its full row of blocks, outputs not placed
+    mq = m // q
+    xs = [x[t::q, t * s:(t + 1) * s].contiguous() for t in range(q)]
+    ws = [w[:, t * s:(t + 1) * s].contiguous() for t in range(q)]
+    packs = [torch.ops.mkl._mkl_reorder_linear_weight(wt, mq) for wt in ws]
+
+    def pass_b_packed() -> None:
+        for t in range(q):
+            torch.ops.mkl._mkl_linear(xs[t], packs[t], ws[t], None, mq)
+
     fns = [lambda: F.linear(x, w), lambda: layer(x, part),
            lambda: blocked._forward_common(x, w, layer.plan),
            lambda: _pass_b(x, y_b, w, layer, part),
-           lambda: F.linear(x1, w[:, :s]), lambda: F.linear(x2, w[:, :2 * s])]
-    t_dense, t_layer, t_a, t_b, t_s, t_2s = interleaved_medians(fns, trials)
+           lambda: F.linear(x1, w[:, :s]), lambda: F.linear(x2, w[:, :2 * s]),
+           pass_b_packed]
+    t_dense, t_layer, t_a, t_b, t_s, t_2s, t_bp = interleaved_medians(fns, trials)
     macs_a, macs_dense = m * s * s * q, m * k * k
     macs_layer = macs_dense * (2 * q - 1) / q**2
     macs_b = macs_layer - macs_a
@@ -84,15 +98,19 @@ def measure(algebra: str, m: int, k: int, trials: int) -> dict[str, object]:
             "ab_at_dense_rate_ms": 1e3 * macs_layer / dense_rate,
             "gemm_k_s_gmacs": m * s * k / t_s / 1e9,
             "gemm_k_2s_gmacs": m * 2 * s * k / t_2s / 1e9,
-            "one_pass_bound_pct": 100 * (m * 2 * s * k / t_2s) / dense_rate}
+            "one_pass_bound_pct": 100 * (m * 2 * s * k / t_2s) / dense_rate,
+            "pass_b_packed_gmacs": m * s * k / t_bp / 1e9,
+            "packed_mib_per_type": packs[0].numel() * 4 / 2**20,
+            "weight_mib_per_type": ws[0].numel() * 4 / 2**20}
 
 
 def markdown(rows: list[dict[str, str]]) -> str:
     """The table drawn from the CSV rows."""
     head = ("| algebra | M | dense ms (GMAC/s) | layer ms | speed-up | ideal | % of ideal "
             "| pass A ms (GMAC/s) | pass B ms (GMAC/s) | A+B at the dense rate, ms "
-            "| dense GEMM, inner dim s / 2s: GMAC/s | at the 2s rate: % of ideal |\n"
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+            "| dense GEMM, inner dim s / 2s: GMAC/s | at the 2s rate: % of ideal "
+            "| pass B, weights packed once: GMAC/s | packed MiB per type (its slice) |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     body = "".join(
         f"| {r['algebra']} | {r['M']} | {float(r['dense_ms']):.1f} "
         f"({float(r['dense_gmacs']):.0f}) | {float(r['layer_ms']):.1f} | "
@@ -101,7 +119,8 @@ def markdown(rows: list[dict[str, str]]) -> str:
         f"({float(r['pass_a_gmacs']):.0f}) | {float(r['pass_b_ms']):.1f} "
         f"({float(r['pass_b_gmacs']):.0f}) | {float(r['ab_at_dense_rate_ms']):.1f} | "
         f"{float(r['gemm_k_s_gmacs']):.0f} / {float(r['gemm_k_2s_gmacs']):.0f} | "
-        f"{float(r['one_pass_bound_pct']):.0f}% |\n"
+        f"{float(r['one_pass_bound_pct']):.0f}% | {float(r['pass_b_packed_gmacs']):.0f} | "
+        f"{float(r['packed_mib_per_type']):.1f} ({float(r['weight_mib_per_type']):.1f}) |\n"
         for r in rows)
     return ("# Large q at M = 2048: diag-first's two passes\n\n"
             "`python benchmarks/large_q_passes.py`\n\n" + head + body + "\n"
