@@ -23,7 +23,8 @@ group's), and ``at the 2s rate: % of ideal`` — the share of the MAC ideal a on
 kernel reaches if it runs at that GEMM's rate. And pass B with each type's slice of the
 weight packed once (MKL's packed GEMM, ``torch.ops.mkl._mkl_linear``, the rows of each
 type gathered, the outputs left unplaced: a lower bound on its time), with the memory one
-packed slice takes. CSV with the environment and a Markdown table drawn from it.
+packed slice takes; and the layer with the fused-rows kernel forced (the route's choice
+up to 16 rows per type). CSV with the environment and a Markdown table drawn from it.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from structlm.cpu_malloc import retain_freed_memory
 from structlm.nn import AlgebraLinear
 from structlm.ops import blocked
 from structlm.ops.partition import TypePartition
-from structlm.ops.route import Route, trace
+from structlm.ops.route import Route, force_layout, trace
 
 
 def _pass_b(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, layer: AlgebraLinear,
@@ -78,12 +79,16 @@ def measure(algebra: str, m: int, k: int, trials: int) -> dict[str, object]:
         for t in range(q):
             torch.ops.mkl._mkl_linear(xs[t], packs[t], ws[t], None, mq)
 
+    def fused_rows() -> None:
+        with force_layout("fused-rows"):
+            layer(x, part)
+
     fns = [lambda: F.linear(x, w), lambda: layer(x, part),
            lambda: blocked._forward_common(x, w, layer.plan),
            lambda: _pass_b(x, y_b, w, layer, part),
            lambda: F.linear(x1, w[:, :s]), lambda: F.linear(x2, w[:, :2 * s]),
-           pass_b_packed]
-    t_dense, t_layer, t_a, t_b, t_s, t_2s, t_bp = interleaved_medians(fns, trials)
+           pass_b_packed, fused_rows]
+    t_dense, t_layer, t_a, t_b, t_s, t_2s, t_bp, t_fr = interleaved_medians(fns, trials)
     macs_a, macs_dense = m * s * s * q, m * k * k
     macs_layer = macs_dense * (2 * q - 1) / q**2
     macs_b = macs_layer - macs_a
@@ -101,7 +106,8 @@ def measure(algebra: str, m: int, k: int, trials: int) -> dict[str, object]:
             "one_pass_bound_pct": 100 * (m * 2 * s * k / t_2s) / dense_rate,
             "pass_b_packed_gmacs": m * s * k / t_bp / 1e9,
             "packed_mib_per_type": packs[0].numel() * 4 / 2**20,
-            "weight_mib_per_type": ws[0].numel() * 4 / 2**20}
+            "weight_mib_per_type": ws[0].numel() * 4 / 2**20,
+            "fused_rows_pct_ideal": 100 * t_dense / t_fr / ideal}
 
 
 def markdown(rows: list[dict[str, str]]) -> str:
@@ -109,8 +115,9 @@ def markdown(rows: list[dict[str, str]]) -> str:
     head = ("| algebra | M | dense ms (GMAC/s) | layer ms | speed-up | ideal | % of ideal "
             "| pass A ms (GMAC/s) | pass B ms (GMAC/s) | A+B at the dense rate, ms "
             "| dense GEMM, inner dim s / 2s: GMAC/s | at the 2s rate: % of ideal "
-            "| pass B, weights packed once: GMAC/s | packed MiB per type (its slice) |\n"
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+            "| pass B, weights packed once: GMAC/s | packed MiB per type (its slice) "
+            "| fused-rows kernel forced: % of ideal |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     body = "".join(
         f"| {r['algebra']} | {r['M']} | {float(r['dense_ms']):.1f} "
         f"({float(r['dense_gmacs']):.0f}) | {float(r['layer_ms']):.1f} | "
@@ -120,7 +127,8 @@ def markdown(rows: list[dict[str, str]]) -> str:
         f"({float(r['pass_b_gmacs']):.0f}) | {float(r['ab_at_dense_rate_ms']):.1f} | "
         f"{float(r['gemm_k_s_gmacs']):.0f} / {float(r['gemm_k_2s_gmacs']):.0f} | "
         f"{float(r['one_pass_bound_pct']):.0f}% | {float(r['pass_b_packed_gmacs']):.0f} | "
-        f"{float(r['packed_mib_per_type']):.1f} ({float(r['weight_mib_per_type']):.1f}) |\n"
+        f"{float(r['packed_mib_per_type']):.1f} ({float(r['weight_mib_per_type']):.1f}) | "
+        f"{float(r['fused_rows_pct_ideal']):.0f}% |\n"
         for r in rows)
     return ("# Large q at M = 2048: diag-first's two passes\n\n"
             "`python benchmarks/large_q_passes.py`\n\n" + head + body + "\n"
