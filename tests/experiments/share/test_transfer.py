@@ -39,6 +39,24 @@ def test_a_model_against_itself_and_a_changed_verdict() -> None:
     assert rows["−20%, in-domain: best before fine-tuning"]["b"] == "hybrid"
 
 
+def test_a_finding_one_model_lacks(tmp_path) -> None:
+    """A budget only one model ran is "not measured on both", its empty cell a bare dash."""
+    from structlm.experiments.share.transfer import write_transfer_report
+
+    a = load_results(ANALYSIS, EXPERIMENT)
+    b = copy.deepcopy(a)
+    b.label = "fewer budgets"
+    b.experiment["whole_model"] = [e for e in b.experiment["whole_model"]
+                                   if e["reduction"] != 0.3]
+    rows = {r["finding"]: r for r in findings(a, b)}
+    lacking = rows["−30%, in-domain: best before fine-tuning"]
+    assert lacking["status"] == "not measured on both" and lacking["b"] == "—"
+    text = write_transfer_report(a, b, tmp_path).read_text()
+    line = next(ln for ln in text.splitlines()
+                if ln.startswith("| −30%, in-domain: best before fine-tuning"))
+    assert line.endswith("| — | not measured on both |") and "— ()" not in text
+
+
 def test_the_command_writes_the_report(tmp_path) -> None:
     out = tmp_path / "t8"
     run = subprocess.run([sys.executable, "-m", "structlm.cli", "experiment", "transfer",

@@ -157,9 +157,12 @@ def write_transfer_report(a: ModelResults, b: ModelResults, out: str | Path) -> 
              "After fine-tuning, `*` marks a best mean that the winner rule does not "
              "separate.", "",
              f"| finding | {a.label} | {b.label} | transfers? |", "|---|---|---|---|"]
+    def cell(verdict_: str, numbers: str) -> str:
+        return f"{verdict_} ({numbers})" if numbers else verdict_
+
     for r in rows:
-        lines.append(f"| {r['finding']} | {r['a']} ({r['a_numbers']}) | {r['b']} "
-                     f"({r['b_numbers']}) | {r['status']} |")
+        lines.append(f"| {r['finding']} | {cell(r['a'], r['a_numbers'])} | "
+                     f"{cell(r['b'], r['b_numbers'])} | {r['status']} |")
     atomic_write_text(out / "findings.json", json.dumps(rows, indent=1))
     atomic_write_text(out / "report.md", "\n".join([*lines, ""]))
     return out / "report.md"
