@@ -120,6 +120,11 @@ void fused_rows_impl(const T* x, const T* packed, const int64_t* types, const Su
                 const int64_t width = s.in_off[b + 1] - s.in_off[b];
                 const float* pan0 = packed + n0 * K + s.in_off[b] * kPanel;
                 const float* pan1 = pan0 + kPanel * K;
+                // a dense weight at few rows: the first call prefetches the next pair's
+                // panels (see kPrefetchMaxRows)
+                const float* next =
+                    q == 1 && count <= structlm::kPrefetchMaxRows && p + 3 < p_end
+                        ? pan0 + 2 * kPanel * K : nullptr;
                 for (; k + structlm::kPairRows <= count; k += structlm::kPairRows) {
                   const float* xs[structlm::kPairRows];
                   float* as0[structlm::kPairRows];
@@ -129,7 +134,8 @@ void fused_rows_impl(const T* x, const T* packed, const int64_t* types, const Su
                     as0[r] = acc.data() + rows[k + r] * kPanel;
                     as1[r] = acc2.data() + rows[k + r] * kPanel;
                   }
-                  structlm::panel_pair_rows(xs, pan0, pan1, width, as0, as1);
+                  structlm::panel_pair_rows(xs, pan0, pan1, width, as0, as1,
+                                            k == 0 ? next : nullptr);
                 }
               }
             }

@@ -25,12 +25,19 @@ constexpr int64_t kPanelRowsPerCall = 4;
 constexpr bool kPairedPanels = false;
 #endif
 constexpr int64_t kPairRows = 6;  // rows per panel_pair_rows call
+// A dense weight (one group) at up to this many rows: the first pair call of each strip
+// pair prefetches the next pair's panels. 4096x4096, 2 threads, weights rotated, builds
+// alternated (benchmarks/few_row_rotated.py, benchmarks/results/few_row_rotated_prefetch.md):
+// M = 16 3.72-4.15 -> 3.40-3.46 ms, M = 8 0-7% faster, the rest unchanged. With the limit
+// at 32 (one earlier build), M = 32 and the algebra layers' mixed-type rows (Q2^2 at
+// M = 32, Q4 at M = 64) came out 2-6% slower, so neither takes it.
+constexpr int64_t kPrefetchMaxRows = 16;
 
 #ifndef STRUCTLM_AVX512
 // Never called without AVX-512 (kPairedPanels is false): declared so the paired branch
 // compiles everywhere.
 inline void panel_pair_rows(const float* const*, const float*, const float*, int64_t,
-                            float* const*, float* const*) {}
+                            float* const*, float* const*, const float* = nullptr) {}
 #endif
 
 // acc[u][j] += sum_k x[u][k] * pan[k * pw + j] for u < n_rows, j < pw.
@@ -178,6 +185,10 @@ inline void panel_rows58_avx512(const float* const* __restrict x, int64_t n_rows
 // into a register once and multiplied into both panels' weight vectors, so a k costs two
 // weight loads and six broadcasts for twelve FMAs (the one-panel call: one load and eight
 // broadcasts for eight). Measured alone, hot in cache, one thread: 57 -> 74 GMAC/s.
+// `next` (optional): the next strip pair's first panel at the same input offset (its
+// second lies as far beyond it as pan1 beyond pan0); its lines are prefetched into L2
+// while this pair computes, so the DRAM read of the next strip overlaps this one's
+// arithmetic.
 #define STRUCTLM_PAIR_FMA(i)                                     \
   do {                                                           \
     const __m512 xb_ = _mm512_set1_ps(x##i[k]);                  \
@@ -186,7 +197,9 @@ inline void panel_rows58_avx512(const float* const* __restrict x, int64_t n_rows
   } while (0)
 inline void panel_pair_rows(const float* const* __restrict x, const float* __restrict pan0,
                             const float* __restrict pan1, int64_t w,
-                            float* const* __restrict acc0, float* const* __restrict acc1) {
+                            float* const* __restrict acc0, float* const* __restrict acc1,
+                            const float* next = nullptr) {
+  const std::ptrdiff_t gap = pan1 - pan0;  // the second panel of a pair, as in this one
   const float* x0 = x[0];
   const float* x1 = x[1];
   const float* x2 = x[2];
@@ -200,6 +213,10 @@ inline void panel_pair_rows(const float* const* __restrict x, const float* __res
   __m512 c2 = _mm512_loadu_ps(acc1[2]), c3 = _mm512_loadu_ps(acc1[3]);
   __m512 c4 = _mm512_loadu_ps(acc1[4]), c5 = _mm512_loadu_ps(acc1[5]);
   for (int64_t k = 0; k < w; ++k) {
+    if (next != nullptr) {  // loop-invariant: the compiler keeps two loops
+      _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(next + gap + k * kPanel), _MM_HINT_T1);
+    }
     const __m512 w0 = _mm512_loadu_ps(pan0 + k * kPanel);
     const __m512 w1 = _mm512_loadu_ps(pan1 + k * kPanel);
     STRUCTLM_PAIR_FMA(0);
