@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from structlm.algebra import Algebra, AlgebraError, get_algebra, split_widths, support_of
-from structlm.nn.structure import StructureTracked, invalidate_fast_paths
+from structlm.nn.structure import EPOCH, StructureTracked, invalidate_fast_paths
 from structlm.ops import cpu_kernels
 from structlm.ops.blocked import blocked_linear
 from structlm.ops.partition import TypePartition, check_types
@@ -22,12 +22,10 @@ from structlm.ops.route import (
     AlgebraCall,
     Backend,
     Route,
+    bound_calls_open,
     choose,
-    overridden,
     parse_backend,
-    recording,
     resolve_backend,
-    tracing,
 )
 
 __all__ = ["AlgebraLinear"]
@@ -237,9 +235,15 @@ class AlgebraLinear(StructureTracked, nn.Module):
         return TypePartition(types.reshape(-1), self.q)
 
     def forward(self, x: torch.Tensor, types: torch.Tensor | TypePartition) -> torch.Tensor:
-        binding = self.__dict__.get("_rows_binding")
-        if binding is not None and type(types) is TypePartition and self._binding_usable():
-            y = binding(x, types.types, self.weight, self.bias)  # (*, N), or None
+        # the bound decode call with the parameters it was bound to, read without
+        # nn.Module's attribute lookup (a decode step makes this check with cold caches,
+        # where each Python frame costs microseconds)
+        bound = self.__dict__.get("_bound_call")  # (binding, weight, bias, epoch) or None
+        params = self._parameters  # written directly by some loaders: checked, not trusted
+        if (bound is not None and type(types) is TypePartition and bound[3] == EPOCH[0]
+                and params["weight"] is bound[1] and params.get("bias") is bound[2]
+                and cpu_kernels.DECODE_COPY[-1] == "typed" and bound_calls_open()):
+            y = bound[0](x, types.types, bound[1], bound[2])  # (*, N), or None
             if y is not None:
                 return y
         if x.shape[-1] != self.in_features:
@@ -291,12 +295,17 @@ class AlgebraLinear(StructureTracked, nn.Module):
         call and remade when the weight changes: one crossing into C++ that re-checks what
         can change between calls and returns ``None`` where the route would not take it)."""
         y2 = cpu_kernels.fused_rows_linear(x2, self.weight, self.plan, part, self.bias)
-        binding = self.__dict__.get("_rows_binding")
         if (part.num_rows <= DECODE_MAX_ROWS and cpu_kernels.uses_typed_copy(part)
-                and self._binding_usable()
-                and (binding is None or not binding.matches(self.weight))):
-            self.__dict__["_rows_binding"] = cpu_kernels.typed_rows_binding(
-                self.weight, self.plan, DECODE_MAX_ROWS)
+                and self._binding_usable()):
+            binding = self.__dict__.get("_rows_binding")
+            if binding is None or not binding.matches(self.weight):
+                binding = cpu_kernels.typed_rows_binding(self.weight, self.plan,
+                                                         DECODE_MAX_ROWS)
+                self.__dict__["_rows_binding"] = binding
+            old = self.__dict__.get("_bound_call")
+            if (old is None or old[0] is not binding or old[1] is not self.weight
+                    or old[2] is not self.bias or old[3] != EPOCH[0]):
+                self.__dict__["_bound_call"] = (binding, self.weight, self.bias, EPOCH[0])
         return y2
 
     def _binding_usable(self) -> bool:
@@ -305,15 +314,15 @@ class AlgebraLinear(StructureTracked, nn.Module):
         on the CPU without asking (auto or blocked), the typed weight copy, no tracing
         (``torch.compile`` calls the registered op) and no recording
         (:func:`~structlm.ops.route.trace` decides every call afresh)."""
-        return (self.__dict__["_backend"] in _BOUND_BACKENDS and not overridden()
-                and cpu_kernels.decode_copy_mode() == "typed"
-                and not (tracing() or recording()))
+        return (self.__dict__["_backend"] in _BOUND_BACKENDS and bound_calls_open()
+                and cpu_kernels.decode_copy_mode() == "typed")
 
     def __getstate__(self) -> dict[str, object]:
         """State for pickling and ``copy.deepcopy``, without the bound decode call (a
         compiled object holding this weight; a copy binds its own on first use)."""
         state = self.__dict__.copy()
         state.pop("_rows_binding", None)
+        state.pop("_bound_call", None)
         return state
 
     def _forward_triton(self, x2: torch.Tensor, types: torch.Tensor | TypePartition,

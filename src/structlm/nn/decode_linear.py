@@ -6,15 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from structlm.nn.structure import StructureTracked
+from structlm.nn.structure import EPOCH, StructureTracked
 from structlm.ops import cpu_kernels
 from structlm.ops.route import (
     DENSE_IN_PLACE_MAX_ROWS,
     DenseCall,
     Route,
     choose,
-    recording,
-    tracing,
+    dense_bound_calls_open,
 )
 
 __all__ = ["DecodeLinear", "fast_linear"]
@@ -53,25 +52,36 @@ class DecodeLinear(StructureTracked, nn.Linear):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        binding = self.__dict__.get("_rows_binding")
-        if binding is not None and not (tracing() or recording()):  # None: route refuses
-            y = binding(x, _NO_TYPES, self.weight, self.bias)  # (*, out), or None
+        # the bound call with the parameters it was bound to (see AlgebraLinear.forward)
+        bound = self.__dict__.get("_bound_call")  # (binding, weight, bias, epoch) or None
+        params = self._parameters  # written directly by some loaders: checked, not trusted
+        if (bound is not None and bound[3] == EPOCH[0] and params["weight"] is bound[1]
+                and params.get("bias") is bound[2] and dense_bound_calls_open()):
+            y = bound[0](x, _NO_TYPES, bound[1], bound[2])  # (*, out), or None: route refuses
             if y is not None:
                 return y
+        binding = self.__dict__.get("_rows_binding")
         route = choose(DenseCall(x, self.weight, self.bias)).route
         if route is Route.TORCH:
             return F.linear(x, self.weight, self.bias)  # (*, in) -> (*, out)
         y2 = cpu_kernels.dense_rows_linear(x.reshape(-1, self.in_features), self.weight,
                                            self.bias, packed=route is Route.DENSE_KERNEL_PACKED)
-        if route is Route.DENSE_KERNEL and (binding is None or not binding.matches(self.weight)):
-            self.__dict__["_rows_binding"] = cpu_kernels.dense_rows_binding(
-                self.weight, DENSE_IN_PLACE_MAX_ROWS)  # more rows: the packed copy
+        if route is Route.DENSE_KERNEL:
+            if binding is None or not binding.matches(self.weight):
+                binding = cpu_kernels.dense_rows_binding(
+                    self.weight, DENSE_IN_PLACE_MAX_ROWS)  # more rows: the packed copy
+                self.__dict__["_rows_binding"] = binding
+            old = self.__dict__.get("_bound_call")
+            if (old is None or old[0] is not binding or old[1] is not self.weight
+                    or old[2] is not self.bias or old[3] != EPOCH[0]):
+                self.__dict__["_bound_call"] = (binding, self.weight, self.bias, EPOCH[0])
         return y2.view(*x.shape[:-1], self.out_features)  # (M, out) -> (*, out)
 
     def __getstate__(self) -> dict[str, object]:
         """State for pickling and ``copy.deepcopy``, without the bound decode call."""
         state = self.__dict__.copy()
         state.pop("_rows_binding", None)
+        state.pop("_bound_call", None)
         return state
 
 

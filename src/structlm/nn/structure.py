@@ -22,9 +22,11 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["StructureTracked", "invalidate_fast_paths", "structure_epoch"]
+__all__ = ["EPOCH", "StructureTracked", "invalidate_fast_paths", "structure_epoch"]
 
 _EPOCH = [0]
+#: the epoch as a one-element list, for hot paths that read it without a call
+EPOCH = _EPOCH
 
 
 def structure_epoch() -> int:

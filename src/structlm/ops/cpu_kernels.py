@@ -56,6 +56,7 @@ from structlm.settings import decode_copy_default
 
 __all__ = [
     "DECODE_COPIES",
+    "DECODE_COPY",
     "PANEL_ROWS",
     "block_tables",
     "decode_copy",
@@ -185,6 +186,9 @@ def typed_weight(w: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
 
 
 _DECODE_COPY = [decode_copy_default()]
+#: the decode-copy stack (its last item is :func:`decode_copy_mode`), for the bound calls'
+#: check, which reads it without a call
+DECODE_COPY = _DECODE_COPY
 
 
 @contextlib.contextmanager

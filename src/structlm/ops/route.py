@@ -34,7 +34,12 @@ from structlm.ops.cpu_extension import extension
 from structlm.ops.partition import TypePartition
 from structlm.ops.plan import BlockPlan
 from structlm.ops.route_table import DISPATCH, THRESHOLDS, Threshold, bucket, load_dispatch
-from structlm.settings import backend_override, backend_override_set, triton_interpret
+from structlm.settings import (
+    backend_override,
+    backend_override_probe,
+    backend_override_set,
+    triton_interpret,
+)
 
 __all__ = [
     "KERNEL_DTYPES",
@@ -48,7 +53,9 @@ __all__ = [
     "Route",
     "Threshold",
     "TraceRecord",
+    "bound_calls_open",
     "choose",
+    "dense_bound_calls_open",
     "force_backend",
     "force_layout",
     "forced_layout",
@@ -195,6 +202,28 @@ def tracing() -> bool:
     """Whether ``torch.compile`` or ``torch.jit`` is tracing now (kernels are then called
     as registered ops, and no bound call or fused decode step is used)."""
     return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
+def bound_calls_open() -> bool:
+    """Whether a layer's bound decode call may stand for the route now: no override
+    (:func:`overridden`), no :func:`trace` recording, no ``torch.compile`` / ``torch.jit``
+    tracing. The one check a bound call makes in Python, written flat: on a decode step
+    the check runs with cold caches (the weights streamed since), where every Python
+    frame costs microseconds."""
+    env = _ENV_PROBE
+    return not (_FORCED_BACKEND or _FORCED_LAYOUT or _TRACE
+                or (env[1] in env[0] if env is not None else backend_override_set())
+                or torch.compiler.is_compiling() or torch._C._is_tracing())
+
+
+def dense_bound_calls_open() -> bool:
+    """:func:`bound_calls_open` for a dense layer's bound call, which no backend or layout
+    override concerns: no :func:`trace` recording, no ``torch.compile`` / ``torch.jit``
+    tracing."""
+    return not (_TRACE or torch.compiler.is_compiling() or torch._C._is_tracing())
+
+
+_ENV_PROBE = backend_override_probe()
 
 
 # --------------------------------------------------------------- availability
