@@ -49,29 +49,20 @@ def backend_override() -> str | None:
     return os.environ.get("STRUCTLM_BACKEND") or None
 
 
-#: ``os.environ``'s underlying dict and the encoded key (CPython keeps them; elsewhere the
-#: plain lookup): asked on every bound decode call, where ``key in os.environ`` runs three
-#: Python frames and raises and catches a ``KeyError`` for a missing key
-_ENV_DATA = getattr(os.environ, "_data", None)
-_BACKEND_KEY = (os.environ.encodekey("STRUCTLM_BACKEND")  # type: ignore[attr-defined]
-                if hasattr(os.environ, "encodekey") else None)
+#: ``STRUCTLM_BACKEND`` as ``os.environ``'s underlying dict stores it (CPython, POSIX)
+BACKEND_KEY_ENCODED: bytes | None = (
+    os.environ.encodekey("STRUCTLM_BACKEND")  # type: ignore[attr-defined]
+    if hasattr(os.environ, "encodekey") else None)
 
 
 def backend_override_set() -> bool:
     """Whether ``STRUCTLM_BACKEND`` is set (cheaper than reading it; asked on every bound
-    decode call)."""
-    if _ENV_DATA is not None and _BACKEND_KEY is not None:
-        return _BACKEND_KEY in _ENV_DATA
+    decode call: ``key in os.environ`` runs three Python frames and raises and catches a
+    ``KeyError`` for a missing key, so the live dict is read where there is one)."""
+    data = getattr(os.environ, "_data", None)
+    if data is not None and BACKEND_KEY_ENCODED is not None:
+        return BACKEND_KEY_ENCODED in data
     return "STRUCTLM_BACKEND" in os.environ
-
-
-def backend_override_probe() -> tuple[dict[bytes, bytes], bytes] | None:
-    """``(mapping, key)`` such that ``key in mapping`` says :func:`backend_override_set`
-    without a call (the environment's live dict on CPython), or ``None`` where there is
-    none (then call the function)."""
-    if _ENV_DATA is not None and _BACKEND_KEY is not None:
-        return _ENV_DATA, _BACKEND_KEY
-    return None
 
 
 def cpu_kernels_enabled() -> bool:

@@ -284,3 +284,45 @@ def test_decode_linear_binding_refuses_training_and_stale_weights() -> None:
         twin = copy.deepcopy(layer)
         assert "_rows_binding" not in twin.__dict__
         torch.testing.assert_close(twin(x), layer(x))
+
+
+@pytest.mark.parametrize("kind", ["algebra", "dense"])
+@pytest.mark.parametrize("tool", ["prune", "parametrize"])
+def test_a_computed_weight_takes_the_general_path(kind: str, tool: str) -> None:
+    """Pruning or a parametrization makes ``weight`` a tensor computed per call, not the
+    registered parameter: no cached bound call is kept, and every call is right."""
+    from torch.nn.utils import parametrize, prune
+
+    class Half(torch.nn.Module):
+        def forward(self, w: torch.Tensor) -> torch.Tensor:
+            return 0.5 * w
+
+    layer = (_layer("Q2^2", 8, 6, equal=True, bias=True, dtype=torch.float32)
+             if kind == "algebra" else DecodeLinear(8, 6, bias=True))
+    if tool == "prune":
+        prune.l1_unstructured(layer, "weight", amount=0.5)
+    else:
+        parametrize.register_parametrization(layer, "weight", Half())
+    x = torch.randn(1, layer.in_features)
+    part = TypePartition(torch.tensor([1]), layer.q) if kind == "algebra" else None
+    with torch.no_grad():
+        for _ in range(3):
+            y = layer(x, part) if part is not None else layer(x)
+            if part is not None:
+                exact = _reference(layer, x, part)
+            else:
+                exact = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+            torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-5)
+    assert "_bound_call" not in layer.__dict__
+
+
+def test_a_replaced_environment_is_read(monkeypatch) -> None:
+    """``os.environ`` replaced wholesale (as ``mock.patch("os.environ", ...)`` does) is read
+    by the bound calls' check, not the mapping seen at import."""
+    import os
+
+    from structlm.ops.route import bound_calls_open
+
+    assert bound_calls_open()
+    monkeypatch.setattr(os, "environ", {**os.environ, "STRUCTLM_BACKEND": "reference"})
+    assert not bound_calls_open()

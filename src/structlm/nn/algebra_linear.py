@@ -241,7 +241,7 @@ class AlgebraLinear(StructureTracked, nn.Module):
         bound = self.__dict__.get("_bound_call")  # (binding, weight, bias, epoch) or None
         params = self._parameters  # written directly by some loaders: checked, not trusted
         if (bound is not None and type(types) is TypePartition and bound[3] == EPOCH[0]
-                and params["weight"] is bound[1] and params.get("bias") is bound[2]
+                and params.get("weight") is bound[1] and params.get("bias") is bound[2]
                 and cpu_kernels.DECODE_COPY[-1] == "typed" and bound_calls_open()):
             y = bound[0](x, types.types, bound[1], bound[2])  # (*, N), or None
             if y is not None:
@@ -303,7 +303,9 @@ class AlgebraLinear(StructureTracked, nn.Module):
                                                          DECODE_MAX_ROWS)
                 self.__dict__["_rows_binding"] = binding
             old = self.__dict__.get("_bound_call")
-            if (old is None or old[0] is not binding or old[1] is not self.weight
+            if self._parameters.get("weight") is not self.weight:  # computed (pruning, a
+                self.__dict__.pop("_bound_call", None)  # parametrization): no cached call
+            elif (old is None or old[0] is not binding or old[1] is not self.weight
                     or old[2] is not self.bias or old[3] != EPOCH[0]):
                 self.__dict__["_bound_call"] = (binding, self.weight, self.bias, EPOCH[0])
         return y2

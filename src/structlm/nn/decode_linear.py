@@ -55,7 +55,7 @@ class DecodeLinear(StructureTracked, nn.Linear):
         # the bound call with the parameters it was bound to (see AlgebraLinear.forward)
         bound = self.__dict__.get("_bound_call")  # (binding, weight, bias, epoch) or None
         params = self._parameters  # written directly by some loaders: checked, not trusted
-        if (bound is not None and bound[3] == EPOCH[0] and params["weight"] is bound[1]
+        if (bound is not None and bound[3] == EPOCH[0] and params.get("weight") is bound[1]
                 and params.get("bias") is bound[2] and dense_bound_calls_open()):
             y = bound[0](x, _NO_TYPES, bound[1], bound[2])  # (*, out), or None: route refuses
             if y is not None:
@@ -72,7 +72,9 @@ class DecodeLinear(StructureTracked, nn.Linear):
                     self.weight, DENSE_IN_PLACE_MAX_ROWS)  # more rows: the packed copy
                 self.__dict__["_rows_binding"] = binding
             old = self.__dict__.get("_bound_call")
-            if (old is None or old[0] is not binding or old[1] is not self.weight
+            if self._parameters.get("weight") is not self.weight:  # computed (pruning, a
+                self.__dict__.pop("_bound_call", None)  # parametrization): no cached call
+            elif (old is None or old[0] is not binding or old[1] is not self.weight
                     or old[2] is not self.bias or old[3] != EPOCH[0]):
                 self.__dict__["_bound_call"] = (binding, self.weight, self.bias, EPOCH[0])
         return y2.view(*x.shape[:-1], self.out_features)  # (M, out) -> (*, out)

@@ -122,9 +122,9 @@ void fused_rows_impl(const T* x, const T* packed, const int64_t* types, const Su
                 const float* pan1 = pan0 + kPanel * K;
                 // a dense weight at few rows: the first call prefetches the next pair's
                 // panels (see kPrefetchMaxRows)
-                const float* next =
-                    q == 1 && count <= structlm::kPrefetchMaxRows && p + 3 < p_end
-                        ? pan0 + 2 * kPanel * K : nullptr;
+                const float* next = q == 1 && count <= structlm::kPrefetchMaxRows &&
+                                            p + 3 < p_end && s.out_off[d + 1] - n0 >= 4 * kPanel
+                                        ? pan0 + 2 * kPanel * K : nullptr;  // two full strips
                 for (; k + structlm::kPairRows <= count; k += structlm::kPairRows) {
                   const float* xs[structlm::kPairRows];
                   float* as0[structlm::kPairRows];
