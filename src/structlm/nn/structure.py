@@ -13,7 +13,10 @@ that structure may have changed:
 * anything else that swaps modules by hand calls :func:`invalidate_fast_paths` too.
 
 In-place updates and ``.data`` swaps of a parameter need nothing: the caches hold the
-parameter objects and re-check their version and data pointer.
+parameter objects and re-check their version and data pointer. An in-place write
+*through* ``.data`` (``w.data.mul_(2)``) bumps no version and is not seen by the CPU
+kernels' weight copies: write through the parameter under ``torch.no_grad()`` instead
+(``w.mul_(2)``).
 """
 
 from __future__ import annotations
