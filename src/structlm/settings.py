@@ -50,7 +50,7 @@ def backend_override() -> str | None:
 
 
 #: ``STRUCTLM_BACKEND`` as ``os.environ``'s underlying dict stores it (CPython, POSIX)
-BACKEND_KEY_ENCODED: bytes | None = (
+_BACKEND_KEY_ENCODED: bytes | None = (
     os.environ.encodekey("STRUCTLM_BACKEND")  # type: ignore[attr-defined]
     if hasattr(os.environ, "encodekey") else None)
 
@@ -60,8 +60,8 @@ def backend_override_set() -> bool:
     decode call: ``key in os.environ`` runs three Python frames and raises and catches a
     ``KeyError`` for a missing key, so the live dict is read where there is one)."""
     data = getattr(os.environ, "_data", None)
-    if data is not None and BACKEND_KEY_ENCODED is not None:
-        return BACKEND_KEY_ENCODED in data
+    if data is not None and _BACKEND_KEY_ENCODED is not None:
+        return _BACKEND_KEY_ENCODED in data
     return "STRUCTLM_BACKEND" in os.environ
 
 

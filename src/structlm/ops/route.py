@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import importlib
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -35,12 +34,7 @@ from structlm.ops.cpu_extension import extension
 from structlm.ops.partition import TypePartition
 from structlm.ops.plan import BlockPlan
 from structlm.ops.route_table import DISPATCH, THRESHOLDS, Threshold, bucket, load_dispatch
-from structlm.settings import (
-    BACKEND_KEY_ENCODED,
-    backend_override,
-    backend_override_set,
-    triton_interpret,
-)
+from structlm.settings import backend_override, backend_override_set, triton_interpret
 
 __all__ = [
     "KERNEL_DTYPES",
@@ -211,10 +205,7 @@ def bound_calls_open() -> bool:
     tracing. The one check a bound call makes in Python, written flat: on a decode step
     the check runs with cold caches (the weights streamed since), where every Python
     frame costs microseconds."""
-    data = getattr(os.environ, "_data", None)  # read each time: os.environ may be replaced
-    return not (_FORCED_BACKEND or _FORCED_LAYOUT or _TRACE
-                or (BACKEND_KEY_ENCODED in data if data is not None
-                    and BACKEND_KEY_ENCODED is not None else backend_override_set())
+    return not (_FORCED_BACKEND or _FORCED_LAYOUT or _TRACE or backend_override_set()
                 or torch.compiler.is_compiling() or torch._C._is_tracing())
 
 
