@@ -11,7 +11,12 @@ import torch
 from torch import nn
 
 from structlm.algebra import Algebra, AlgebraError, get_algebra, split_widths, support_of
-from structlm.nn.structure import EPOCH, StructureTracked, invalidate_fast_paths
+from structlm.nn.structure import (
+    EPOCH,
+    StructureTracked,
+    invalidate_fast_paths,
+    keep_bound_call,
+)
 from structlm.ops import cpu_kernels
 from structlm.ops.blocked import blocked_linear
 from structlm.ops.partition import TypePartition, check_types
@@ -302,12 +307,7 @@ class AlgebraLinear(StructureTracked, nn.Module):
                 binding = cpu_kernels.typed_rows_binding(self.weight, self.plan,
                                                          DECODE_MAX_ROWS)
                 self.__dict__["_rows_binding"] = binding
-            old = self.__dict__.get("_bound_call")
-            if self._parameters.get("weight") is not self.weight:  # computed (pruning, a
-                self.__dict__.pop("_bound_call", None)  # parametrization): no cached call
-            elif (old is None or old[0] is not binding or old[1] is not self.weight
-                    or old[2] is not self.bias or old[3] != EPOCH[0]):
-                self.__dict__["_bound_call"] = (binding, self.weight, self.bias, EPOCH[0])
+            keep_bound_call(self, binding)
         return y2
 
     def _binding_usable(self) -> bool:

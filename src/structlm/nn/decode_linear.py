@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from structlm.nn.structure import EPOCH, StructureTracked
+from structlm.nn.structure import EPOCH, StructureTracked, keep_bound_call
 from structlm.ops import cpu_kernels
 from structlm.ops.route import (
     DENSE_IN_PLACE_MAX_ROWS,
@@ -71,12 +71,7 @@ class DecodeLinear(StructureTracked, nn.Linear):
                 binding = cpu_kernels.dense_rows_binding(
                     self.weight, DENSE_IN_PLACE_MAX_ROWS)  # more rows: the packed copy
                 self.__dict__["_rows_binding"] = binding
-            old = self.__dict__.get("_bound_call")
-            if self._parameters.get("weight") is not self.weight:  # computed (pruning, a
-                self.__dict__.pop("_bound_call", None)  # parametrization): no cached call
-            elif (old is None or old[0] is not binding or old[1] is not self.weight
-                    or old[2] is not self.bias or old[3] != EPOCH[0]):
-                self.__dict__["_bound_call"] = (binding, self.weight, self.bias, EPOCH[0])
+            keep_bound_call(self, binding)
         return y2.view(*x.shape[:-1], self.out_features)  # (M, out) -> (*, out)
 
     def __getstate__(self) -> dict[str, object]:

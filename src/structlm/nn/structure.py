@@ -25,7 +25,8 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["EPOCH", "StructureTracked", "invalidate_fast_paths", "structure_epoch"]
+__all__ = ["EPOCH", "StructureTracked", "invalidate_fast_paths", "keep_bound_call",
+           "structure_epoch"]
 
 _EPOCH = [0]
 #: the epoch as a one-element list, for hot paths that read it without a call
@@ -45,6 +46,22 @@ def invalidate_fast_paths(module: nn.Module | None = None) -> None:
     del module
     _EPOCH[0] += 1
 
+
+
+def keep_bound_call(module: nn.Module, binding: object) -> None:
+    """Keep ``(binding, weight, bias, epoch)`` in ``module.__dict__["_bound_call"]`` for the
+    layer's fast path, which checks the parameters by identity against
+    ``module._parameters`` and the epoch, so reads no attribute through ``nn.Module``. A
+    computed weight (pruning, a parametrization) is not the registered parameter: then no
+    call is kept and every call takes the general path."""
+    d, weight, bias = module.__dict__, module.weight, module.bias
+    if module._parameters.get("weight") is not weight:
+        d.pop("_bound_call", None)
+        return
+    old = d.get("_bound_call")
+    if (old is None or old[0] is not binding or old[1] is not weight or old[2] is not bias
+            or old[3] != _EPOCH[0]):
+        d["_bound_call"] = (binding, weight, bias, _EPOCH[0])
 
 class StructureTracked:
     """Mixin for ``nn.Module`` s: assigning a submodule or a parameter (or ``None`` in

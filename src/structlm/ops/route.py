@@ -216,7 +216,6 @@ def dense_bound_calls_open() -> bool:
     return not (_TRACE or torch.compiler.is_compiling() or torch._C._is_tracing())
 
 
-
 # --------------------------------------------------------------- availability
 def kernel_built() -> bool:
     """Whether the compiled CPU kernels are usable (builds them on the first call)."""
