@@ -75,7 +75,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
     cfg = convert_experiment_config(args)
     torch.set_num_threads(args.threads)
-    res = run_convert_experiment(cfg, args.out)
+    res = run_convert_experiment(cfg, args.out, report_only=args.report_only,
+                                 add_runs=args.add_runs)
     print(f"{args.out.rstrip('/')}/report.md written ({res['seconds'] / 60:.1f} min)")
     return 0
 
@@ -151,6 +152,12 @@ def add_experiment_commands(sub: Any) -> None:
     cv.add_argument("--config", default=None, help="YAML with ConvertExperimentConfig fields")
     cv.add_argument("--threads", type=positive_int, default=2)
     cv.add_argument("--out", default="convert-report")
+    cv.add_argument("--add-runs", nargs="+", default=[], metavar="DIR",
+                    help="first add the finished runs of these folders of the same "
+                         "experiment (parts of the plan run elsewhere) to OUT's arms.json")
+    cv.add_argument("--report-only", action="store_true",
+                    help="run nothing: rebuild results.json and the report from the "
+                         "finished runs in OUT/arms.json")
     cv.set_defaults(func=_cmd_convert,
                     flags=add_dataclass_flags(cv, ConvertExperimentConfig, exclude=("model",),
                                               title=_YAML_TITLE.format(

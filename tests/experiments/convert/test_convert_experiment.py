@@ -112,6 +112,10 @@ def test_cli_builds_the_config(tmp_path) -> None:
     cfg = convert_experiment_config(args)
     assert cfg.algebras == ["Q4"] and cfg.targets == ["mlp"]
     assert (cfg.heal.steps, cfg.heal.lr, cfg.heal.warmup) == (7, 0.001, 5)
+    assert (args.report_only, args.add_runs) == (False, [])
+    args = build_parser().parse_args(["experiment", "convert", "smollm2", "--report-only",
+                                      "--add-runs", "a", "b"])
+    assert (args.report_only, args.add_runs) == (True, ["a", "b"])
     with pytest.raises(Exception, match=r"targets\[0\]: 'ffn' is not valid: expected one of "
                                         "'mlp', 'attn'"):
         ConvertExperimentConfig(targets=["ffn"])
@@ -173,3 +177,48 @@ def test_seed_targets_heal_only_their_arms_with_every_seed() -> None:
     assert len(every) == 2 * 12
     with pytest.raises(Exception, match="seed_targets"):
         ConvertExperimentConfig(seed_targets=["attn"], targets=["mlp"])
+
+
+def test_parts_run_in_other_folders_are_added_and_reported_without_running(tmp_path) \
+        -> None:
+    """The plan split over two folders (two processes), then added into a third that runs
+    nothing (``report_only``): every run is reported once, with the record it finished
+    with; a run finished twice with different records, or a folder without
+    ``arms.json``, is refused before any work."""
+    src = tmp_path / "tiny"
+    torch.manual_seed(1)
+    LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                 num_key_value_heads=2, intermediate_size=96,
+                                 vocab_size=49152, max_position_embeddings=512,
+                                 tie_word_embeddings=True)).save_pretrained(src)
+    load_model("smollm2").tokenizer.save_pretrained(src)
+    whole = ConvertExperimentConfig(model=str(src), calib_tokens=1024, eval_tokens=600,
+                                    algebras=["Q4", "Q2^2"], targets=["mlp"],
+                                    variants=["copy"], baselines=["prune"],
+                                    dense_control=False, mac_tolerance=0.05,
+                                    heal=FinetuneConfig(steps=1, eval_every=1, seq_len=64,
+                                                        batch_size=2, eval_tokens=128))
+    part = {alg: dataclasses.replace(whole, algebras=[alg]) for alg in whole.algebras}
+    for alg, cfg in part.items():
+        run_convert_experiment(cfg, tmp_path / alg, progress=False)
+    res = run_convert_experiment(whole, tmp_path / "all", progress=False, report_only=True,
+                                 add_runs=[tmp_path / "Q4", tmp_path / "Q2^2"])
+    assert [a["arm"] for a in res["arms"]] == ["Q4 copy", "prune to Q4 MACs", "Q2^2 copy",
+                                               "prune to Q2^2 MACs"]
+    parts = {**json.loads((tmp_path / "Q4" / "arms.json").read_text()),
+             **json.loads((tmp_path / "Q2^2" / "arms.json").read_text())}
+    assert json.loads((tmp_path / "all" / "arms.json").read_text()) == parts
+    assert "| Q2^2 copy | 1 |" in (tmp_path / "all" / "report.md").read_text()
+    # report_only on a folder with nothing finished runs nothing either
+    empty = run_convert_experiment(whole, tmp_path / "none", progress=False, report_only=True)
+    assert empty["arms"] == [] and not (tmp_path / "none" / "arms.json").exists()
+    # the same run with another record in two folders: refused
+    edited = {k: {**v, "seconds": v["seconds"] + 1} for k, v in parts.items()}
+    (tmp_path / "edited").mkdir()
+    (tmp_path / "edited" / "arms.json").write_text(json.dumps(edited))
+    with pytest.raises(Exception, match="finished twice with different results"):
+        run_convert_experiment(whole, tmp_path / "all", progress=False, report_only=True,
+                               add_runs=[tmp_path / "edited"])
+    with pytest.raises(Exception, match=r"has no arms\.json"):
+        run_convert_experiment(whole, tmp_path / "all", progress=False,
+                               add_runs=[tmp_path / "missing"])

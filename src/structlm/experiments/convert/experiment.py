@@ -336,19 +336,55 @@ def _check_plan(cfg: ConvertExperimentConfig) -> None:
 
 
 def run_convert_experiment(cfg: ConvertExperimentConfig, out_dir: str | Path,
-                           progress: bool = True) -> dict[str, Any]:
+                           progress: bool = True, report_only: bool = False,
+                           add_runs: list[str | Path] | tuple[str | Path, ...] = ()
+                           ) -> dict[str, Any]:
     """Run every arm and seed (resuming from ``out_dir/arms.json``); writes
-    ``results.json``, ``report.md`` and plots. Returns the results."""
+    ``results.json``, ``report.md`` and plots. Returns the results.
+
+    ``add_runs``: other run folders of the same experiment (e.g. parts of the plan run by
+    other processes or machines) whose finished runs in ``arms.json`` are added to this
+    folder's first (a run finished in two folders must have the same record).
+    ``report_only``: run nothing; rebuild the results and the report from the finished
+    runs (the unfinished ones are left out of every table)."""
     t0 = time.time()
     out = Path(out_dir)
     check_apart(out, source_chain(cfg.model), "convert experiment folder")
+    others = [_finished_runs(Path(f)) for f in add_runs]  # every folder read before any work
     _check_plan(cfg)  # every arm's conversion, before the first arm runs
     with run_folder_lock(out, "convert experiment"):  # one writer per run folder
-        return _run_convert_experiment_locked(cfg, out, t0, progress)
+        return _run_convert_experiment_locked(cfg, out, t0, progress, report_only, others)
+
+
+def _finished_runs(folder: Path) -> dict[str, Any]:
+    """The finished runs of another run folder (its ``arms.json``), checked readable."""
+    path = folder / "arms.json"
+    if not path.is_file():
+        raise ConfigError(f"add_runs: {folder} has no arms.json (expected a folder of "
+                          "`structlm experiment convert`)")
+    runs = json.loads(path.read_text())
+    if not isinstance(runs, dict):
+        raise ConfigError(f"add_runs: {path} is not a map of finished runs")
+    return runs
+
+
+def _merge_runs(done: dict[str, Any], others: list[dict[str, Any]]) -> int:
+    """Add the runs of ``others`` missing from ``done``; returns how many were added."""
+    added = 0
+    for runs in others:
+        for key, record in runs.items():
+            if key not in done:
+                done[key], added = record, added + 1
+            elif done[key] != record:
+                raise ConfigError(f"add_runs: the run {key} was finished twice with different "
+                                  "results; keep one of the folders")
+    return added
 
 
 def _run_convert_experiment_locked(cfg: ConvertExperimentConfig, out: Path, t0: float,
-                                   progress: bool) -> dict[str, Any]:
+                                   progress: bool, report_only: bool = False,
+                                   others: list[dict[str, Any]] | None = None
+                                   ) -> dict[str, Any]:
     """The body of the run, under the run folder's lock."""
     from structlm.experiments.convert.report import write_convert_report
 
@@ -357,6 +393,8 @@ def _run_convert_experiment_locked(cfg: ConvertExperimentConfig, out: Path, t0: 
                    eval_tokens=cfg.eval_tokens, progress=progress)
     arms_path = out / "arms.json"
     done: dict[str, Any] = json.loads(arms_path.read_text()) if arms_path.exists() else {}
+    if _merge_runs(done, others or []):
+        atomic_write_text(arms_path, json.dumps(done))
     base = {"model": prep.loaded.model_id, "corpus": cfg.corpus,
             "second_corpus": cfg.second_corpus, "calib_tokens": cfg.calib_tokens,
             "eval_tokens": cfg.eval_tokens, "schedule": cfg.schedule,
@@ -389,7 +427,9 @@ def _run_convert_experiment_locked(cfg: ConvertExperimentConfig, out: Path, t0: 
         atomic_write_text(out / "results.json", json.dumps(clean_json(res), indent=1))
         write_convert_report(res, cfg, out, plots=throttle.due(final))
 
-    write()
+    write(final=report_only)
+    if report_only:
+        return res
     for arm, seed, key in runs:
         if key in done:
             continue
