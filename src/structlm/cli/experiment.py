@@ -44,7 +44,8 @@ def _cmd_share(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     cfg = share_experiment_config(args)
-    res = run_experiment(cfg, args.out, analytic_only=args.analytic_only)
+    res = run_experiment(cfg, args.out, analytic_only=args.analytic_only,
+                         add_runs=args.add_runs)
     print(f"{args.out.rstrip('/')}/report.md written ({res['seconds'] / 60:.1f} min)")
     return 0
 
@@ -126,6 +127,9 @@ def add_experiment_commands(sub: Any) -> None:
                     help="stop after compressing and evaluating every arm (no fine-tuning)")
     sh.add_argument("--threads", type=positive_int, default=2)
     sh.add_argument("--out", default="share-experiment")
+    sh.add_argument("--add-runs", nargs="+", default=[], metavar="DIR",
+                    help="first add the finished arms of these folders of the same "
+                         "experiment (parts of the plan run elsewhere) to OUT's arms.json")
     sh.set_defaults(func=_cmd_share,
                     flags=add_dataclass_flags(sh, ExperimentConfig, exclude=("model",),
                                               title=_YAML_TITLE.format("ExperimentConfig")),

@@ -136,6 +136,18 @@ def test_calibration_draws_and_analytic_only_methods(tmp_path) -> None:
     report = (tmp_path / "out" / "report.md").read_text()
     assert "over 2 draws]" in report and "Calibration draws [0, 7]" in report
     assert "Fine-tuned methods: ['svd']" in report
+    # another folder given this one's finished arms (add_runs) computes nothing
+    import structlm.experiments.share.experiment as exp_mod
+
+    def _fail(*_a, **_k):
+        raise AssertionError("an added arm was recomputed")
+
+    with pytest.MonkeyPatch.context() as monkey:
+        monkey.setattr(exp_mod, "_analytic", _fail)
+        monkey.setattr(exp_mod, "_tuned", _fail)
+        merged = run_experiment(ex, tmp_path / "merged", progress=False,
+                                add_runs=[tmp_path / "out"])
+    assert merged["whole_model"] == res["whole_model"]
     with pytest.raises(ValueError, match=r"finetune_methods: \['hybrid'\] are not among"):
         ExperimentConfig(methods=["svd"], finetune_methods=["hybrid"])
 

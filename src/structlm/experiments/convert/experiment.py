@@ -61,6 +61,7 @@ from structlm.experiments.convert.arms import (
     mac_ratio,
     variant_parts,
 )
+from structlm.experiments.finished_runs import merge_finished_runs, read_finished_runs
 from structlm.experiments.plot_throttle import PlotThrottle
 from structlm.folders import check_apart, run_folder_lock
 from structlm.hf.adapters import get_adapter, parse_types
@@ -350,35 +351,11 @@ def run_convert_experiment(cfg: ConvertExperimentConfig, out_dir: str | Path,
     t0 = time.time()
     out = Path(out_dir)
     check_apart(out, source_chain(cfg.model), "convert experiment folder")
-    others = [_finished_runs(Path(f)) for f in add_runs]  # every folder read before any work
+    # every added folder is read before any work
+    others = [read_finished_runs(f, "structlm experiment convert") for f in add_runs]
     _check_plan(cfg)  # every arm's conversion, before the first arm runs
     with run_folder_lock(out, "convert experiment"):  # one writer per run folder
         return _run_convert_experiment_locked(cfg, out, t0, progress, report_only, others)
-
-
-def _finished_runs(folder: Path) -> dict[str, Any]:
-    """The finished runs of another run folder (its ``arms.json``), checked readable."""
-    path = folder / "arms.json"
-    if not path.is_file():
-        raise ConfigError(f"add_runs: {folder} has no arms.json (expected a folder of "
-                          "`structlm experiment convert`)")
-    runs = json.loads(path.read_text())
-    if not isinstance(runs, dict):
-        raise ConfigError(f"add_runs: {path} is not a map of finished runs")
-    return runs
-
-
-def _merge_runs(done: dict[str, Any], others: list[dict[str, Any]]) -> int:
-    """Add the runs of ``others`` missing from ``done``; returns how many were added."""
-    added = 0
-    for runs in others:
-        for key, record in runs.items():
-            if key not in done:
-                done[key], added = record, added + 1
-            elif done[key] != record:
-                raise ConfigError(f"add_runs: the run {key} was finished twice with different "
-                                  "results; keep one of the folders")
-    return added
 
 
 def _run_convert_experiment_locked(cfg: ConvertExperimentConfig, out: Path, t0: float,
@@ -393,7 +370,7 @@ def _run_convert_experiment_locked(cfg: ConvertExperimentConfig, out: Path, t0: 
                    eval_tokens=cfg.eval_tokens, progress=progress)
     arms_path = out / "arms.json"
     done: dict[str, Any] = json.loads(arms_path.read_text()) if arms_path.exists() else {}
-    if _merge_runs(done, others or []):
+    if merge_finished_runs(done, others or []):
         atomic_write_text(arms_path, json.dumps(done))
     base = {"model": prep.loaded.model_id, "corpus": cfg.corpus,
             "second_corpus": cfg.second_corpus, "calib_tokens": cfg.calib_tokens,

@@ -39,6 +39,7 @@ import torch
 
 from structlm.atomic import atomic_write_text, clean_json
 from structlm.config import ConfigError, Distinct, NonEmpty, Range, dataclass_from_dict, validated
+from structlm.experiments.finished_runs import merge_finished_runs, read_finished_runs
 from structlm.experiments.plot_throttle import PlotThrottle
 from structlm.folders import check_apart, run_folder_lock
 from structlm.hf.adapters import MatrixType, get_adapter, parse_types
@@ -464,15 +465,23 @@ def _assemble(cfg: ExperimentConfig, prep: Prepared, cache: _ArmCache, cells: li
 
 
 def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, progress: bool = True,
-                   analytic_only: bool = False) -> dict[str, Any]:
+                   analytic_only: bool = False,
+                   add_runs: list[str | Path] | tuple[str | Path, ...] = ()
+                   ) -> dict[str, Any]:
     """Run the regimes: first every arm's compression and analytic evaluation, then the
     fine-tuning runs in priority order (seed 0 of every whole-model budget first), the
     report rewritten after each; ``analytic_only`` stops after the first phase. Writes
-    ``experiment.json``, ``report.md`` and plots."""
+    ``experiment.json``, ``report.md`` and plots. ``add_runs``: other folders of the same
+    experiment (parts of the plan run by other processes) whose finished arms are added
+    to this folder's ``arms.json`` first."""
     t0 = time.time()
     out = Path(out_dir)
     check_apart(out, source_chain(cfg.model), "share experiment folder")
+    others = [read_finished_runs(f, "structlm experiment share") for f in add_runs]
     with run_folder_lock(out, "share experiment"):  # one writer per run folder
+        cache = _ArmCache(out / "arms.json", cfg)
+        if merge_finished_runs(cache.done, others):
+            atomic_write_text(cache.path, json.dumps(cache.done))
         return _run_experiment_locked(cfg, out, t0, progress, analytic_only)
 
 
