@@ -99,6 +99,9 @@ def test_reduced_convert_experiment(tmp_path) -> None:
     assert res2["arms"][0]["seconds"] == by[("mlp", best)]["seconds"]  # reused
     report2 = (tmp_path / "out" / "report.md").read_text()
     assert "| dense (control) | 1 |" in report2 and f"| {best} | 2 |" in report2
+    two = next(a for a in res2["arms"] if a["arm"] == best and a["seed"] == 1)
+    lo, hi = sorted(r["ppl_healed"]["in_domain:austen"] for r in (by[("mlp", best)], two))
+    assert f" [{lo:,.2f}–{hi:,.2f}] (" in report2  # the seeds' range beside the mean
     # the two equal-MAC baselines are compared with each other too, by the same rule
     assert "- Q4 budget, `in_domain:austen`: prune to Q4 MACs " in report2
     assert " vs svd at Q4 MACs: " in report2

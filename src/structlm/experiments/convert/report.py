@@ -114,7 +114,8 @@ def write_convert_report(res: dict[str, Any], cfg: Any, out: Path,
         lines.append(f"- `{name}`: {d.get('tokens', '?')} scored tokens in "
                      f"{d.get('windows', '?')} windows of {d.get('window', '?')} drawn across "
                      f"{len(d.get('windows_per_document', {}) or [])} held-out documents.")
-    lines += ["", "Perplexities are means over the seeds; recovered = share of the "
+    lines += ["", "Perplexities are means over the seeds (the healed one with the seeds' "
+              "[min–max] where an arm has several); recovered = share of the "
               "log-perplexity damage of the change that healing undid.", "", RULE, "",
               f"Original: projection MACs / token {orig['projection_macs']:,.0f}; "
               + ", ".join(f"{t} ppl {orig['ppl'][t]:.2f}" for t in texts), ""]
@@ -135,9 +136,12 @@ def write_convert_report(res: dict[str, Any], cfg: Any, out: Path,
                 ch = statistics.fmean(r["ppl_changed"][t] for r in runs)
                 di = (statistics.fmean(r["ppl_distilled"][t] for r in runs)
                       if all("ppl_distilled" in r for r in runs) else None)
-                he = statistics.fmean(r["ppl_healed"][t] for r in runs)
+                healed = [r["ppl_healed"][t] for r in runs]
+                he = statistics.fmean(healed)
                 rec = _recovered(orig["ppl"][t], ch, he)
-                cells.append(f"{_fmt(ch)} → {_fmt(di)} → {_fmt(he)} "
+                span = (f" [{_fmt(min(healed))}–{_fmt(max(healed))}]" if len(runs) > 1
+                        else "")
+                cells.append(f"{_fmt(ch)} → {_fmt(di)} → {_fmt(he)}{span} "
                              f"({'—' if rec is None else f'{rec:.0%}'})")
             lines.append(f"| {arm} | {len(runs)} | {r0['projection_macs']:,.0f} "
                          f"({r0['projection_macs'] / orig['projection_macs']:.3f}) | "
