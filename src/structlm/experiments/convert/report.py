@@ -47,10 +47,16 @@ def _pairs(groups: dict[tuple[str, str, str], list[dict[str, Any]]], target: str
     return pairs
 
 
+_NO_DAMAGE = 1e-6
+"""Log-perplexity change below which a change did no damage (perplexity within 0.0001%)."""
+
+
 def _recovered(original: float, changed: float, healed: float) -> float | None:
-    """Share of the log-perplexity damage that healing undid (``None`` without damage)."""
+    """Share of the log-perplexity damage that healing undid (``None`` without damage:
+    an unchanged model evaluated twice differs in the last bits, and a share of that
+    rounding noise is no number)."""
     damage = math.log(changed) - math.log(original)
-    if damage <= 0:
+    if damage <= _NO_DAMAGE:
         return None
     return (math.log(changed) - math.log(healed)) / damage
 
