@@ -366,12 +366,12 @@ def _run_convert_experiment_locked(cfg: ConvertExperimentConfig, out: Path, t0: 
     from structlm.experiments.convert.report import write_convert_report
 
     atomic_write_text(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=1))
-    prep = prepare(cfg.model, cfg.corpus, cfg.second_corpus, calib_tokens=cfg.calib_tokens,
-                   eval_tokens=cfg.eval_tokens, progress=progress)
     arms_path = out / "arms.json"
     done: dict[str, Any] = json.loads(arms_path.read_text()) if arms_path.exists() else {}
-    if merge_finished_runs(done, others or []):
+    if merge_finished_runs(done, others or []):  # before any work
         atomic_write_text(arms_path, json.dumps(done))
+    prep = prepare(cfg.model, cfg.corpus, cfg.second_corpus, calib_tokens=cfg.calib_tokens,
+                   eval_tokens=cfg.eval_tokens, progress=progress)
     base = {"model": prep.loaded.model_id, "corpus": cfg.corpus,
             "second_corpus": cfg.second_corpus, "calib_tokens": cfg.calib_tokens,
             "eval_tokens": cfg.eval_tokens, "schedule": cfg.schedule,

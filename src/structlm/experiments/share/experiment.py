@@ -479,10 +479,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, progress: bool = 
     check_apart(out, source_chain(cfg.model), "share experiment folder")
     others = [read_finished_runs(f, "structlm experiment share") for f in add_runs]
     with run_folder_lock(out, "share experiment"):  # one writer per run folder
-        cache = _ArmCache(out / "arms.json", cfg)
-        if merge_finished_runs(cache.done, others):
-            atomic_write_text(cache.path, json.dumps(cache.done))
-        return _run_experiment_locked(cfg, out, t0, progress, analytic_only)
+        return _run_experiment_locked(cfg, out, t0, progress, analytic_only, others)
 
 
 def _draw(cfg: ExperimentConfig, calib_seed: int, progress: bool) -> Prepared:
@@ -494,12 +491,15 @@ def _draw(cfg: ExperimentConfig, calib_seed: int, progress: bool) -> Prepared:
 
 
 def _run_experiment_locked(cfg: ExperimentConfig, out: Path, t0: float, progress: bool,
-                           analytic_only: bool) -> dict[str, Any]:
+                           analytic_only: bool, others: list[dict[str, Any]] | None = None
+                           ) -> dict[str, Any]:
     """The body of the run, under the run folder's lock."""
     from structlm.experiments.share.report import write_experiment_report
 
     atomic_write_text(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=1))
     cache = _ArmCache(out / "arms.json", cfg)
+    if merge_finished_runs(cache.done, others or []):  # before any work
+        atomic_write_text(cache.path, json.dumps(cache.done))
     prep = _draw(cfg, cfg.calib_seeds[0], progress)
     texts = list(prep.eval_ids)
     res: dict[str, Any] = {"model": prep.loaded.model_id, "model_note": prep.loaded.note,
