@@ -148,8 +148,48 @@ def test_calibration_draws_and_analytic_only_methods(tmp_path) -> None:
         merged = run_experiment(ex, tmp_path / "merged", progress=False,
                                 add_runs=[tmp_path / "out"])
     assert merged["whole_model"] == res["whole_model"]
+    _check_beside(ex, tmp_path, res)
     with pytest.raises(ValueError, match=r"finetune_methods: \['hybrid'\] are not among"):
         ExperimentConfig(methods=["svd"], finetune_methods=["hybrid"])
+
+
+def _check_beside(ex: ExperimentConfig, tmp_path, res: dict) -> None:
+    """``beside``: an earlier run's fine-tuned numbers in their own column, only when it
+    scored the same text; a folder that is not a run is refused at config load."""
+    import dataclasses
+    import json
+    import shutil
+
+    import structlm.experiments.share.experiment as exp_mod
+
+    with pytest.MonkeyPatch.context() as monkey:
+        monkey.setattr(exp_mod, "_analytic", lambda *_a, **_k: pytest.fail("recomputed"))
+        monkey.setattr(exp_mod, "_tuned", lambda *_a, **_k: pytest.fail("recomputed"))
+        again = run_experiment(dataclasses.replace(ex, beside=str(tmp_path / "out")),
+                               tmp_path / "with_beside", progress=False,
+                               add_runs=[tmp_path / "out"])
+    report = (tmp_path / "with_beside" / "report.md").read_text()
+    svd = again["whole_model"][1]["finetuned"]["in_domain:austen"]
+    row = next(r for r in report.splitlines() if r.startswith("| 50% | svd |"))
+    cell = f"{svd['mean']:.2f} ± {svd['std']:.2f}"
+    assert row.count(cell) == 2  # this run's number and the same arm's in the beside run
+    assert "fine-tuned in out (2 steps) |" in report
+    assert f"Beside this run: the same arms of `{tmp_path / 'out'}`" in report
+    assert "fine-tuned in out (2 steps) (same rule) |" in report
+    # another text is refused before any arm runs
+    other = tmp_path / "other_text"
+    shutil.copytree(tmp_path / "out", other)
+    meta = json.loads((other / "experiment.json").read_text())
+    meta["text"]["in_domain:austen"]["seed"] += 1
+    (other / "experiment.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="scored other in_domain:austen text"):
+        run_experiment(dataclasses.replace(ex, beside=str(other)), tmp_path / "refused",
+                       progress=False)
+    assert not (tmp_path / "refused" / "arms.json").exists() or not json.loads(
+        (tmp_path / "refused" / "arms.json").read_text())
+    with pytest.raises(ValueError, match=r"beside: .* is not a `structlm experiment share` "
+                                         r"folder .missing experiment.json, config.json.$"):
+        ExperimentConfig(beside=str(tmp_path))
 
 
 def test_verdict_rule() -> None:

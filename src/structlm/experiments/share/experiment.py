@@ -41,6 +41,7 @@ from structlm.atomic import atomic_write_text, clean_json
 from structlm.config import ConfigError, Distinct, NonEmpty, Range, dataclass_from_dict, validated
 from structlm.experiments.finished_runs import merge_finished_runs, read_finished_runs
 from structlm.experiments.plot_throttle import PlotThrottle
+from structlm.experiments.share.beside import check_beside_folder, load_beside
 from structlm.folders import check_apart, run_folder_lock
 from structlm.hf.adapters import MatrixType, get_adapter, parse_types
 from structlm.hf.finetune import FinetuneConfig, finetune
@@ -137,6 +138,10 @@ class ExperimentConfig:
     """Reduction of every type for tests 7 and 9."""
     budget_tolerance: Annotated[float, Range(ge=0, lt=1)] = 0.005
     """Whole-model arms must store within this fraction of the budget."""
+    beside: str | None = None
+    """An earlier ``structlm experiment share`` folder on the same model and text whose
+    whole-model fine-tuned numbers the report shows beside this run's (e.g. the committed
+    100-step run beside a longer one); ``None``: none."""
 
     def __post_init__(self) -> None:
         """Cross-field checks (each field's own range is checked by ``@validated``)."""
@@ -159,6 +164,11 @@ class ExperimentConfig:
                 parse_types(getattr(self, key))
             except ValueError as e:
                 raise ConfigError(f"{key}: {e}") from None
+        if self.beside is not None:
+            try:
+                check_beside_folder(self.beside)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         if self.seed_regime and self.seed_methods and self.seed_methods[0] != SHARED_METHOD.name:
             raise ConfigError(f"seed_methods: {self.seed_methods} must start with "
                               f"{SHARED_METHOD.name!r} (it sets the others' storage)")
@@ -507,6 +517,8 @@ def _run_experiment_locked(cfg: ExperimentConfig, out: Path, t0: float, progress
                            "text": prep.text,
                            "calibration": dict(prep.calibration.meta if prep.calibration
                                                else {})}
+    if cfg.beside is not None:  # checked against this run's text before any work
+        res["beside"] = load_beside(cfg.beside, res)
     res["ppl_original"] = _ppl(prep.loaded.model, prep)
     draws = [_draw(cfg, s, progress) for s in cfg.calib_seeds[1:]]
     res["calib_seeds"] = list(cfg.calib_seeds)

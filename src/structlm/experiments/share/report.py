@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from structlm.atomic import atomic_write_text
+from structlm.experiments.share.beside import beside_finetune_text, beside_label, beside_stats
 from structlm.share.compress import get_method
 
 __all__ = ["plateau_rows", "recovered", "verdict", "write_experiment_report"]
@@ -82,10 +83,13 @@ def verdict(stats: dict[str, dict[str, float]]) -> str:
 def _whole_table(res: dict[str, Any], text: str) -> list[str]:
     orig = res["ppl_original"][text]
     texts = res["eval_texts"]
+    bes = res.get("beside")
+    extra = f" {beside_label(bes)} |" if bes else ""
     lines = [f"| reduction | method | stored / original | MACs / token | energy kept | "
-             f"analytic ppl | fine-tuned ppl | recovered here | recovered on "
-             f"{_other(texts, text)} |", "|---|---|---|---|---|---|---|---|---|",
-             f"| 0% | original | 1 | 1 | 1 | {_f(orig)} | — | — | — |"]
+             f"analytic ppl | fine-tuned ppl |{extra} recovered here | recovered on "
+             f"{_other(texts, text)} |", "|---|---|---|---|---|---|---|---|---|"
+             + ("---|" if bes else ""),
+             f"| 0% | original | 1 | 1 | 1 | {_f(orig)} | — |{' — |' if bes else ''} — | — |"]
     for e in res["whole_model"]:
         a0 = e["arms"][0]
         energy = sum(a0["energy_kept"].values()) / len(a0["energy_kept"])
@@ -93,9 +97,11 @@ def _whole_table(res: dict[str, Any], text: str) -> list[str]:
         other = _other(texts, text)
         rec = _rec(res, e, text)
         rec_o = _rec(res, e, other) if other else float("nan")
+        old = (f" {_ft(beside_stats(bes, e['method'], e['reduction'], text))} |"
+               if bes else "")
         lines.append(f"| {e['reduction']:.0%} | {e['method']} | "
                      f"{a0['stored_parameters'] / a0['original_parameters']:.4f} | "
-                     f"{_macs(a0)} | {energy:.3f} | {_analytic(e, text)} | {_ft(ft)} | "
+                     f"{_macs(a0)} | {energy:.3f} | {_analytic(e, text)} | {_ft(ft)} |{old} "
                      f"{_pct(rec)} | {_pct(rec_o)} |")
     return lines
 
@@ -127,14 +133,21 @@ def _rec(res: dict[str, Any], e: dict[str, Any], text: str) -> float:
     return recovered(res["ppl_original"][text], e["analytic"][text], ft["mean"])
 
 
-def _verdicts(entries: list[dict[str, Any]], text: str) -> list[str]:
-    rows = []
+def _verdicts(entries: list[dict[str, Any]], text: str,
+              bes: dict[str, Any] | None = None) -> list[str]:
+    """Per budget: the best analytic arm, the rule's verdict after fine-tuning and, with
+    a ``beside`` run, that run's verdict on the same methods."""
+    rows = ["| budget | best before fine-tuning | after fine-tuning (pre-set rule) |"
+            + (f" {beside_label(bes)} (same rule) |" if bes else ""),
+            "|---|---|---|" + ("---|" if bes else "")]
     for red in sorted({e["reduction"] for e in entries}):
         at = [e for e in entries if e["reduction"] == red]
         analytic = min(at, key=lambda e: e["analytic"][text])
         tuned = {e["method"]: e["finetuned"].get(text, {}) for e in at}
+        old = {e["method"]: beside_stats(bes, e["method"], red, text) for e in at}
         rows.append(f"| −{red:.0%} | {analytic['method']} "
-                    f"({_f(analytic['analytic'][text])}) | {verdict(tuned)} |")
+                    f"({_f(analytic['analytic'][text])}) | {verdict(tuned)} |"
+                    + (f" {verdict(old)} |" if bes else ""))
     return rows
 
 
@@ -372,12 +385,15 @@ def write_experiment_report(res: dict[str, Any], cfg: Any, out: Path,
               + (f" Fine-tuned methods: {cfg.finetune_methods} (the others analytic only)."
                  if getattr(cfg, "finetune_methods", None) is not None else ""), "",
               "Rules" + (__doc__ or "Rules").split("Rules", 1)[1].rstrip(), ""]
+    if res.get("beside"):
+        lines += [f"Beside this run: the same arms of `{res['beside']['folder']}` (the same "
+                  f"model and evaluation text, checked), fine-tuned "
+                  f"{beside_finetune_text(res['beside'])}.", ""]
     lines += _text_lines(res)
     for text in res["eval_texts"]:
         lines += [f"## {text}", "", *_seed_section(res, text),
                   "### Whole-model compression", "", *_whole_table(res, text), "",
-                  "| budget | best before fine-tuning | after fine-tuning (pre-set rule) |",
-                  "|---|---|---|", *_verdicts(res["whole_model"], text), ""]
+                  *_verdicts(res["whole_model"], text, res.get("beside")), ""]
         if res["scope"]:
             lines += ["### Tests 7 and 9: where sharing works (one seed, equal per-type "
                       "reduction)", "", "| test | arm | ratio | MACs / token | analytic | "
