@@ -78,7 +78,8 @@ def test_bad_lr_scaling_is_named() -> None:
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "share",
                                                                "*.yaml"))))
-def test_share_configs_parse(path: str) -> None:
+def test_share_configs_parse(path: str, monkeypatch) -> None:
+    monkeypatch.chdir(ROOT)  # paths inside the configs (`beside`) are from the repo root
     raw = read_yaml(path)
     if os.path.basename(path).startswith("experiment"):
         cfg = ExperimentConfig.from_dict(raw)
