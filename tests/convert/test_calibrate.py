@@ -117,6 +117,79 @@ def test_calibrated_conversion_beats_the_copy_layer_by_layer_and_in_the_logits(
         torch.testing.assert_close(loaded(held_out).logits, calibrated(held_out).logits)
 
 
+def _block_diagonal_mlp_then_shuffled(model, q: int, seed: int):
+    """Zero every FFN weight block off the diagonal (the blocks every position type of
+    ``Q2^2`` / ``Q4`` keeps), then shuffle the hidden units (gate/up rows, down columns:
+    the dense function is unchanged). The result is exactly representable by the algebra
+    after the right permutation, and only after it."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            mlp = layer.mlp
+            d, f = mlp.gate_proj.in_features, mlp.gate_proj.out_features
+            keep_in = torch.arange(f)[:, None] // (f // q) == torch.arange(d)[None] // (d // q)
+            for lin in (mlp.gate_proj, mlp.up_proj):  # x8: the FFN weighs in the logits
+                lin.weight.mul_(8 * keep_in)
+            mlp.down_proj.weight.mul_(8 * keep_in.T)
+            perm = torch.randperm(f, generator=g)
+            for lin in (mlp.gate_proj, mlp.up_proj):
+                lin.weight.copy_(lin.weight[perm])
+            mlp.down_proj.weight.copy_(mlp.down_proj.weight[:, perm])
+    return model
+
+
+@pytest.mark.parametrize("algebra", ["Q2^2", "Q4"])
+def test_convert_recovers_a_model_the_algebra_represents_after_a_permutation(algebra) -> None:
+    """Known answer through the real path (``convert_``: sequential capture, the FFN
+    permutation, the ridge chosen on held-out windows, the closed-form fit): an FFN that
+    is block-diagonal up to a shuffle of its hidden units is converted exactly — the
+    converted model's logits are the dense model's — where the copy is not."""
+    import copy
+
+    from structlm.algebra import get_algebra, support_of
+
+    mask = support_of(get_algebra(algebra)).mask
+    q = mask.shape[0]
+    assert all(mask[a, b, b] for a in range(q) for b in range(q))  # the diagonal is kept
+    dense = _block_diagonal_mlp_then_shuffled(tiny_llama(seed=3), q, seed=4)
+    ids = torch.randint(1, 89, (16, 32), generator=torch.Generator().manual_seed(5))
+    held_out = torch.randint(1, 89, (4, 32), generator=torch.Generator().manual_seed(6))
+    cfg = AlgebraConfig(algebra, "cyclic", "mlp", init="calibrated", permute=True)
+    fitted = convert_(copy.deepcopy(dense), cfg, calibration=ids, progress=False)
+    copied = convert_(copy.deepcopy(dense), AlgebraConfig(algebra, "cyclic", "mlp"))
+    with torch.no_grad():
+        want = dense(held_out).logits
+        torch.testing.assert_close(fitted(held_out).logits, want, rtol=1e-4, atol=1e-4)
+        fit_err = float((fitted(held_out).logits - want).abs().max())
+        copy_err = float((copied(held_out).logits - want).abs().max())
+    assert copy_err > 0.05 and fit_err < 1e-3 * copy_err, (fit_err, copy_err)
+    assert conversion_info(fitted)["parameters"]["values"].startswith("refitted")
+    assert conversion_info(copied)["parameters"] == {
+        "count": "unchanged (the same tensor shapes under the same names)",
+        "values": "copied bit for bit"}
+
+
+def test_calibration_batches_from_a_data_loader_and_a_tokenizer_encoding() -> None:
+    """Any iterable of batches: a DataLoader of dicts, a tokenizer's ``BatchEncoding``
+    (a ``UserDict``, not a ``dict``) — the same fit as the tensor they hold."""
+    import copy
+
+    from torch.utils.data import DataLoader
+    from transformers import BatchEncoding
+
+    dense = tiny_llama(seed=1)
+    ids = torch.randint(1, 89, (16, 32), generator=torch.Generator().manual_seed(2))
+    cfg = AlgebraConfig("Q2^2", "cyclic", "mlp", init="calibrated", ridge=1e-3)
+    want = convert_(copy.deepcopy(dense), cfg, calibration=ids, progress=False)
+    loader = DataLoader([{"input_ids": row} for row in ids], batch_size=8)
+    encodings = [BatchEncoding({"input_ids": ids[:8]}), BatchEncoding({"input_ids": ids[8:]})]
+    for calibration in (loader, encodings):
+        got = convert_(copy.deepcopy(dense), cfg, calibration=calibration, progress=False)
+        for (name, p), (_, r) in zip(got.named_parameters(), want.named_parameters(),
+                                     strict=True):
+            torch.testing.assert_close(p, r, msg=name)
+
+
 def test_bad_calibration_input_is_refused() -> None:
     from structlm.config import ConfigError
 

@@ -30,7 +30,7 @@ names are unchanged; the values change.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,7 +161,7 @@ def calibration_batches(calibration: Any, vocab_size: int, batch_size: int = 4
                          f"iterable of batches, got {type(calibration).__name__}")
     out = []
     for i, item in enumerate(items):
-        if isinstance(item, dict):
+        if isinstance(item, Mapping):  # a dict, a tokenizer's BatchEncoding
             item = item.get("input_ids")
         elif isinstance(item, tuple | list):
             item = item[0] if item else None

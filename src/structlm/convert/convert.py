@@ -1,9 +1,12 @@
 """``convert_`` / ``unconvert_``: change the product rule of a pretrained causal LM in
-place, keeping every parameter bit for bit (torchao's ``quantize_(model, config,
-filter_fn)`` shape).
+place, keeping the parameter count (torchao's ``quantize_(model, config, filter_fn)``
+shape).
 
 The chosen projections (default: the FFN's) become :class:`TypedAlgebraLinear` s with
-the same weight and bias tensors' values under the same names; they read their position
+weight and bias tensors of the same shapes under the same names: ``init="copy"`` keeps
+every value bit for bit, ``init="calibrated"`` refits the values on calibration
+activations (:mod:`.calibrate`), ``permute`` reorders hidden units or heads first
+(:mod:`.permute`, :mod:`.heads`; the dense function is unchanged by it); they read their position
 types from the model's own position ids (see :mod:`.typed_linear`). Nothing of the
 Hugging Face modelling code is edited: the model family's adapter
 (:mod:`structlm.hf.adapters`) names the modules and the position source. The
@@ -184,12 +187,28 @@ def conversion_info(model: nn.Module) -> dict[str, Any] | None:
     conv = getattr(model, "_structlm_conversion", None)
     if conv is None:
         return None
-    info = {**conv.config.record(), "modules": list(conv.names)}
+    info = {**conv.config.record(), "modules": list(conv.names),
+            "parameters": _parameter_note(conv.config)}
     if conv.calibration is not None:
         info["calibration"] = conv.calibration
     if conv.permutation is not None:
         info["permutation"] = conv.permutation
     return info
+
+
+def _parameter_note(cfg: AlgebraConfig) -> dict[str, str]:
+    """What the conversion did to the converted modules' parameters: their count never
+    changes; their values are copied, permuted or refitted."""
+    if cfg.init == "calibrated":
+        values = ("refitted: each output block's weights fitted so every position type's "
+                  "product approximates the dense projection on calibration activations")
+    elif cfg.permute:
+        values = ("copied, reordered: hidden units / heads permuted consistently (the dense "
+                  "function is unchanged), every value kept")
+    else:
+        values = "copied bit for bit"
+    return {"count": "unchanged (the same tensor shapes under the same names)",
+            "values": values}
 
 
 def _selected(model: nn.Module, cfg: AlgebraConfig,
@@ -267,12 +286,14 @@ def convert_(model: nn.Module, config: AlgebraConfig | None = None,
     """Replace, in place, the chosen projections of ``model`` (a Hugging Face causal LM of
     a family with an adapter: LLaMA incl. SmolLM2, Mistral, Qwen2/3, Gemma 2/3 (also the
     text decoder of the multimodal Gemma 3), OLMo 2, Phi-3, GPT-2, StructLM) by
-    :class:`TypedAlgebraLinear` s with the same parameters; returns ``model``.
+    :class:`TypedAlgebraLinear` s with parameters of the same shapes and names (the count
+    never changes; ``init="copy"`` keeps the values, ``"calibrated"`` refits them,
+    ``permute`` reorders them); returns ``model``.
 
     A fused projection (GPT-2's ``c_attn``, StructLM's ``qkv``, Phi-3's ``qkv_proj`` and
     ``gate_up_proj``) becomes *one* algebra layer, whose type groups cut across the
     Q/K/V (or gate/up) boundaries, while families with separate modules get one algebra
-    layer per matrix: the stored tensors stay exactly as they were either way, but "attn"
+    layer per matrix: the stored tensors keep their shapes either way, but "attn"
     or "mlp" is not the same construction in every family.
 
     ``filter_fn(module, fully_qualified_name)`` narrows the targets further (as in
@@ -280,7 +301,8 @@ def convert_(model: nn.Module, config: AlgebraConfig | None = None,
     forward (cached decode, chunked prefill, left-padded ``generate()`` batches).
 
     With ``config.init == "calibrated"``, ``calibration`` (token ids ``(n, T)`` or an
-    iterable of batches) drives a layer-by-layer refit of the converted blocks
+    iterable of batches: tensors, ``(ids, ...)`` tuples or mappings with ``input_ids``
+    such as a ``DataLoader``'s dicts or a tokenizer's ``BatchEncoding``) drives a layer-by-layer refit of the converted blocks
     (:mod:`structlm.convert.calibrate`; a progress bar unless ``progress=False``); its
     summary (relative calibration error of the copy and of the fit, per module and type)
     is in :func:`conversion_info`.
