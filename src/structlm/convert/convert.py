@@ -303,9 +303,9 @@ def convert_(model: nn.Module, config: AlgebraConfig | None = None,
     With ``config.init == "calibrated"``, ``calibration`` (token ids ``(n, T)`` or an
     iterable of batches: tensors, ``(ids, ...)`` tuples or mappings with ``input_ids``
     such as a ``DataLoader``'s dicts or a tokenizer's ``BatchEncoding``) drives a
-    layer-by-layer refit of the converted blocks (:mod:`structlm.convert.calibrate`; a progress bar unless ``progress=False``); its
-    summary (relative calibration error of the copy and of the fit, per module and type)
-    is in :func:`conversion_info`.
+    layer-by-layer refit of the converted blocks (:mod:`structlm.convert.calibrate`; a
+    progress bar unless ``progress=False``); its summary (relative calibration error of
+    the copy and of the fit, per module and type) is in :func:`conversion_info`.
 
     Raises:
         ValueError: for any target that cannot be converted (all named, nothing changed);
