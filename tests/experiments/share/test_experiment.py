@@ -117,7 +117,8 @@ def test_calibration_draws_and_analytic_only_methods(tmp_path) -> None:
     ex = ExperimentConfig(model=str(src), calib_tokens=1024, eval_tokens=600,
                           reductions=[0.5], multi_seed_reductions=[], seeds=[0],
                           calib_seeds=[0, 7], methods=["shared", "svd"],
-                          finetune_methods=["svd"], seed_regime=False, scope=False,
+                          finetune_methods=["svd"], finetune_lr={"svd": 3e-3},
+                          seed_regime=False, scope=False,
                           residual_rank=2, budget_tolerance=0.05,
                           finetune=FinetuneConfig(steps=2, eval_every=2, seq_len=64,
                                                   batch_size=2, eval_tokens=128))
@@ -126,6 +127,7 @@ def test_calibration_draws_and_analytic_only_methods(tmp_path) -> None:
     assert list(by) == ["shared", "svd"]  # one entry per method and budget, not per draw
     svd, shared = by["svd"], by["shared"]
     assert sorted(a["calib_seed"] for a in svd["arms"]) == [0, 7]
+    assert all(a["finetune"]["lr"] == 3e-3 for a in svd["arms"])  # its own rate
     assert all(svd["finetuned"][t]["n"] == 2 for t in res["eval_texts"])
     assert set(svd["analytic_by_draw"]) == {"0", "7"}
     first, second = (svd["analytic_by_draw"][k]["in_domain:austen"] for k in ("0", "7"))
@@ -136,6 +138,7 @@ def test_calibration_draws_and_analytic_only_methods(tmp_path) -> None:
     report = (tmp_path / "out" / "report.md").read_text()
     assert "over 2 draws]" in report and "Calibration draws [0, 7]" in report
     assert "Fine-tuned methods: ['svd']" in report
+    assert "Per-method learning rates of the whole-model fine-tuning: {'svd': 0.003}" in report
     # another folder given this one's finished arms (add_runs) computes nothing
     import structlm.experiments.share.experiment as exp_mod
 
@@ -151,6 +154,10 @@ def test_calibration_draws_and_analytic_only_methods(tmp_path) -> None:
     _check_beside(ex, tmp_path, res)
     with pytest.raises(ValueError, match=r"finetune_methods: \['hybrid'\] are not among"):
         ExperimentConfig(methods=["svd"], finetune_methods=["hybrid"])
+    with pytest.raises(ValueError, match=r"finetune_lr: \['hybrid'\] are not among"):
+        ExperimentConfig(methods=["svd"], finetune_lr={"hybrid": 1e-3})
+    with pytest.raises(ValueError, match="finetune_lr"):
+        ExperimentConfig.from_dict({"methods": ["svd"], "finetune_lr": {"svd": -1.0}})
 
 
 def _check_beside(ex: ExperimentConfig, tmp_path, res: dict) -> None:

@@ -383,7 +383,10 @@ def write_experiment_report(res: dict[str, Any], cfg: Any, out: Path,
                  "each; its fine-tuned ranges span seeds × draws)."
                  if len(getattr(cfg, "calib_seeds", [0])) > 1 else "")
               + (f" Fine-tuned methods: {cfg.finetune_methods} (the others analytic only)."
-                 if getattr(cfg, "finetune_methods", None) is not None else ""), "",
+                 if getattr(cfg, "finetune_methods", None) is not None else "")
+              + (f" Per-method learning rates of the whole-model fine-tuning: "
+                 f"{cfg.finetune_lr} (the other methods at lr {ft.lr})."
+                 if getattr(cfg, "finetune_lr", None) else ""), "",
               "Rules" + (__doc__ or "Rules").split("Rules", 1)[1].rstrip(), ""]
     if res.get("beside"):
         lines += [f"Beside this run: the same arms of `{res['beside']['folder']}` (the same "

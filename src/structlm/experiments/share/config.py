@@ -1,0 +1,144 @@
+"""The config of ``structlm experiment share`` (one typed layer, checked at load)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from structlm.config import ConfigError, Distinct, NonEmpty, Range, dataclass_from_dict, validated
+from structlm.experiments.share.beside import check_beside_folder
+from structlm.hf.adapters import parse_types
+from structlm.hf.finetune import FinetuneConfig
+from structlm.share.compress import METHODS
+from structlm.share.compress.methods import BASIS_SHARING_METHOD, SHARED_METHOD, SVD_METHOD
+
+__all__ = ["ExperimentConfig"]
+
+
+def _long_finetune() -> FinetuneConfig:
+    return FinetuneConfig(steps=300, warmup=15, eval_every=50)
+
+
+def _whole_finetune() -> FinetuneConfig:
+    return FinetuneConfig(steps=100, warmup=5, eval_every=25)
+
+
+_FRACTION = Annotated[float, Range(gt=0, lt=1)]
+
+
+@dataclass
+@validated
+class ExperimentConfig:
+    """Budgets of the experiment (SmolLM2 on 2 cores: several hours with the defaults;
+    every finished arm is kept in ``arms.json``, so an interrupted run resumes)."""
+
+    model: Annotated[str, NonEmpty()] = "smollm2"
+    corpus: Annotated[str, NonEmpty()] = "austen"
+    """Calibration and fine-tuning corpus; its held-out documents are the in-domain text."""
+    second_corpus: str = "shakespeare"
+    """Other-domain evaluation text."""
+    calib_tokens: Annotated[int, Range(ge=512, note="one calibration window")] = 32768
+    """Calibration tokens (windows across all calibration documents, seeded)."""
+    eval_tokens: Annotated[int, Range(ge=2)] = 16384
+    """Scored tokens per evaluation text (windows drawn across all held-out documents)."""
+    methods: Annotated[list[str], NonEmpty(), Distinct()] = field(
+        default_factory=lambda: list(METHODS))
+    """Methods of the whole-model regime (see share/compress/ranks.py)."""
+    reductions: Annotated[list[_FRACTION], NonEmpty(), Distinct()] = field(
+        default_factory=lambda: [0.2, 0.3, 0.4, 0.5])
+    """Whole-model regime: fraction of every compressed type's parameters removed."""
+    types: Annotated[str, NonEmpty()] = "all"
+    """Matrix types of the whole-model regime."""
+    seeds: Annotated[list[Annotated[int, Range(ge=0)]], NonEmpty(), Distinct()] = field(
+        default_factory=lambda: [0, 1, 2])
+    """Fine-tuning seeds."""
+    multi_seed_reductions: Annotated[list[_FRACTION], Distinct()] = field(
+        default_factory=lambda: [0.2, 0.4])
+    """Reductions fine-tuned with every seed; the others with ``seeds[0]`` only."""
+    calib_seeds: Annotated[list[Annotated[int, Range(ge=0)]], NonEmpty(), Distinct()] = field(
+        default_factory=lambda: [0])
+    """Calibration draws (seeded windows from the same calibration documents): the
+    whole-model regime runs at each, so its ranges span fine-tuning seeds × draws; the
+    seed regime, the scope arms and the evaluation windows use the first."""
+    finetune_methods: Annotated[list[str] | None, Distinct()] = None
+    """Whole-model methods that are fine-tuned (``None``: every method); the others are
+    compressed and evaluated only."""
+    finetune_lr: dict[str, Annotated[float, Range(gt=0)]] = field(default_factory=dict)
+    """Per-method learning rate of the whole-model fine-tuning (``{"shared": 1e-3}``),
+    replacing ``finetune.lr`` for that method (e.g. each method at the rate a probe chose
+    for it); methods not named use ``finetune.lr``."""
+    residual_rank: Annotated[int, Range(ge=0)] = 32
+    """Rank of the hybrid's per-layer residual."""
+    group_size: Annotated[int, Range(ge=1)] = 2
+    """``basis-sharing``: consecutive layers per basis (the paper's LLaMA configs: 2)."""
+    update: bool = False
+    """``basis-sharing``: the paper's optional closed-form update step."""
+    finetune: FinetuneConfig = field(default_factory=_whole_finetune)
+    """Fine-tuning of every whole-model and scope arm (the same for every method)."""
+    seed_finetune: FinetuneConfig = field(default_factory=_long_finetune)
+    """Fine-tuning of the seed regime's arms (long enough to plateau: ≥ 300 steps)."""
+    seed_regime: bool = True
+    """Run the seed's regime (Q only at k = d/4 and equal-storage baselines)."""
+    seed_types: Annotated[str, NonEmpty()] = "q"
+    """Matrix types of the seed regime."""
+    seed_k_fraction: Annotated[float, Range(gt=0, le=1)] = 0.25
+    """The seed regime's k as a fraction of the hidden size (the seed's d/4)."""
+    seed_methods: Annotated[list[str], Distinct()] = field(default_factory=lambda: [
+        SHARED_METHOD.name, SVD_METHOD.name, BASIS_SHARING_METHOD.name])
+    """Methods of the seed regime, ``shared`` first (it sets the storage of the others)."""
+    scope: bool = True
+    """Run tests 7/9: attention only vs MLP only at scope_reduction."""
+    scope_reduction: _FRACTION = 0.4
+    """Reduction of every type for tests 7 and 9."""
+    budget_tolerance: Annotated[float, Range(ge=0, lt=1)] = 0.005
+    """Whole-model arms must store within this fraction of the budget."""
+    beside: str | None = None
+    """An earlier ``structlm experiment share`` folder on the same model and text whose
+    whole-model fine-tuned numbers the report shows beside this run's (e.g. the committed
+    100-step run beside a longer one); ``None``: none."""
+
+    def __post_init__(self) -> None:
+        """Cross-field checks (each field's own range is checked by ``@validated``)."""
+        for key in ("finetune", "seed_finetune"):
+            if not isinstance(getattr(self, key), FinetuneConfig):
+                raise ConfigError(f"{key}: {getattr(self, key)!r} is not a mapping of "
+                                  "FinetuneConfig keys")
+        if self.finetune_methods is not None:
+            bad = [m for m in self.finetune_methods if m not in self.methods]
+            if bad:
+                raise ConfigError(f"finetune_methods: {bad} are not among methods "
+                                  f"{self.methods}")
+        bad_lr = [m for m in self.finetune_lr if m not in self.methods]
+        if bad_lr:
+            raise ConfigError(f"finetune_lr: {bad_lr} are not among methods {self.methods}")
+        for key in ("methods", "seed_methods"):
+            bad = [m for m in getattr(self, key) if m not in METHODS]
+            if bad:
+                raise ConfigError(f"{key}: unknown methods {bad}: expected some of "
+                                  f"{tuple(METHODS)}")
+        for key in ("types", "seed_types"):
+            try:
+                parse_types(getattr(self, key))
+            except ValueError as e:
+                raise ConfigError(f"{key}: {e}") from None
+        if self.beside is not None:
+            try:
+                check_beside_folder(self.beside)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        if self.seed_regime and self.seed_methods and self.seed_methods[0] != SHARED_METHOD.name:
+            raise ConfigError(f"seed_methods: {self.seed_methods} must start with "
+                              f"{SHARED_METHOD.name!r} (it sets the others' storage)")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ExperimentConfig:
+        return dataclass_from_dict(cls, raw, {"finetune": FinetuneConfig,
+                                              "seed_finetune": FinetuneConfig})
+
+
+def whole_finetune(cfg: ExperimentConfig, method: str) -> FinetuneConfig:
+    """The whole-model fine-tuning of ``method``: ``cfg.finetune`` at its own rate when
+    ``cfg.finetune_lr`` names one."""
+    lr = cfg.finetune_lr.get(method)
+    return cfg.finetune if lr is None else dataclasses.replace(cfg.finetune, lr=lr)
