@@ -194,6 +194,13 @@ def _check_beside(ex: ExperimentConfig, tmp_path, res: dict) -> None:
                        progress=False)
     assert not (tmp_path / "refused" / "arms.json").exists() or not json.loads(
         (tmp_path / "refused" / "arms.json").read_text())
+    from structlm.experiments.share.beside import same_text
+
+    text = again["text"]["in_domain:austen"]
+    older = {k: v for k, v in text.items() if k not in ("prefix", "prefix_convention")}
+    assert same_text(older, text)  # a run older than the prefix field, no prefix here
+    assert not same_text(older, {**text, "prefix": [1]})
+    assert not same_text({**text, "windows_per_document": {}}, text)
     with pytest.raises(ValueError, match=r"beside: .* is not a `structlm experiment share` "
                                          r"folder .missing experiment.json, config.json.$"):
         ExperimentConfig(beside=str(tmp_path))

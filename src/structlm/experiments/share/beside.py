@@ -36,13 +36,26 @@ def load_beside(folder: str, res: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"beside: {folder!r} is a run of {other.get('model')!r}, this run "
                          f"is of {res['model']!r}")
     for text in res["eval_texts"]:
-        if other.get("text", {}).get(text) != res["text"][text]:
+        if not same_text(other.get("text", {}).get(text), res["text"][text]):
             raise ValueError(f"beside: {folder!r} scored other {text} text than this run "
                              "(windows, seed or documents differ): its numbers are not "
                              "comparable")
     entries = {f"{e['method']}@{e['reduction']}": e["finetuned"]
                for e in other.get("whole_model", [])}
     return {"folder": folder, "finetune": cfg.get("finetune", {}), "entries": entries}
+
+
+_DEFINING = ("windows", "window", "tokens", "seed", "windows_per_document", "document_tokens")
+"""The fields of a text's description that decide which tokens were scored."""
+
+
+def same_text(old: dict[str, Any] | None, new: dict[str, Any]) -> bool:
+    """Whether two runs' descriptions of an evaluation text name the same windows: every
+    defining field equal, and the tokenizer's prefix equal where both record it (a run
+    older than that field counts as prefix-free only if this run's prefix is empty)."""
+    if not old or any(old.get(k) != new.get(k) for k in _DEFINING):
+        return False
+    return old.get("prefix", []) == new.get("prefix", [])
 
 
 def beside_label(beside: dict[str, Any]) -> str:
