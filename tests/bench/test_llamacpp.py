@@ -144,3 +144,51 @@ def test_q8_0_arm_runs_and_reads_about_a_quarter_of_the_f32_bytes(smollm2_on_bot
     ratio = gguf_bytes_per_token(q8) / gguf_bytes_per_token(f32)
     assert 0.25 < ratio < 0.30  # 34 bytes per 32 weights against 128 (norms stay f32)
     arm.close()
+
+
+def test_timed_greedy_steps_are_the_original_models_greedy_steps(smollm2_on_both) -> None:
+    """``bench share``'s llama.cpp decode loop: positive seconds and the same tokens as the
+    Hugging Face model's cached greedy steps after the same prompt; refusals named."""
+    from structlm.bench.greedy import greedy_decode
+
+    loaded, _, arm = smollm2_on_both
+    ids = loaded.tokenizer("It is a truth universally acknowledged, that a single man",
+                           return_tensors="pt")["input_ids"]
+    seconds, tokens = arm.timed_greedy_steps(ids, 9)
+    assert seconds > 0 and len(tokens) == 9
+    assert tokens == greedy_decode(loaded.model, ids, 9)[0, :9].tolist()
+    assert arm.timed_greedy_steps(ids, 9)[1] == tokens  # the prompt is evaluated afresh
+    with pytest.raises(ValueError, match="one sequence"):
+        arm.timed_greedy_steps(ids.repeat(2, 1), 3)
+    with pytest.raises(ValueError, match="exceed"):
+        arm.timed_greedy_steps(ids, 400)
+
+
+def test_bench_share_times_the_peer_in_the_same_trials(smollm2_on_both, tmp_path) -> None:
+    """``measure`` with a llama.cpp f32 peer: one ``peer`` row at batch 1 whose ratios are
+    the same trials' times, whose greedy tokens equal the original's, and a table in the
+    Markdown. (The "compressed" model here is a copy: the peer rows do not depend on it.)"""
+    import copy
+
+    from structlm.bench.share import ShareBenchConfig, measure, write_outputs
+
+    loaded, _, arm = smollm2_on_both
+    ids = loaded.tokenizer("It was the best of times, it was the worst of times, it was the "
+                           "age of wisdom, it was the age of foolishness, it was the epoch "
+                           "of belief", return_tensors="pt")["input_ids"][0]
+    cfg = ShareBenchConfig(batches=(1,), prompt_len=16, decode_tokens=4, trials=1, warmup=0,
+                           threads=2, decode="hf", peak_memory=False, peers=("llamacpp-f32",))
+    rows = measure(loaded.model, copy.deepcopy(loaded.model), ids, cfg, {}, "smollm2",
+                   peers={"llamacpp-f32": arm})
+    decode = next(r for r in rows if r["phase"] == "decode")
+    (peer,) = [r for r in rows if r["phase"] == "peer"]
+    assert peer["peer"] == "llamacpp-f32" and peer["peer_greedy_agreement"] == "4/4"
+    t = peer["peer_s_per_token"]
+    assert t > 0 and peer["original_over_peer"] == round(t / decode["original"], 4)
+    assert peer["compressed_over_peer"] == round(t / decode["compressed"], 4)
+    assert peer["peer_bytes_per_step"] > 4 * 134_000_000  # f32 weights incl. the head
+    assert peer["peer_pct_of_stream"] > 0
+    prefix = str(tmp_path / "share")
+    write_outputs(rows, prefix)
+    md = open(prefix + ".md").read()
+    assert "| llama.cpp f32 |" in md and "same interleaved trials" in md

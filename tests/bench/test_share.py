@@ -146,6 +146,35 @@ def test_bad_input() -> None:
         ShareBenchConfig(prompt_len=0)
 
 
+def test_peers_are_checked_at_the_boundary() -> None:
+    from structlm.config import ConfigError
+
+    with pytest.raises(ConfigError, match="built-in models"):
+        ShareBenchConfig(model="some/folder", peers=("llamacpp-f32",))
+    with pytest.raises(ConfigError, match="must include 1"):
+        ShareBenchConfig(peers=("llamacpp-f32",), batches=(4,))
+    with pytest.raises(ConfigError, match="llamacpp-q4"):
+        ShareBenchConfig(peers=("llamacpp-q4",))
+    with pytest.raises(ConfigError):
+        ShareBenchConfig(peers=("llamacpp-f32", "llamacpp-f32"))
+    # a compressed folder's source model is read from its manifest, at run time
+    assert ShareBenchConfig(compressed="d", model="x", peers=("llamacpp-f32",)).peers
+    assert ShareBenchConfig(peers=("llamacpp-f32", "llamacpp-q8_0")).peers
+    args = build_parser().parse_args(["bench", "share", "--peers", "llamacpp-f32,llamacpp-q8_0"])
+    assert args.flags.values(args)["peers"] == ("llamacpp-f32", "llamacpp-q8_0")
+
+
+def test_absent_llama_cpp_skips_the_peers_with_a_note(monkeypatch, models) -> None:
+    from structlm.bench import llamacpp, share
+
+    monkeypatch.setattr(llamacpp, "llama_cpp_available", lambda: False)
+    original, _, _ = models
+    loaded = LoadedModel(model=original, tokenizer=None, model_id="tiny", source="")
+    arms, notes = share._load_peers(ShareBenchConfig(peers=("llamacpp-f32",)), "smollm2",
+                                    loaded, _ids(64))
+    assert arms == {} and "not installed" in notes[0] and '.[peers]' in notes[0]
+
+
 def test_measure_rejects_short_streams(models) -> None:
     original, compressed, report = models
     cfg = ShareBenchConfig(batches=(4,), prompt_len=7, trials=1)

@@ -42,12 +42,10 @@ import torch
 from tqdm import tqdm
 
 from structlm.algebra.cost import decode_macs
+from structlm.bench.llamacpp import PEER_ARMS
 from structlm.bench.timing import environment, write_csv_atomic
 from structlm.config import ConfigError, Distinct, NonEmpty, OneOf, Range, validated
 from structlm.models.presets import PRESETS
-
-PEER_ARMS = ("llamacpp-f32", "llamacpp-f16", "llamacpp-q8_0")
-"""Peer arms of ``GenerateBenchConfig.peers`` (llama.cpp on the model's GGUF, re-quantised)."""
 
 __all__ = ["DEFAULT_PROMPTS", "PEER_ARMS", "GenerateBenchConfig", "ideal_decode_speedup",
            "plot_generate_csv", "run_generate_bench"]

@@ -25,6 +25,7 @@ import hashlib
 import importlib.util
 import os
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -35,12 +36,16 @@ import torch
 from structlm.atomic import atomic_path
 from structlm.settings import cache_dir
 
-__all__ = ["LLAMACPP_VARIANTS", "LlamaCppLM", "gguf_variant", "greedy_agreement",
+__all__ = ["LLAMACPP_VARIANTS", "PEER_ARMS", "LlamaCppLM", "gguf_variant", "greedy_agreement",
            "llama_cpp_available", "peer_arms", "require_llama_cpp"]
 
 LLAMACPP_VARIANTS = {"f32": "LLAMA_FTYPE_ALL_F32", "f16": "LLAMA_FTYPE_MOSTLY_F16",
                      "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
 """Variant name -> the ``llama_ftype`` constant it is quantised to."""
+
+PEER_ARMS = tuple(f"llamacpp-{variant}" for variant in LLAMACPP_VARIANTS)
+"""The benchmarks' names of the llama.cpp arms (``peers`` of ``bench generate`` and
+``bench share``)."""
 
 _INSTALL = 'pip install -e ".[peers]" (or: pip install llama-cpp-python)'
 
@@ -203,6 +208,38 @@ class LlamaCppLM:
                 break
         return torch.tensor([prompt + new], dtype=torch.long)
 
+    def timed_greedy_steps(self, input_ids: torch.Tensor, steps: int
+                           ) -> tuple[float, list[int]]:
+        """Seconds of ``steps`` greedy decode steps after an untimed prompt evaluation of
+        ``input_ids`` ``(1, T)``, and the ``steps`` new tokens: the decode loop of
+        ``bench share`` (each step: the argmax of the last logits, then one token
+        evaluated; no sampler, as the other arms' greedy steps)."""
+        if input_ids.ndim != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"the llama.cpp arm decodes one sequence, got input_ids of "
+                             f"shape {tuple(input_ids.shape)}")
+        prompt = [int(t) for t in input_ids[0]]
+        if len(prompt) + steps > self.n_ctx:
+            raise ValueError(f"{len(prompt)} prompt + {steps} new tokens exceed the "
+                             f"llama.cpp context of {self.n_ctx}")
+        import numpy as np
+
+        llama_cpp, llm = require_llama_cpp(), self.llm
+        vocab = llm.n_vocab()
+
+        def last_logits() -> np.ndarray:  # (vocab,): the last evaluated token's
+            return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1),
+                                         shape=(vocab,))
+
+        llm.reset()
+        llm.eval(prompt)  # the prefill, untimed
+        new: list[int] = []
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            token = int(last_logits().argmax())
+            new.append(token)
+            llm.eval([token])
+        return time.perf_counter() - t0, new
+
     def close(self) -> None:
         """Free llama.cpp's model and context."""
         self.llm.close()
@@ -227,7 +264,8 @@ def greedy_agreement(reference: Any, peer: Any, tokenizer: Any, prompt: str,
 
 
 def peer_arms(model: str, variants: tuple[str, ...], threads: int, n_ctx: int,
-              reference: Any, tokenizer: Any, check_prompt: str, check_tokens: int
+              reference: Any, tokenizer: Any, check_prompt: str, check_tokens: int,
+              reference_name: str = "the dense arm"
               ) -> tuple[dict[str, LlamaCppLM], dict[str, str], list[str]]:
     """The llama.cpp arms ``variants`` (``f32``, ``q8_0``, ...) of built-in ``model``.
 
@@ -261,6 +299,6 @@ def peer_arms(model: str, variants: tuple[str, ...], threads: int, n_ctx: int,
         same = ("the same weights" if variant == "f32" else
                 f"{variant} weights, not the same function")
         notes.append(f"{arm.label} ({same}): {equal} of the first {total} greedy tokens "
-                     "equal the dense arm's on the first prompt")
+                     f"equal {reference_name}'s on the first prompt")
         arms[arm.label] = arm
     return arms, agreement, notes

@@ -27,7 +27,6 @@ CSV with the environment; Markdown and plot drawn from the CSV.
 from __future__ import annotations
 
 import copy
-import csv
 import dataclasses
 import json
 import os
@@ -44,10 +43,12 @@ from tqdm import tqdm
 
 from structlm.bench.bandwidth import add_stream_columns, stream_read_gbps
 from structlm.bench.greedy import decode_steps, greedy_decode, prefill
-from structlm.bench.timing import environment, interleaved_medians, write_csv_atomic
+from structlm.bench.llamacpp import PEER_ARMS
+from structlm.bench.share_report import markdown_from_csv, plot_from_csv, write_outputs
+from structlm.bench.timing import environment, interleaved_medians
 from structlm.config import ConfigError, Distinct, NonEmpty, OneOf, Range, validated
 
-__all__ = ["ShareBenchConfig", "greedy_decode", "markdown_from_csv", "measure",
+__all__ = ["PEER_ARMS", "ShareBenchConfig", "greedy_decode", "markdown_from_csv", "measure",
            "peak_memory_rows", "plot_from_csv", "run_share_bench", "unique_parameters",
            "weights_read_per_token", "write_outputs"]
 
@@ -94,6 +95,12 @@ class ShareBenchConfig:
     the decode kernel)."""
     peak_memory: bool = True
     """Measure peak resident memory in a fresh process per model and batch."""
+    peers: Annotated[tuple[Annotated[str, OneOf(*PEER_ARMS)], ...], Distinct()] = ()
+    """llama.cpp arms on the *original* model's GGUF (a built-in model only), timed at
+    batch-1 decode in the same interleaved trials: ``llamacpp-f32`` is the same function as
+    the original (its greedy tokens are checked against it), ``llamacpp-q8_0`` /
+    ``llamacpp-f16`` what CPU users run. Needs ``pip install -e ".[peers]"``; skipped with
+    a note without it."""
 
     def __post_init__(self) -> None:
         """Cross-field checks (each field's own range is checked by ``@validated``)."""
@@ -107,6 +114,21 @@ class ShareBenchConfig:
             parse_types(self.types)
         except ValueError as e:
             raise ConfigError(f"types: {e}") from None
+        if self.peers and 1 not in self.batches:
+            raise ConfigError(f"peers {list(self.peers)} decode one sequence: batches "
+                              f"{list(self.batches)} must include 1")
+        if self.peers and not self.compressed:
+            _require_builtin(self.model, self.peers)
+
+
+def _require_builtin(model: str, peers: Sequence[str]) -> None:
+    """``ConfigError`` unless ``model`` is a built-in model (the peers load its GGUF)."""
+    from structlm.hf.loading import BUILTIN_MODELS
+
+    if model.lower() not in BUILTIN_MODELS:
+        raise ConfigError(f"peers {list(peers)} run the original model's GGUF file on "
+                          f"llama.cpp: they need one of the built-in models "
+                          f"{sorted(BUILTIN_MODELS)} as the original, got {model!r}")
 
 
 def unique_parameters(module: torch.nn.Module) -> tuple[int, int]:
@@ -135,8 +157,11 @@ def weights_read_per_token(model: torch.nn.Module) -> int:
 def _timed_decode(runner: Any, ids: torch.Tensor, steps: int) -> float:
     """Seconds of ``steps`` greedy decode steps after an untimed prefill of ``ids``, on a
     model or its fused decode step."""
+    from structlm.bench.llamacpp import LlamaCppLM
     from structlm.hf.fused_decode import FusedDecoder
 
+    if isinstance(runner, LlamaCppLM):
+        return runner.timed_greedy_steps(ids, steps)[0]
     if isinstance(runner, FusedDecoder):
         token = runner.prefill(ids, steps + 1).argmax(-1)  # (B,)
         t0 = time.perf_counter()
@@ -177,10 +202,13 @@ def _runners(models: Sequence[Any], decode: str) -> tuple[list[Any], str]:
 
 @torch.no_grad()
 def measure(original: Any, compressed: Any, ids: torch.Tensor, cfg: ShareBenchConfig,
-            report: dict[str, Any], model_id: str = "", progress: bool = False
-            ) -> list[dict[str, Any]]:
+            report: dict[str, Any], model_id: str = "", progress: bool = False,
+            peers: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Memory rows and, per batch size, prefill and decode rows for two ready models;
-    ``ids`` is a token stream ``(N,)`` with ``N >= max(batches) * prompt_len``."""
+    ``ids`` is a token stream ``(N,)`` with ``N >= max(batches) * prompt_len``. ``peers``
+    (:class:`~structlm.bench.llamacpp.LlamaCppLM` by name) are timed in the batch-1 decode
+    trials beside both models: one ``peer`` row each (see :func:`_peer_row`)."""
+    peers = peers or {}
     need = max(cfg.batches) * cfg.prompt_len
     if ids.numel() < need:
         raise ValueError(f"{ids.numel()} ids are fewer than max(batches) × prompt_len = {need}")
@@ -202,7 +230,7 @@ def measure(original: Any, compressed: Any, ids: torch.Tensor, cfg: ShareBenchCo
             "unit": "", "memory_ratio": "", "speedup": "", "ideal_speedup": "",
             "original_tok_s": "",
             "compressed_tok_s": "", "trials": cfg.trials,
-            **_decode_floor([], "memory", 0, cfg, 0.0, 0.0),
+            **_decode_floor([], "memory", 0, cfg, 0.0, 0.0), **_peer_columns(),
             **{f"env_{k}": v for k, v in environment().items()}}
     (po, bo), (pc, bc) = unique_parameters(original), unique_parameters(compressed)
     mem = [("parameters", po, pc, "count"), ("parameter_bytes", bo, bc, "bytes")]
@@ -229,18 +257,55 @@ def measure(original: Any, compressed: Any, ids: torch.Tensor, cfg: ShareBenchCo
                                            cfg.trials, cfg.warmup)
             unit, tokens = "s_per_call", b * cfg.prompt_len
         else:
-            t_o, t_c = _decode_medians(runners, x, cfg.decode_tokens, cfg.trials, cfg.warmup)
-            t_o, t_c = t_o / cfg.decode_tokens, t_c / cfg.decode_tokens
+            timed = runners + (list(peers.values()) if b == 1 else [])
+            t_o, t_c, *t_p = (t / cfg.decode_tokens for t in _decode_medians(
+                timed, x, cfg.decode_tokens, cfg.trials, cfg.warmup))
             unit, tokens = "s_per_token", b
         rows.append({**base, "phase": phase, "batch": b, "original": t_o, "compressed": t_c,
                      "unit": unit, "speedup": round(t_o / t_c, 4), "ideal_speedup": ideal,
                      "original_tok_s": round(tokens / t_o, 2),
                      "compressed_tok_s": round(tokens / t_c, 2),
                      **_decode_floor(models, phase, b, cfg, t_o, t_c)})
+        if phase == "decode" and b == 1:
+            rows += [_peer_row(rows[-1], name, peer, t, x, original, cfg)
+                     for (name, peer), t in zip(peers.items(), t_p, strict=True)]
     stream.append(stream_read_gbps())
     add_stream_columns(rows, stream, (("original_gbps", "original_pct_of_stream"),
-                                      ("compressed_gbps", "compressed_pct_of_stream")))
+                                      ("compressed_gbps", "compressed_pct_of_stream"),
+                                      ("peer_gbps", "peer_pct_of_stream")))
     return rows
+
+
+def _peer_columns() -> dict[str, Any]:
+    """The peer columns, blank (every row but a peer row)."""
+    return {"peer": "", "peer_s_per_token": "", "peer_tok_s": "", "original_over_peer": "",
+            "compressed_over_peer": "", "peer_bytes_per_step": "", "peer_gbps": "",
+            "peer_greedy_agreement": ""}
+
+
+def _peer_row(decode_row: dict[str, Any], name: str, peer: Any, t: float, ids: torch.Tensor,
+              original: Any, cfg: ShareBenchConfig) -> dict[str, Any]:
+    """A ``peer`` row: the batch-1 decode row's two models beside llama.cpp arm ``name``
+    timed in the same trials (``*_over_peer``: that model's speed over the peer's, > 1 =
+    faster than llama.cpp), its bytes per step (the GGUF's stored weights and a float16
+    KV cache, llama.cpp's default) and its greedy tokens on the first prompt against the
+    original's (``equal/total`` up to the first difference)."""
+    from structlm.bench.bandwidth import gguf_bytes_per_token
+    from structlm.hf.macs import kv_cache_bytes_per_token
+
+    context = cfg.prompt_len + cfg.decode_tokens / 2
+    step = int(gguf_bytes_per_token(peer.path)
+               + kv_cache_bytes_per_token(original, context, 2))
+    ref = greedy_decode(original, ids, cfg.decode_tokens)[0, :cfg.decode_tokens].tolist()
+    got = peer.timed_greedy_steps(ids, cfg.decode_tokens)[1]
+    equal = next((i for i, (a, b) in enumerate(zip(ref, got, strict=True)) if a != b),
+                 len(ref))
+    return {**decode_row, "phase": "peer", "item": name, "peer": name,
+            "peer_s_per_token": t, "peer_tok_s": round(1 / t, 2),
+            "original_over_peer": round(t / decode_row["original"], 4),
+            "compressed_over_peer": round(t / decode_row["compressed"], 4),
+            "peer_bytes_per_step": step, "peer_gbps": round(step / t / 1e9, 3),
+            "peer_greedy_agreement": f"{equal}/{len(ref)}"}
 
 
 def _decode_floor(models: Sequence[Any], phase: str, batch: int, cfg: ShareBenchConfig,
@@ -264,138 +329,6 @@ def _decode_floor(models: Sequence[Any], phase: str, batch: int, cfg: ShareBench
     return out
 
 
-def _read(csv_path: str) -> list[dict[str, str]]:
-    with open(csv_path, newline="") as fh:
-        return list(csv.DictReader(fh))
-
-
-def _amount(value: str, unit: str) -> str:
-    return f"{float(value) / 2**20:.2f} MiB" if unit == "bytes" else f"{int(float(value)):,}"
-
-
-def _gbps_cell(r: dict[str, str]) -> str:
-    """``a → b (x% → y%)`` for a decode row; a dash for prefill rows and older CSVs."""
-    if not r.get("original_gbps"):
-        return "—"
-    return (f"{float(r['original_gbps']):.1f} → {float(r['compressed_gbps']):.1f} "
-            f"({float(r['original_pct_of_stream']):.0f}% → "
-            f"{float(r['compressed_pct_of_stream']):.0f}%)")
-
-
-def markdown_from_csv(csv_path: str) -> str:
-    """Memory and latency tables, the environment and a plain sentence on where the
-    compressed model is slower, from a share-bench CSV."""
-    rows = _read(csv_path)  # never empty: write_csv_atomic refuses no rows
-    r0 = rows[0]
-    env = {k[4:]: v for k, v in r0.items() if k.startswith("env_")}
-    lines = [f"# {r0['model']}: compressed ({r0['method']}, types {r0['types']}, target "
-             f"reduction {r0['target_reduction']}) vs original", "",
-             "Environment: " + ", ".join(f"{k}={v}" for k, v in env.items()), "",
-             "| memory | original | compressed | original / compressed |", "|---|---:|---:|---:|"]
-    for r in (r for r in rows if r["phase"] == "memory"):
-        lines.append(f"| {r['item']} | {_amount(r['original'], r['unit'])} | "
-                     f"{_amount(r['compressed'], r['unit'])} | "
-                     f"{float(r['memory_ratio']):.3f}× |")
-    lines += ["", "Parameters count each distinct tensor once; *weights read per token* "
-              "counts every use (a shared basis once per layer that uses it) — the ideal "
-              "speed-up below is its ratio. The KV cache is the same for both models (K and "
-              "V keep their output size)."]
-    peak = [r for r in rows if r["phase"] == "peak_memory"]
-    if peak:
-        lines += ["", "| peak memory (fresh process per model) | batch | original | compressed "
-                  "| original / compressed |", "|---|---:|---:|---:|---:|"]
-        for r in peak:
-            lines.append(f"| {r['item'].replace('_', ' ')} | {r['batch']} | "
-                         f"{_amount(r['original'], 'bytes')} | "
-                         f"{_amount(r['compressed'], 'bytes')} | "
-                         f"{float(r['memory_ratio']):.3f}× |")
-        lines += ["", "Each model in a fresh process: resident set after loading (parameters, "
-                  "libraries, runtime); peak = the high-water mark over loading and one prefill "
-                  f"of (batch, {r0['prompt_len']}) plus {r0['decode_tokens']} cached decode "
-                  "steps; at the end, the resident set split into anonymous memory and "
-                  "file-backed pages (memory-mapped safetensors weights: page cache, "
-                  "reclaimable and shared between processes)."]
-    lines += ["", "| phase | batch | original ms | compressed ms | per | tokens/s orig → comp | "
-              "speed-up | ideal | GB/s orig → comp (% of stream) |",
-              "|---|---:|---:|---:|---|---:|---:|---:|---:|"]
-    slower = []
-    for r in (r for r in rows if r["phase"] in ("prefill", "decode")):
-        sp = float(r["speedup"])
-        per = "new token" if r["unit"] == "s_per_token" else "call"
-        lines.append(f"| {r['phase']} | {r['batch']} | {float(r['original']) * 1e3:.3f} | "
-                     f"{float(r['compressed']) * 1e3:.3f} | {per} | "
-                     f"{float(r['original_tok_s']):.1f} → {float(r['compressed_tok_s']):.1f} | "
-                     f"{sp:.3f}× | {float(r['ideal_speedup']):.3f}× | {_gbps_cell(r)} |")
-        if sp < 1:
-            slower.append(f"{r['phase']} at batch {r['batch']} ({sp:.2f}×)")
-    verdict = ("**The compressed model is slower** (speed-up < 1) for " + ", ".join(slower)
-               + ".") if slower else "The compressed model is not slower in any measurement."
-    lines += ["", f"Speed-up = original time / compressed time (medians of {r0['trials']} "
-              "interleaved trials; decode in seconds per new token with its prefill untimed); "
-              "ideal = weights read per token, original / compressed (a speed-up above it "
-              "would mean an unfair baseline). Both models run on the project's fastest "
-              "dense path (the compiled few-row kernel at cached decode, `F.linear` "
-              "otherwise), the compressed model's factor products included; decode path: "
-              + _decode_path_text(r0.get("decode_path", "hf")) + ". GB/s = bytes "
-              "per decode step (weights read once, the KV cache of every sequence at the mean "
-              "context) / time; % of the stream read bandwidth measured in the same run"
-              + (f" ({r0['stream_read_gbps']} GB/s)" if r0.get("stream_read_gbps") else "")
-              + ". " + verdict]
-    return "\n".join(lines) + "\n"
-
-
-def _decode_path_text(path: str) -> str:
-    if path == "fused":
-        return ("the fused step for both (one compiled call per token, the weights copied "
-                "into one buffer in read order, advised for huge pages; peak memory is "
-                "measured on the model's own forward, without that copy)")
-    return f"the models' own forward per token ({path})"
-
-
-def plot_from_csv(csv_path: str, png_path: str) -> None:
-    """Two panels from the CSV: speed-up per phase × batch (line at 1.0) and memory bars."""
-    from structlm.plotting import pyplot
-
-    plt = pyplot()
-
-    rows = _read(csv_path)
-    lat = [r for r in rows if r["phase"] in ("prefill", "decode")]
-    mem = [r for r in rows if r["phase"] == "memory" and r["unit"] == "bytes"]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))
-    sp = [float(r["speedup"]) for r in lat]
-    a1.bar(range(len(lat)), sp, color=["tab:green" if v >= 1 else "tab:red" for v in sp])
-    a1.scatter(range(len(lat)), [float(r["ideal_speedup"]) for r in lat], marker="_", s=400,
-               color="k", label="ideal (weights read)", zorder=3)
-    a1.legend(fontsize=7)
-    a1.axhline(1.0, color="k", lw=1, ls="--")
-    a1.set_xticks(range(len(lat)), [f"{r['phase']}\nB={r['batch']}" for r in lat])
-    a1.set(ylabel="speed-up (original / compressed time)",
-           title="latency (< 1: compressed is slower)")
-    pos = range(len(mem))
-    for off, key in ((-0.2, "original"), (0.2, "compressed")):
-        a2.bar([p + off for p in pos], [float(r[key]) / 2**20 for r in mem], 0.4, label=key)
-    a2.set_xticks(list(pos), [r["item"].replace("_", "\n") for r in mem])
-    a2.set(ylabel="MiB", title="parameter memory")
-    a2.legend()
-    r = rows[0]
-    fig.suptitle(f"{r['model']} {r['method']} ({r['types']}) — {r['env_cpu']}, torch "
-                 f"{r['env_torch']}, {r['env_threads']} threads", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(png_path + ".tmp.png", dpi=120)
-    plt.close(fig)
-    os.replace(png_path + ".tmp.png", png_path)
-
-
-def write_outputs(rows: list[dict[str, Any]], out_prefix: str) -> None:
-    """``<out_prefix>.csv`` (atomic), then ``.md`` and ``.png`` drawn from the CSV."""
-    os.makedirs(os.path.dirname(os.path.abspath(out_prefix)), exist_ok=True)
-    write_csv_atomic(out_prefix + ".csv", rows)
-    with open(out_prefix + ".md.tmp", "w") as fh:
-        fh.write(markdown_from_csv(out_prefix + ".csv"))
-    os.replace(out_prefix + ".md.tmp", out_prefix + ".md")
-    plot_from_csv(out_prefix + ".csv", out_prefix + ".png")
-
-
 def run_share_bench(cfg: ShareBenchConfig, out_prefix: str, progress: bool = True
                     ) -> list[dict[str, Any]]:
     """Load (or compress) the models, :func:`measure`, :func:`write_outputs`; the rows."""
@@ -410,6 +343,8 @@ def run_share_bench(cfg: ShareBenchConfig, out_prefix: str, progress: bool = Tru
     if cfg.compressed:
         compressed = load_compressed(cfg.compressed).model  # raises without a manifest
         manifest = json.loads((Path(cfg.compressed) / MANIFEST).read_text())
+        if cfg.peers:
+            _require_builtin(manifest["source_model"], cfg.peers)
         loaded, report = load_model(manifest["source_model"]), manifest["compression"]
         if loaded.tokenizer is None:
             raise ValueError(f"source model {manifest['source_model']!r} has no tokenizer")
@@ -428,7 +363,16 @@ def run_share_bench(cfg: ShareBenchConfig, out_prefix: str, progress: bool = Tru
         compressed = copy.deepcopy(loaded.model)
         report = compress_model(get_adapter(compressed), prep.calibration, ccfg,
                                 calib_tokens=prep.calib_ids)
-    rows = measure(loaded.model, compressed.eval(), ids, cfg, report, loaded.model_id, progress)
+    peers, notes = _load_peers(cfg, manifest["source_model"] if cfg.compressed else cfg.model,
+                               loaded, ids)
+    try:
+        rows = measure(loaded.model, compressed.eval(), ids, cfg, report, loaded.model_id,
+                       progress, peers)
+    finally:
+        for peer in peers.values():
+            peer.close()
+    for r in rows:
+        r["notes"] = " | ".join(notes)
     if cfg.peak_memory:
         source = loaded.source or loaded.model_id
         if cfg.compressed:
@@ -463,3 +407,19 @@ def peak_memory_rows(base: dict[str, Any], source: str, compressed_dir: str,
                  for item in ("resident_after_load", "peak_load_and_run", "anonymous_after_run",
                               "file_backed_after_run")]
     return rows
+
+
+def _load_peers(cfg: ShareBenchConfig, model: str, loaded: Any, ids: torch.Tensor
+                ) -> tuple[dict[str, Any], list[str]]:
+    """The llama.cpp arms of ``cfg.peers`` on built-in ``model``'s GGUF and the report's
+    notes (llama.cpp absent: no arms, a note saying how to install it)."""
+    if not cfg.peers:
+        return {}, []
+    from structlm.bench.llamacpp import llama_cpp_available, peer_arms
+
+    prompt = loaded.tokenizer.decode(ids[: cfg.prompt_len]) if llama_cpp_available() else ""
+    n_ctx = 2 * (cfg.prompt_len + cfg.decode_tokens) + 64  # re-tokenised text may grow
+    arms, _, notes = peer_arms(model, tuple(p.removeprefix("llamacpp-") for p in cfg.peers),
+                               cfg.threads, n_ctx, loaded.model, loaded.tokenizer, prompt,
+                               cfg.decode_tokens, reference_name="the original model")
+    return arms, notes
