@@ -1,0 +1,85 @@
+"""benchmarks/cpu_targets.py: the committed targets table is what the committed CSVs give,
+and each rule decides at its threshold (met / missed / not decidable), with bad input named."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("cpu_targets", ROOT / "benchmarks" /
+                                                  "cpu_targets.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["cpu_targets"] = mod  # dataclasses look their module up while building
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_committed_table_is_what_the_committed_csvs_give(tmp_path) -> None:
+    ct = _module()
+    ct.main(["--results", str(RESULTS), "--out", str(tmp_path / "t")])
+    assert (tmp_path / "t.md").read_text() == (RESULTS / "cpu_targets.md").read_text()
+    with (tmp_path / "t.csv").open(newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == len(ct.TARGETS)
+    assert {r["status"] for r in rows} <= {"met", "missed", "not decidable"}
+
+
+def _layer_row(algebra: str, m: int, speedup: float, roofline: float, **kw: str) -> dict:
+    return {"kind": "linear", "algebra": algebra, "mode": "fwd", "M": str(m), "K": "4096",
+            "N": "4096", "speedup": str(speedup), "roofline_ideal": str(roofline),
+            "dense_path": "DecodeLinear", "dense_pct_of_stream": "47.0", **kw}
+
+
+def test_rules_at_their_thresholds() -> None:
+    ct = _module()
+    m1 = [_layer_row("Q4", 1, 1.9, 2.28, algebra_pct_of_stream="80.0",
+                     algebra_call_overhead_us="20.0"),
+          _layer_row("Q16", 1, 6.0, 8.2, algebra_pct_of_stream="79.9",
+                     algebra_call_overhead_us="")]
+    v = ct._m1_floor(m1)
+    assert v.status == "missed" and v.detail == "below 80%: Q16"
+    assert ct._m1_floor(m1[:1]).status == "met"
+    assert ct._call_overhead(m1).status == "met"  # 20.0 is within; blank rows are skipped
+    m32 = [_layer_row("Q2", 32, 0.99, 1.0), _layer_row("Q4", 32, 0.85, 1.0)]
+    assert ct._m32_roofline(m32).status == "met"
+    above = ct._m32_roofline([*m32, _layer_row("Q8", 32, 1.2, 1.0)])
+    assert above.status == "not decidable" and "Q8 above the roofline" in above.detail
+    assert ct._m32_roofline([_layer_row("Q2", 32, 0.84, 1.0)]).status == "missed"
+    gen = [{"model": "dense", "tokens_per_s": "40"},
+           {"model": "llama.cpp f32", "tokens_per_s": "40", "greedy_tokens_equal_reference":
+            "128/128"},
+           {"model": "algebra", "tokens_per_s": "52", "ideal_mac_speedup": "1.5",
+            "ideal_bytes_speedup": "1.45", "speedup_vs_dense": "1.305"}]
+    assert ct._dense_vs_llamacpp(gen).status == "met"  # equal speed meets "≥"
+    v = ct._algebra_vs_llamacpp(gen)  # 1.30× llama.cpp; 1.305 / 1.45 (the tighter) = 90%
+    assert v.status == "met" and "of 1.450×" in v.measured
+    gen[2]["tokens_per_s"] = "51.9"
+    assert ct._algebra_vs_llamacpp(gen).status == "missed"
+
+
+def test_bad_input_is_named(tmp_path) -> None:
+    ct = _module()
+    with pytest.raises(ValueError, match="expected one row"):
+        ct._dense_vs_llamacpp([{"model": "dense", "tokens_per_s": "1"}])
+    with pytest.raises(ValueError, match="column 'speedup' is empty"):
+        ct._share_decode([{"phase": "decode", "batch": "1", "speedup": "",
+                           "ideal_speedup": "1.3"}])
+    with pytest.raises(ValueError, match="no linear fwd rows at M = 32"):
+        ct._m32_roofline([])
+    partial = tmp_path / "results"
+    partial.mkdir()
+    shutil.copy(RESULTS / "layer_cpu_small_cold.csv", partial)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ct.evaluate(partial)
+    with pytest.raises(SystemExit):
+        ct.main(["--results", str(tmp_path / "nowhere")])
