@@ -7,9 +7,10 @@ a ratio measured in one interleaved run); this script reads the CSV each one is 
 by, applies the rule and writes ``PREFIX.md`` and ``PREFIX.csv`` (default
 ``benchmarks/results/cpu_targets``): the measured values, met / missed / not decidable,
 and the source file, so the table in docs/benchmarks.md is never typed by hand. Nothing
-is timed here. A row is *not decidable* when the algebra arm runs above its own
-roofline: the dense arm it is compared with is then off its floor (the fairness rule),
-so the ratio says more about the baseline than about the algebra.
+is timed here. The M = 32 target is *not decidable* when a measured speed-up over the
+dense arm exceeds the roofline ideal (the tighter of the MAC and bytes ideals): the dense
+arm is then off its own floor (the fairness rule), so the ratio says more about the
+baseline than about the algebra.
 """
 
 from __future__ import annotations
@@ -82,9 +83,10 @@ def _algebra_vs_llamacpp(rows: list[Row]) -> Verdict:
 
 def _share_decode(rows: list[Row]) -> Verdict:
     r = _one(rows, "decode at batch 1", phase="decode", batch="1")
-    share = _f(r, "speedup") / _f(r, "ideal_speedup")
-    return Verdict(f"{_f(r, 'speedup'):.3f}× of {_f(r, 'ideal_speedup'):.3f}× = {share:.0%}",
-                   _status(share >= 0.9))
+    ideal = _f(r, "original_bytes_per_step") / _f(r, "compressed_bytes_per_step")
+    share = _f(r, "speedup") / ideal
+    return Verdict(f"{_f(r, 'speedup'):.3f}× of {ideal:.3f}× = {share:.0%}",
+                   _status(share >= 0.9), "bytes per step: weights read once and the KV cache")
 
 
 def _generate_ideal(rows: list[Row]) -> Verdict:
@@ -95,24 +97,47 @@ def _generate_ideal(rows: list[Row]) -> Verdict:
                    _status(share >= 0.9))
 
 
-def _layer_rows(rows: list[Row], m: int, mode: str = "fwd") -> list[Row]:
+EVERY_Q = ("Q2", "Q4", "Q8", "Q16", "Q32")
+
+
+def _layer_rows(rows: list[Row], m: int, mode: str = "fwd", square: int | None = None
+                ) -> list[Row]:
     sel = [r for r in rows if r.get("kind") == "linear" and r.get("M") == str(m)
-           and r.get("mode") == mode]
+           and r.get("mode") == mode
+           and (square is None or r.get("K") == r.get("N") == str(square))]
     if not sel:
-        raise ValueError(f"no linear {mode} rows at M = {m}")
+        raise ValueError(f"no linear {mode} rows at M = {m}"
+                         + (f", {square}×{square}" if square else ""))
     return sel
 
 
+def _every_q(sel: list[Row]) -> None:
+    missing = [q for q in EVERY_Q if q not in {r["algebra"] for r in sel}]
+    if missing:
+        raise ValueError(f"the target covers every q: rows for {missing} are missing")
+
+
 def _m1_floor(rows: list[Row]) -> Verdict:
-    sel = _layer_rows(rows, 1)
-    cells = [(r["algebra"], _f(r, "algebra_pct_of_stream")) for r in sel]
-    low = [a for a, pct in cells if pct < 80]
-    return Verdict(", ".join(f"{a} {pct:.0f}%" for a, pct in cells), _status(not low),
-                   f"below 80%: {', '.join(low)}" if low else "")
+    """The issue's rule: ≥ 80% of the stream read bandwidth measured in the run on the
+    bytes the layer must read. Beside it, the share of the roofline ideal (the speed-up
+    over the dense arm over the bytes ideal), which the dense arm's own reading bounds."""
+    sel = _layer_rows(rows, 1, square=4096)
+    _every_q(sel)
+    cells = [(r["algebra"], _f(r, "algebra_pct_of_stream"),
+              _f(r, "speedup") / _f(r, "roofline_ideal")) for r in sel]
+    low = [a for a, pct, _ in cells if pct < 80]
+    dense = max(_f(r, "dense_pct_of_stream") for r in sel)
+    detail = (f"below 80%: {', '.join(low)}; " if low else "") + (
+        "of the roofline: " + ", ".join(f"{a} {f:.0%}" for a, _, f in cells)
+        + f" (the dense arm at up to {dense:.0f}% of the stream)")
+    return Verdict(", ".join(f"{a} {pct:.0f}%" for a, pct, _ in cells), _status(not low),
+                   detail)
 
 
 def _call_overhead(rows: list[Row]) -> Verdict:
     sel = [r for r in _layer_rows(rows, 1) if r.get("algebra_call_overhead_us", "") != ""]
+    if not sel:
+        raise ValueError("no M = 1 row has an algebra_call_overhead_us value")
     us = [_f(r, "algebra_call_overhead_us") for r in sel]
     over = [f"{r['algebra']} {r['K']}×{r['N']}" for r, u in zip(sel, us, strict=True) if u > 20]
     return Verdict(f"{min(us):.0f}–{max(us):.0f} µs over {len(us)} rows", _status(not over),
@@ -120,10 +145,11 @@ def _call_overhead(rows: list[Row]) -> Verdict:
 
 
 def _m32_roofline(rows: list[Row]) -> Verdict:
-    sel = _layer_rows(rows, 32)
+    sel = _layer_rows(rows, 32, square=4096)
     fracs = [(r["algebra"], _f(r, "speedup") / _f(r, "roofline_ideal")) for r in sel]
     above = [a for a, f in fracs if f > 1.0]
-    dense = ", ".join(sorted({f"{_f(r, 'dense_pct_of_stream'):.0f}%" for r in sel}))
+    dense = ", ".join(f"{p:.0f}%" for p in sorted({round(_f(r, "dense_pct_of_stream"))
+                                                    for r in sel}))
     text = ", ".join(f"{a} {f:.0%}" for a, f in fracs)
     if above:
         return Verdict(text, "not decidable",
@@ -134,8 +160,7 @@ def _m32_roofline(rows: list[Row]) -> Verdict:
 
 
 def _large_q(rows: list[Row]) -> Verdict:
-    sel = [r for r in _layer_rows(rows, 2048) if r["algebra"] in ("Q16", "Q32")
-           and r["K"] == r["N"] == "4096"]
+    sel = [r for r in _layer_rows(rows, 2048, square=4096) if r["algebra"] in ("Q16", "Q32")]
     if {r["algebra"] for r in sel} != {"Q16", "Q32"}:
         raise ValueError("Q16 and Q32 fwd rows at M = 2048, 4096×4096 are both needed")
     cells = [(r["algebra"], _f(r, "frac_of_ideal")) for r in sel]
@@ -144,6 +169,8 @@ def _large_q(rows: list[Row]) -> Verdict:
 
 
 def _train_step(rows: list[Row]) -> Verdict:
+    if not rows:
+        raise ValueError("no training-step rows")
     cells = [(f"{r['preset']} batch {r['batch_size']}", _f(r, "speedup"), _f(r, "ideal"))
              for r in rows]
     return Verdict(", ".join(f"{n}: {s:.3f}× of {i:.3f}× = {s / i:.0%}" for n, s, i in cells),
@@ -203,6 +230,8 @@ def evaluate(results: Path) -> list[dict[str, str]]:
             raise FileNotFoundError(f"{t.name}: its source {path} does not exist")
         with path.open(newline="") as fh:
             rows = list(csv.DictReader(fh))
+        if not rows:
+            raise ValueError(f"{t.name}: {path} has no rows")
         v = t.decide(rows)
         out.append({"target": t.name, "measured": v.measured, "status": v.status,
                     "detail": v.detail, "source": t.source, "environment": _environment(rows),
@@ -237,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--results {str(args.results)!r} is not a folder")
     prefix = args.out or str(args.results / "cpu_targets")
     records = evaluate(args.results)
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     for suffix, text in ((".md", markdown(records)), (".csv", None)):
         tmp = f"{prefix}{suffix}.tmp"
         with open(tmp, "w", newline="") as fh:

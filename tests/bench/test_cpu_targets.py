@@ -34,6 +34,13 @@ def test_the_committed_table_is_what_the_committed_csvs_give(tmp_path) -> None:
     assert {r["status"] for r in rows} <= {"met", "missed", "not decidable"}
 
 
+def test_the_docs_show_the_generated_table() -> None:
+    gen = (RESULTS / "cpu_targets.md").read_text()
+    table = gen[gen.index("| target |"):gen.index("\nCommands:")].strip()
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert table.replace("](", "](../benchmarks/results/") in docs
+
+
 def _layer_row(algebra: str, m: int, speedup: float, roofline: float, **kw: str) -> dict:
     return {"kind": "linear", "algebra": algebra, "mode": "fwd", "M": str(m), "K": "4096",
             "N": "4096", "speedup": str(speedup), "roofline_ideal": str(roofline),
@@ -46,9 +53,14 @@ def test_rules_at_their_thresholds() -> None:
                      algebra_call_overhead_us="20.0"),
           _layer_row("Q16", 1, 6.0, 8.2, algebra_pct_of_stream="79.9",
                      algebra_call_overhead_us="")]
+    with pytest.raises(ValueError, match=r"\['Q2', 'Q8', 'Q32'\] are missing"):
+        ct._m1_floor(m1)  # the target covers every q
+    m1 += [_layer_row(q, 1, 1.0, 1.2, algebra_pct_of_stream="85", dense_pct_of_stream="99")
+           for q in ("Q2", "Q8", "Q32")]
     v = ct._m1_floor(m1)
-    assert v.status == "missed" and v.detail == "below 80%: Q16"
-    assert ct._m1_floor(m1[:1]).status == "met"
+    assert v.status == "missed" and v.detail.startswith("below 80%: Q16;")
+    m1[1]["algebra_pct_of_stream"] = "80.0"
+    assert ct._m1_floor(m1).status == "met"
     assert ct._call_overhead(m1).status == "met"  # 20.0 is within; blank rows are skipped
     m32 = [_layer_row("Q2", 32, 0.99, 1.0), _layer_row("Q4", 32, 0.85, 1.0)]
     assert ct._m32_roofline(m32).status == "met"
@@ -71,9 +83,16 @@ def test_bad_input_is_named(tmp_path) -> None:
     ct = _module()
     with pytest.raises(ValueError, match="expected one row"):
         ct._dense_vs_llamacpp([{"model": "dense", "tokens_per_s": "1"}])
+    share = {"phase": "decode", "batch": "1", "speedup": "1.19",
+             "original_bytes_per_step": "1320", "compressed_bytes_per_step": "1000"}
+    assert ct._share_decode([share]).status == "met"  # 1.19 / 1.32 = 90.2%
+    assert ct._share_decode([{**share, "speedup": "1.18"}]).status == "missed"
     with pytest.raises(ValueError, match="column 'speedup' is empty"):
-        ct._share_decode([{"phase": "decode", "batch": "1", "speedup": "",
-                           "ideal_speedup": "1.3"}])
+        ct._share_decode([{**share, "speedup": ""}])
+    with pytest.raises(ValueError, match="no training-step rows"):
+        ct._train_step([])
+    with pytest.raises(ValueError, match="no M = 1 row has"):
+        ct._call_overhead([_layer_row("Q4", 1, 1.0, 1.0, algebra_call_overhead_us="")])
     with pytest.raises(ValueError, match="no linear fwd rows at M = 32"):
         ct._m32_roofline([])
     partial = tmp_path / "results"

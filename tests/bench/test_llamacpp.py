@@ -76,7 +76,9 @@ def smollm2_on_both(tmp_path_factory):
     mp.setenv("STRUCTLM_CACHE", str(tmp_path_factory.mktemp("cache")))
     loaded = load_model("smollm2")  # the models cache is read from the new root: rebuilt
     f32 = llamacpp.gguf_variant(builtin_gguf("smollm2"), "f32", threads=2)
-    yield loaded, f32, llamacpp.LlamaCppLM(f32, "llama.cpp f32", threads=2, n_ctx=256)
+    arm = llamacpp.LlamaCppLM(f32, "llama.cpp f32", threads=2, n_ctx=256)
+    yield loaded, f32, arm
+    arm.close()
     mp.undo()
 
 
@@ -192,3 +194,15 @@ def test_bench_share_times_the_peer_in_the_same_trials(smollm2_on_both, tmp_path
     write_outputs(rows, prefix)
     md = open(prefix + ".md").read()
     assert "| llama.cpp f32 |" in md and "same interleaved trials" in md
+
+
+def test_bench_share_loads_peers_by_their_config_names(smollm2_on_both) -> None:
+    from structlm.bench import share
+
+    arms, notes = share._load_peers(share.ShareBenchConfig(peers=("llamacpp-f32",)), "smollm2")
+    try:
+        assert list(arms) == ["llamacpp-f32"] and arms["llamacpp-f32"].label == "llama.cpp f32"
+        assert "llama-cpp-python" in notes[0] and "the same weights" in notes[1]
+    finally:
+        for arm in arms.values():
+            arm.close()

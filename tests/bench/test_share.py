@@ -168,11 +168,41 @@ def test_absent_llama_cpp_skips_the_peers_with_a_note(monkeypatch, models) -> No
     from structlm.bench import llamacpp, share
 
     monkeypatch.setattr(llamacpp, "llama_cpp_available", lambda: False)
-    original, _, _ = models
-    loaded = LoadedModel(model=original, tokenizer=None, model_id="tiny", source="")
-    arms, notes = share._load_peers(ShareBenchConfig(peers=("llamacpp-f32",)), "smollm2",
-                                    loaded, _ids(64))
+    arms, notes = share._load_peers(ShareBenchConfig(peers=("llamacpp-f32",)), "smollm2")
     assert arms == {} and "not installed" in notes[0] and '.[peers]' in notes[0]
+
+
+def test_measure_refuses_peers_without_batch_one(models) -> None:
+    original, compressed, report = models
+    cfg = ShareBenchConfig(batches=(3,), prompt_len=7, decode_tokens=3, trials=1)
+    with pytest.raises(ValueError, match="must include 1"):  # before any timing
+        measure(original, compressed, _ids(64), cfg, report, peers={"llamacpp-f32": None})
+
+
+def test_peer_table_from_the_csv(models, tmp_path) -> None:
+    """The Markdown's llama.cpp table reads a ``peer`` row's columns (a row built here with
+    the columns ``measure`` gives it; the real arm's rows: tests/bench/test_llamacpp.py)."""
+    original, compressed, report = models
+    cfg = ShareBenchConfig(batches=(1,), prompt_len=7, decode_tokens=3, trials=1)
+    rows = measure(original, compressed, _ids(64), cfg, report, model_id="tiny")
+    decode = next(r for r in rows if r["phase"] == "decode")
+    t = 2 * decode["original"]  # a peer at half the original's speed
+    rows.append({**decode, "phase": "peer", "item": "llamacpp-f32", "peer": "llamacpp-f32",
+                 "peer_s_per_token": t, "peer_tok_s": round(1 / t, 2),
+                 "original_over_peer": round(t / decode["original"], 4),
+                 "compressed_over_peer": round(t / decode["compressed"], 4),
+                 "peer_bytes_per_step": 1000, "peer_gbps": 1.5, "peer_pct_of_stream": 7.0,
+                 "peer_greedy_agreement": "3/3"})
+    prefix = str(tmp_path / "share")
+    write_outputs(rows, prefix)
+    md = open(prefix + ".md").read()
+    line = next(x for x in md.splitlines() if x.startswith("| llama.cpp f32 |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[2] == "0.500×"  # its speed over the original's
+    assert cells[3] == f"{t / decode['compressed']:.3f}×"  # the compressed model's over it
+    assert cells[4] == "1.5 (7%)" and cells[5] == "3/3"
+    assert f"| original (structlm) | {decode['original_tok_s']:.1f} | 1 | " in md
+    assert "| peer |" not in md  # not a latency row
 
 
 def test_measure_rejects_short_streams(models) -> None:

@@ -264,15 +264,16 @@ def greedy_agreement(reference: Any, peer: Any, tokenizer: Any, prompt: str,
 
 
 def peer_arms(model: str, variants: tuple[str, ...], threads: int, n_ctx: int,
-              reference: Any, tokenizer: Any, check_prompt: str, check_tokens: int,
+              reference: Any, tokenizer: Any, check_prompt: str | None, check_tokens: int,
               reference_name: str = "the dense arm"
               ) -> tuple[dict[str, LlamaCppLM], dict[str, str], list[str]]:
     """The llama.cpp arms ``variants`` (``f32``, ``q8_0``, ...) of built-in ``model``.
 
     Returns the arms by report name (``llama.cpp f32``), for each the greedy agreement
     with ``reference`` on ``check_prompt`` (``"128/128"``: equal new tokens up to the first
-    difference, of ``check_tokens``), and notes for the report — with llama.cpp absent,
-    no arms and a note saying how to install it.
+    difference, of ``check_tokens``; ``check_prompt=None``: no check here, the caller
+    checks), and notes for the report — with llama.cpp absent, no arms and a note saying
+    how to install it. An arm that fails to build closes the ones built before it.
     """
     if not variants:
         return {}, {}, []
@@ -291,14 +292,23 @@ def peer_arms(model: str, variants: tuple[str, ...], threads: int, n_ctx: int,
              f"GGUF {source.name} re-quantised to each variant (allow_requantize); weight "
              "repacking (extra buffer types, AMX) off: its AMX q8_0 matmul segfaults on "
              "AMX-INT8 CPUs in this version (ggml-org/llama.cpp#20824)"]
-    for variant in variants:
-        arm = LlamaCppLM(gguf_variant(source, variant, threads), f"llama.cpp {variant}",
-                         threads, n_ctx)
-        equal, total = greedy_agreement(reference, arm, tokenizer, check_prompt, check_tokens)
-        agreement[arm.label] = f"{equal}/{total}"
-        same = ("the same weights" if variant == "f32" else
-                f"{variant} weights, not the same function")
-        notes.append(f"{arm.label} ({same}): {equal} of the first {total} greedy tokens "
-                     f"equal {reference_name}'s on the first prompt")
-        arms[arm.label] = arm
+    try:
+        for variant in variants:
+            arm = LlamaCppLM(gguf_variant(source, variant, threads), f"llama.cpp {variant}",
+                             threads, n_ctx)
+            arms[arm.label] = arm
+            same = ("the same weights" if variant == "f32" else
+                    f"{variant} weights, not the same function")
+            if check_prompt is None:
+                notes.append(f"{arm.label}: {same}")
+                continue
+            equal, total = greedy_agreement(reference, arm, tokenizer, check_prompt,
+                                            check_tokens)
+            agreement[arm.label] = f"{equal}/{total}"
+            notes.append(f"{arm.label} ({same}): {equal} of the first {total} greedy tokens "
+                         f"equal {reference_name}'s on the first prompt")
+    except BaseException:
+        for built in arms.values():
+            built.close()
+        raise
     return arms, agreement, notes

@@ -10,7 +10,10 @@ elements read per token (:func:`weights_read_per_token`: a shared basis is read 
 every layer that uses it, the input embedding is one row) — the bound for a
 bandwidth-bound decode and, as every weight element is one multiply–accumulate per
 token, for a compute-bound prefill (attention over the cache costs both models the same,
-so the real bound is lower). **peak memory** (``peak_memory=True``): per model and batch,
+so the real bound is lower). **peers** (``peers``, optional): llama.cpp on the original
+model's GGUF, timed in the batch-1 decode trials beside both models, a ``peer`` row each
+(its speed, each model's speed over it, GB/s, greedy tokens against the original's).
+**peak memory** (``peak_memory=True``): per model and batch,
 a fresh process loads the model, runs the same prefill + decode loop and reports the
 resident set after loading, the peak over loading and running, and the resident set at
 the end split into anonymous and file-backed pages (:mod:`.peak_memory`; one process per
@@ -156,7 +159,7 @@ def weights_read_per_token(model: torch.nn.Module) -> int:
 
 def _timed_decode(runner: Any, ids: torch.Tensor, steps: int) -> float:
     """Seconds of ``steps`` greedy decode steps after an untimed prefill of ``ids``, on a
-    model or its fused decode step."""
+    model, its fused decode step or a llama.cpp arm."""
     from structlm.bench.llamacpp import LlamaCppLM
     from structlm.hf.fused_decode import FusedDecoder
 
@@ -175,7 +178,8 @@ def _timed_decode(runner: Any, ids: torch.Tensor, steps: int) -> float:
 
 def _decode_medians(runners: Sequence[Any], ids: torch.Tensor, steps: int, trials: int,
                     warmup: int) -> list[float]:
-    """Median seconds of the decode loop of each model (or its fused step); the prefill
+    """Median seconds of the decode loop of each runner (a model, its fused step or a
+    llama.cpp arm); the prefill
     is untimed, a fresh cache every trial, the order alternates per trial."""
     times: list[list[float]] = [[] for _ in runners]
     for i in range(warmup + trials):
@@ -209,6 +213,9 @@ def measure(original: Any, compressed: Any, ids: torch.Tensor, cfg: ShareBenchCo
     (:class:`~structlm.bench.llamacpp.LlamaCppLM` by name) are timed in the batch-1 decode
     trials beside both models: one ``peer`` row each (see :func:`_peer_row`)."""
     peers = peers or {}
+    if peers and 1 not in cfg.batches:
+        raise ValueError(f"peers {list(peers)} decode one sequence: batches "
+                         f"{list(cfg.batches)} must include 1")
     need = max(cfg.batches) * cfg.prompt_len
     if ids.numel() < need:
         raise ValueError(f"{ids.numel()} ids are fewer than max(batches) × prompt_len = {need}")
@@ -331,43 +338,27 @@ def _decode_floor(models: Sequence[Any], phase: str, batch: int, cfg: ShareBench
 
 def run_share_bench(cfg: ShareBenchConfig, out_prefix: str, progress: bool = True
                     ) -> list[dict[str, Any]]:
-    """Load (or compress) the models, :func:`measure`, :func:`write_outputs`; the rows."""
-    from structlm.hf.loading import load_model
-    from structlm.hf.text import split_corpus, token_stream
-    from structlm.share.compress import CompressionConfig, compress_model, load_compressed
+    """Load (or compress) the models, :func:`measure`, :func:`write_outputs`; the rows.
+    The llama.cpp peers are loaded first, so a missing GGUF or a failing quantiser is
+    reported before any compression work."""
     from structlm.share.compress.io import MANIFEST
 
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    need = max(2, max(cfg.batches) * cfg.prompt_len)
+    manifest: dict[str, Any] | None = None
     if cfg.compressed:
-        compressed = load_compressed(cfg.compressed).model  # raises without a manifest
-        manifest = json.loads((Path(cfg.compressed) / MANIFEST).read_text())
+        path = Path(cfg.compressed) / MANIFEST
+        if not path.is_file():
+            raise ValueError(f"{cfg.compressed} is not a compressed model folder "
+                             f"(no {MANIFEST})")
+        manifest = json.loads(path.read_text())
         if cfg.peers:
             _require_builtin(manifest["source_model"], cfg.peers)
-        loaded, report = load_model(manifest["source_model"]), manifest["compression"]
-        if loaded.tokenizer is None:
-            raise ValueError(f"source model {manifest['source_model']!r} has no tokenizer")
-        docs = split_corpus(cfg.corpus, 0.25, cfg.seed).evaluation
-        ids = token_stream(loaded.tokenizer, docs, need)
-    else:
-        from structlm.hf.adapters import get_adapter
-        from structlm.hf.pipeline import prepare
-
-        ccfg = CompressionConfig(method=cfg.method, types=cfg.types,
-                                 target_reduction=cfg.target_reduction)
-        prep = prepare(cfg.model, cfg.corpus, calib_tokens=cfg.calib_tokens, eval_tokens=need,
-                       seed=cfg.seed, progress=progress)
-        assert prep.calibration is not None
-        loaded, ids = prep.loaded, next(iter(prep.eval_ids.values())).reshape(-1)
-        compressed = copy.deepcopy(loaded.model)
-        report = compress_model(get_adapter(compressed), prep.calibration, ccfg,
-                                calib_tokens=prep.calib_ids)
-    peers, notes = _load_peers(cfg, manifest["source_model"] if cfg.compressed else cfg.model,
-                               loaded, ids)
+    peers, notes = _load_peers(cfg, manifest["source_model"] if manifest else cfg.model)
     try:
-        rows = measure(loaded.model, compressed.eval(), ids, cfg, report, loaded.model_id,
-                       progress, peers)
+        loaded, compressed, report, ids = _models(cfg, manifest, progress)
+        rows = measure(loaded.model, compressed, ids, cfg, report, loaded.model_id, progress,
+                       peers)
     finally:
         for peer in peers.values():
             peer.close()
@@ -391,6 +382,38 @@ def run_share_bench(cfg: ShareBenchConfig, out_prefix: str, progress: bool = Tru
     return rows
 
 
+def _models(cfg: ShareBenchConfig, manifest: dict[str, Any] | None, progress: bool
+            ) -> tuple[Any, Any, dict[str, Any], torch.Tensor]:
+    """``(loaded original, compressed model, compression report, token stream)``: the
+    folder ``cfg.compressed`` (its ``manifest``) and its source model, or the model
+    compressed on the fly."""
+    from structlm.hf.loading import load_model
+    from structlm.hf.text import split_corpus, token_stream
+    from structlm.share.compress import CompressionConfig, compress_model, load_compressed
+
+    need = max(2, max(cfg.batches) * cfg.prompt_len)
+    if manifest is not None:
+        compressed = load_compressed(cfg.compressed).model
+        loaded, report = load_model(manifest["source_model"]), manifest["compression"]
+        if loaded.tokenizer is None:
+            raise ValueError(f"source model {manifest['source_model']!r} has no tokenizer")
+        docs = split_corpus(cfg.corpus, 0.25, cfg.seed).evaluation
+        return loaded, compressed.eval(), report, token_stream(loaded.tokenizer, docs, need)
+    from structlm.hf.adapters import get_adapter
+    from structlm.hf.pipeline import prepare
+
+    ccfg = CompressionConfig(method=cfg.method, types=cfg.types,
+                             target_reduction=cfg.target_reduction)
+    prep = prepare(cfg.model, cfg.corpus, calib_tokens=cfg.calib_tokens, eval_tokens=need,
+                   seed=cfg.seed, progress=progress)
+    assert prep.calibration is not None
+    compressed = copy.deepcopy(prep.loaded.model)
+    report = compress_model(get_adapter(compressed), prep.calibration, ccfg,
+                            calib_tokens=prep.calib_ids)
+    return (prep.loaded, compressed.eval(), report,
+            next(iter(prep.eval_ids.values())).reshape(-1))
+
+
 def peak_memory_rows(base: dict[str, Any], source: str, compressed_dir: str,
                      cfg: ShareBenchConfig, progress: bool = False) -> list[dict[str, Any]]:
     """Rows of peak resident memory, original vs compressed, per batch (fresh processes)."""
@@ -409,17 +432,17 @@ def peak_memory_rows(base: dict[str, Any], source: str, compressed_dir: str,
     return rows
 
 
-def _load_peers(cfg: ShareBenchConfig, model: str, loaded: Any, ids: torch.Tensor
-                ) -> tuple[dict[str, Any], list[str]]:
-    """The llama.cpp arms of ``cfg.peers`` on built-in ``model``'s GGUF and the report's
-    notes (llama.cpp absent: no arms, a note saying how to install it)."""
+def _load_peers(cfg: ShareBenchConfig, model: str) -> tuple[dict[str, Any], list[str]]:
+    """The llama.cpp arms of ``cfg.peers`` on built-in ``model``'s GGUF, keyed by their
+    config names (``llamacpp-f32``), and the report's notes (llama.cpp absent: no arms, a
+    note saying how to install it). Their greedy tokens are checked in :func:`measure`,
+    on the benchmark's own token ids."""
     if not cfg.peers:
         return {}, []
-    from structlm.bench.llamacpp import llama_cpp_available, peer_arms
+    from structlm.bench.llamacpp import peer_arms
 
-    prompt = loaded.tokenizer.decode(ids[: cfg.prompt_len]) if llama_cpp_available() else ""
-    n_ctx = 2 * (cfg.prompt_len + cfg.decode_tokens) + 64  # re-tokenised text may grow
+    n_ctx = cfg.prompt_len + cfg.decode_tokens + 64
     arms, _, notes = peer_arms(model, tuple(p.removeprefix("llamacpp-") for p in cfg.peers),
-                               cfg.threads, n_ctx, loaded.model, loaded.tokenizer, prompt,
-                               cfg.decode_tokens, reference_name="the original model")
-    return arms, notes
+                               cfg.threads, n_ctx, None, None, None, 0)
+    by_name = {f"llama.cpp {p.removeprefix('llamacpp-')}": p for p in cfg.peers}
+    return {by_name[label]: arm for label, arm in arms.items()}, notes

@@ -31,8 +31,9 @@ def _gbps_cell(r: dict[str, str]) -> str:
 
 
 def markdown_from_csv(csv_path: str) -> str:
-    """Memory and latency tables, the environment and a plain sentence on where the
-    compressed model is slower, from a share-bench CSV."""
+    """Memory and latency tables, the environment, a plain sentence on where the
+    compressed model is slower and, with peer rows, the llama.cpp table, from a
+    share-bench CSV."""
     rows = _read(csv_path)  # never empty: write_csv_atomic refuses no rows
     r0 = rows[0]
     env = {k[4:]: v for k, v in r0.items() if k.startswith("env_")}
@@ -108,11 +109,12 @@ def _peer_lines(peers: list[dict[str, str]]) -> list[str]:
              "the compressed model's speed over this | GB/s (% of stream) | greedy tokens "
              "equal to the original's |", "|---|---:|---:|---:|---:|---|",
              f"| original (structlm) | {float(r0['original_tok_s']):.1f} | 1 | "
-             f"{float(r0['compressed_tok_s']) / float(r0['original_tok_s']):.3f}× | "
+             f"{float(r0['speedup']):.3f}× | "
              f"{gbps(r0, 'original')} | — |"]
     for r in peers:
         lines.append(f"| {r['peer'].replace('llamacpp-', 'llama.cpp ')} | "
-                     f"{float(r['peer_tok_s']):.1f} | {float(r['original_over_peer']) ** -1:.3f}× "
+                     f"{float(r['peer_tok_s']):.1f} | "
+                     f"{float(r['original']) / float(r['peer_s_per_token']):.3f}× "
                      f"| {float(r['compressed_over_peer']):.3f}× | {gbps(r, 'peer')} | "
                      f"{r['peer_greedy_agreement']} |")
     note = ("llama.cpp runs the original model's GGUF (`f32`: the same weights, so the same "
