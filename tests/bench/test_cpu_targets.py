@@ -62,6 +62,10 @@ def test_rules_at_their_thresholds() -> None:
     m1[1]["algebra_pct_of_stream"] = "80.0"
     assert ct._m1_floor(m1).status == "met"
     assert ct._call_overhead(m1).status == "met"  # 20.0 is within; blank rows are skipped
+    noisy = [_layer_row("Q4", 1, 1.0, 1.0, algebra_call_overhead_us="30",
+                        dense_call_overhead_us="-5")]
+    v = ct._call_overhead(noisy)  # the dense arm's own cost below zero: noise dominates
+    assert v.status == "not decidable" and "noise" in v.detail
     m32 = [_layer_row("Q2", 32, 0.99, 1.0), _layer_row("Q4", 32, 0.85, 1.0)]
     assert ct._m32_roofline(m32).status == "met"
     above = ct._m32_roofline([*m32, _layer_row("Q8", 32, 1.2, 1.0)])
