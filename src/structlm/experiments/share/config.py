@@ -59,8 +59,10 @@ class ExperimentConfig:
     calib_seeds: Annotated[list[Annotated[int, Range(ge=0)]], NonEmpty(), Distinct()] = field(
         default_factory=lambda: [0])
     """Calibration draws (seeded windows from the same calibration documents): the
-    whole-model regime runs at each, so its ranges span fine-tuning seeds × draws; the
-    seed regime, the scope arms and the evaluation windows use the first."""
+    whole-model regime runs at each, draw ``k`` with the fine-tuning seeds shifted by
+    ``k × (max(seeds) + 1)`` (seeds ``[0]``, draws ``[0, 1]``: draw 0 with seed 0, draw 1
+    with seed 1), so its ranges span both sources of variance; the seed regime, the
+    scope arms and the evaluation windows use the first."""
     finetune_methods: Annotated[list[str] | None, Distinct()] = None
     """Whole-model methods that are fine-tuned (``None``: every method); the others are
     compressed and evaluated only."""

@@ -60,7 +60,7 @@ from structlm.share.compress.methods import (
     SHARED_METHOD,
 )
 
-__all__ = ["ExperimentConfig", "run_experiment"]
+__all__ = ["ExperimentConfig", "draw_seeds", "run_experiment"]
 
 
 def _ppl(model: Any, prep: Prepared) -> dict[str, float]:
@@ -235,6 +235,13 @@ class _ArmCache:
         return self.tuned_key(prep, ccfg, ft, seed) in self.done
 
 
+def draw_seeds(seeds: list[int], draw: int, all_seeds: list[int]) -> list[int]:
+    """The fine-tuning seeds of calibration draw number ``draw`` (0: the first):
+    ``seeds`` shifted by ``draw × (max(all_seeds) + 1)``, so every (draw, seed) pair has
+    its own batch order and the fine-tuned ranges span both sources of variance."""
+    return [s + draw * (max(all_seeds) + 1) for s in seeds]
+
+
 def _calib_seed(prep: Prepared) -> int:
     """The calibration draw ``prep`` was prepared with (the split's seed, 0, unless
     another draw was asked for)."""
@@ -296,7 +303,8 @@ def _cells(cfg: ExperimentConfig, prep: Prepared, cache: _ArmCache, progress: bo
         for d, draw in enumerate([None, *(draws or [])]):
             for method in cfg.methods:
                 tuned = cfg.finetune_methods is None or method in cfg.finetune_methods
-                seeds = (cfg.seeds if multi else cfg.seeds[:1]) if tuned else []
+                seeds = draw_seeds((cfg.seeds if multi else cfg.seeds[:1]) if tuned else [],
+                                   d, cfg.seeds)
                 ccfg = CompressionConfig(method=method, types=cfg.types, target_reduction=red,
                                          residual_rank=cfg.residual_rank,
                                          group_size=cfg.group_size,

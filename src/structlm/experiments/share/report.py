@@ -380,7 +380,8 @@ def write_experiment_report(res: dict[str, Any], cfg: Any, out: Path,
               f"{cfg.group_size} consecutive layers, update step "
               f"{'on' if cfg.update else 'off'}."
               + (f" Calibration draws {cfg.calib_seeds} (the whole-model regime runs at "
-                 "each; its fine-tuned ranges span seeds × draws)."
+                 "each, draw k with the fine-tuning seeds shifted by k × (max seed + 1); its "
+                 "fine-tuned ranges span seeds × draws)."
                  if len(getattr(cfg, "calib_seeds", [0])) > 1 else "")
               + (f" Fine-tuned methods: {cfg.finetune_methods} (the others analytic only)."
                  if getattr(cfg, "finetune_methods", None) is not None else "")
