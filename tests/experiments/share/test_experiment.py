@@ -155,8 +155,10 @@ def test_calibration_draws_and_analytic_only_methods(tmp_path) -> None:
     _check_beside(ex, tmp_path, res)
     with pytest.raises(ValueError, match=r"finetune_methods: \['hybrid'\] are not among"):
         ExperimentConfig(methods=["svd"], finetune_methods=["hybrid"])
-    with pytest.raises(ValueError, match=r"finetune_lr: \['hybrid'\] are not among"):
-        ExperimentConfig(methods=["svd"], finetune_lr={"hybrid": 1e-3})
+    with pytest.raises(ValueError, match=r"finetune_lr: unknown methods \['svdd'\]"):
+        ExperimentConfig(methods=["svd"], finetune_lr={"svdd": 1e-3})
+    # a known method left out of this run keeps its rate (one config split by --methods)
+    assert ExperimentConfig(methods=["svd"], finetune_lr={"hybrid": 1e-3}).finetune_lr
     with pytest.raises(ValueError, match="finetune_lr"):
         ExperimentConfig.from_dict({"methods": ["svd"], "finetune_lr": {"svd": -1.0}})
 

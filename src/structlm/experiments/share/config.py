@@ -69,7 +69,8 @@ class ExperimentConfig:
     finetune_lr: dict[str, Annotated[float, Range(gt=0)]] = field(default_factory=dict)
     """Per-method learning rate of the whole-model fine-tuning (``{"shared": 1e-3}``),
     replacing ``finetune.lr`` for that method (e.g. each method at the rate a probe chose
-    for it); methods not named use ``finetune.lr``."""
+    for it); methods not named use ``finetune.lr``, and a named method the run leaves out
+    of ``methods`` is ignored (one config split across processes by ``--methods``)."""
     residual_rank: Annotated[int, Range(ge=0)] = 32
     """Rank of the hybrid's per-layer residual."""
     group_size: Annotated[int, Range(ge=1)] = 2
@@ -111,9 +112,12 @@ class ExperimentConfig:
             if bad:
                 raise ConfigError(f"finetune_methods: {bad} are not among methods "
                                   f"{self.methods}")
-        bad_lr = [m for m in self.finetune_lr if m not in self.methods]
+        # a rate for a known method this run leaves out is kept (a config split by
+        # methods across processes); an unknown name is a typo
+        bad_lr = [m for m in self.finetune_lr if m not in METHODS]
         if bad_lr:
-            raise ConfigError(f"finetune_lr: {bad_lr} are not among methods {self.methods}")
+            raise ConfigError(f"finetune_lr: unknown methods {bad_lr}: expected some of "
+                              f"{tuple(METHODS)}")
         for key in ("methods", "seed_methods"):
             bad = [m for m in getattr(self, key) if m not in METHODS]
             if bad:
