@@ -173,6 +173,18 @@ class LlamaCppLM:
                                        n_threads_batch=threads, verbose=False)
         self.config = SimpleNamespace(algebra="dense")  # what the report's column reads
 
+    def _prompt(self, input_ids: torch.Tensor, new_tokens: int) -> list[int]:
+        """The ids of a ``(1, T)`` prompt, refused unless it is one sequence that fits the
+        context with ``new_tokens`` more."""
+        if input_ids.ndim != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"the llama.cpp arm decodes one sequence, got input_ids of "
+                             f"shape {tuple(input_ids.shape)}")
+        prompt = [int(t) for t in input_ids[0]]
+        if len(prompt) + new_tokens > self.n_ctx:
+            raise ValueError(f"{len(prompt)} prompt + {new_tokens} new tokens exceed the "
+                             f"llama.cpp context of {self.n_ctx}")
+        return prompt
+
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                  max_new_tokens: int, do_sample: bool = False, eos_token_id: Any = "model",
                  pad_token_id: Any = None, temperature: float = 1.0, top_p: float = 1.0,
@@ -186,13 +198,7 @@ class LlamaCppLM:
         (llama.cpp's prompt-prefix reuse would skip the prefill the other arms pay).
         """
         del attention_mask, pad_token_id  # batch 1, no padding
-        if input_ids.ndim != 2 or input_ids.shape[0] != 1:
-            raise ValueError(f"the llama.cpp arm generates for one sequence, got input_ids "
-                             f"of shape {tuple(input_ids.shape)}")
-        prompt = [int(t) for t in input_ids[0]]
-        if len(prompt) + max_new_tokens > self.n_ctx:
-            raise ValueError(f"{len(prompt)} prompt + {max_new_tokens} new tokens exceed the "
-                             f"llama.cpp context of {self.n_ctx}")
+        prompt = self._prompt(input_ids, max_new_tokens)
         stop = self.llm.token_eos() if eos_token_id == "model" else eos_token_id
         stops = set(stop) if isinstance(stop, (list, tuple)) else {stop} - {None}
         if do_sample:
@@ -214,13 +220,7 @@ class LlamaCppLM:
         ``input_ids`` ``(1, T)``, and the ``steps`` new tokens: the decode loop of
         ``bench share`` (each step: the argmax of the last logits, then one token
         evaluated; no sampler, as the other arms' greedy steps)."""
-        if input_ids.ndim != 2 or input_ids.shape[0] != 1:
-            raise ValueError(f"the llama.cpp arm decodes one sequence, got input_ids of "
-                             f"shape {tuple(input_ids.shape)}")
-        prompt = [int(t) for t in input_ids[0]]
-        if len(prompt) + steps > self.n_ctx:
-            raise ValueError(f"{len(prompt)} prompt + {steps} new tokens exceed the "
-                             f"llama.cpp context of {self.n_ctx}")
+        prompt = self._prompt(input_ids, steps)
         import numpy as np
 
         llama_cpp, llm = require_llama_cpp(), self.llm
