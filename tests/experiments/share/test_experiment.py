@@ -266,6 +266,28 @@ def test_plateau_rule() -> None:
     assert plateau_rows(res)[1].endswith("| still moving | 1 of 2 (up to +20%) |")
 
 
+def test_plateau_rule_window() -> None:
+    """``plateau_window`` 3: the mean of the last three evaluations against the mean of the
+    three before. A noisy flat curve is a plateau by it and "still moving" by the
+    two-point rule; a curve that still falls is still moving by both; a run with fewer
+    than 2 w evaluations is left out."""
+    from structlm.experiments.share.report import plateau_rows
+
+    def res(vals: list[float]) -> dict:
+        curve = [{"step": 50 * i, "eval_ppl": v, "lr": 1.0} for i, v in enumerate(vals)]
+        return {"whole_model": [{"method": "svd", "reduction": 0.2,
+                                 "arms": [{"curve": curve, "ppl_finetuned": {}}]}]}
+
+    noisy_flat = [90.0, 60.0, 50.6, 47.4, 48.6, 49.9, 47.1, 48.9]
+    assert "| +3.8% | 1.00 | still moving |" in plateau_rows(res(noisy_flat))[0]
+    row = plateau_rows(res(noisy_flat), window=3)[0]
+    # before: 50.6, 47.4, 48.6 -> 48.87; last: 49.9, 47.1, 48.9 -> 48.63
+    assert "| 100–200 → 250–350 | 48.87 | 48.63 | -0.5% | 1.00 | plateaued |" in row
+    falling = [90.0, 80.0, 70.0, 60.0, 55.0, 50.0]
+    assert "| 0–100 → 150–250 | 80.00 | 55.00 | -31.2% |" in plateau_rows(res(falling), 3)[0]
+    assert plateau_rows(res(falling[:5]), window=3) == []
+
+
 def test_arm_copy_shares_parameters_and_catches_in_place_writes() -> None:
     """An arm's model shares the source's parameters (no second copy of the weights),
     replacing a module in it leaves the source alone, fine-tuning's freezing is undone

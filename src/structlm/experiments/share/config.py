@@ -96,6 +96,10 @@ class ExperimentConfig:
     """Reduction of every type for tests 7 and 9."""
     budget_tolerance: Annotated[float, Range(ge=0, lt=1)] = 0.005
     """Whole-model arms must store within this fraction of the budget."""
+    plateau_window: Annotated[int, Range(ge=1, le=20)] = 1
+    """The plateau rule compares the mean held-out perplexity of a run's last this many
+    evaluations with the mean of the this many before (1: the last two evaluations; a
+    noisy subset needs more to separate a plateau from noise)."""
     beside: str | None = None
     """An earlier ``structlm experiment share`` folder on the same model and text whose
     whole-model fine-tuned numbers the report shows beside this run's (e.g. the committed

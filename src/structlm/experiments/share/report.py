@@ -15,7 +15,9 @@ Rules (fixed before any run, applied per text whatever they say):
 * **tests 7/9**: a compressed model is usable within 2× the original perplexity;
 * **plateau** (the seed regime's "long enough to converge"): a fine-tuning run has
   plateaued if its last evaluation interval changed the held-out subset's perplexity
-  by less than 2% (mean over seeds). Beside it (added after the first whole-model
+  by less than 2% (mean over seeds); with ``plateau_window`` w > 1 (fixed in the config
+  before the runs it judges), the mean of the last w evaluations against the mean of
+  the w before. Beside it (added after the first whole-model
   run that diverged, hybrid at −30%; a flag, no arm is excluded by it): the seeds whose
   last evaluation ends more than 2% above their own best evaluation — the run got worse
   while training, so its fine-tuned number is not what the method can reach.
@@ -211,35 +213,44 @@ def _evals(arm: dict[str, Any]) -> list[tuple[int, float]]:
             if c.get("eval_ppl") is not None]
 
 
-def plateau_rows(res: dict[str, Any]) -> list[str]:
-    """Had fine-tuning plateaued? Per fine-tuned setting: the subset perplexity at the
-    last two evaluations (mean over the seeds done), the change, the plateau rule."""
+def plateau_rows(res: dict[str, Any], window: int = 1) -> list[str]:
+    """Had fine-tuning plateaued? Per fine-tuned setting: the subset perplexity over the
+    last ``window`` evaluations and the ``window`` before (each a mean over them, then
+    over the seeds done), the change, the plateau rule."""
     groups = [("seed regime", e) for e in (res.get("seed_regime") or {}).get("entries", [])]
     groups += [("whole model", e) for e in res["whole_model"]]
     rows = []
     for regime, e in groups:
         pts = [_evals(a) for a in e["arms"] if "ppl_finetuned" in a]
-        if not pts or any(len(p) < 2 for p in pts):
+        if not pts or any(len(p) < 2 * window for p in pts):
             continue
-        a = statistics.fmean(p[-2][1] for p in pts)
-        b = statistics.fmean(p[-1][1] for p in pts)
+        a = statistics.fmean(statistics.fmean(v for _, v in p[-2 * window:-window])
+                             for p in pts)
+        b = statistics.fmean(statistics.fmean(v for _, v in p[-window:]) for p in pts)
         where = regime if regime == "seed regime" else f"{regime} −{e['reduction']:.0%}"
         rule = "plateaued" if abs(b / a - 1) < PLATEAU_CHANGE else "still moving"
-        rows.append(f"| {where} | {e['method']} | {len(pts)} | {pts[0][-2][0]} → "
-                    f"{pts[0][-1][0]} | {a:,.2f} | {b:,.2f} | {b / a - 1:+.1%} | "
-                    f"{_lr_share(e)} | {rule} | {_above_best(pts)} |")
+        rows.append(f"| {where} | {e['method']} | {len(pts)} | {_steps(pts[0], window)} | "
+                    f"{a:,.2f} | {b:,.2f} | {b / a - 1:+.1%} | "
+                    f"{_lr_share(e, window)} | {rule} | {_above_best(pts)} |")
     return rows
 
 
-def _lr_share(e: dict[str, Any]) -> str:
-    """The lowest learning rate of the last evaluation interval over the peak (first
-    fine-tuned arm): a plateau at a decayed rate may only mean the rate stopped it."""
+def _steps(p: list[tuple[int, float]], window: int) -> str:
+    """The evaluation steps the rule compares, e.g. ``450 → 500`` or ``350–450 → 500–600``."""
+    if window == 1:
+        return f"{p[-2][0]} → {p[-1][0]}"
+    return (f"{p[-2 * window][0]}–{p[-window - 1][0]} → {p[-window][0]}–{p[-1][0]}")
+
+
+def _lr_share(e: dict[str, Any], window: int = 1) -> str:
+    """The lowest learning rate over the evaluations the rule compares, over the peak
+    (first fine-tuned arm): a plateau at a decayed rate may only mean the rate stopped it."""
     arm = next((a for a in e["arms"] if a.get("curve")), None)
     if arm is None:
         return "—"
     ev = [c["step"] for c in arm["curve"] if c.get("eval_ppl") is not None]
     lrs = [c["lr"] for c in arm["curve"] if c.get("lr") is not None
-           and len(ev) >= 2 and ev[-2] < c["step"] <= ev[-1]]
+           and len(ev) >= 2 * window and ev[-2 * window] < c["step"] <= ev[-1]]
     peak = max((c["lr"] for c in arm["curve"] if c.get("lr") is not None), default=0.0)
     return f"{min(lrs) / peak:.2f}" if lrs and peak else "—"
 
@@ -252,18 +263,21 @@ def _above_best(pts: list[list[tuple[int, float]]]) -> str:
     return f"{len(worse)} of {len(pts)} (up to +{max(worse):.0%})" if worse else "—"
 
 
-def _plateau_lines(res: dict[str, Any], text: str) -> list[str]:
-    rows = plateau_rows(res)
+def _plateau_lines(res: dict[str, Any], text: str, window: int = 1) -> list[str]:
+    rows = plateau_rows(res, window)
     if not rows:
         return []
+    compared = ("the last two evaluations" if window == 1 else
+                f"the mean of the last {window} evaluations against the mean of the "
+                f"{window} before")
     return ["## Had fine-tuning plateaued?", "",
             f"Perplexity on the fine-tuning run's own held-out subset ({text}; fewer tokens "
-            "than the tables', so not comparable with them) at the last two evaluations, "
+            f"than the tables', so not comparable with them): {compared}, "
             f"mean over seeds; the rule: a change under {PLATEAU_CHANGE:.0%} is a plateau. "
             f"*Ended above best*: seeds whose last evaluation is more than "
             f"{PLATEAU_CHANGE:.0%} above their own best (training made them worse: unstable).",
-            "*lr*: the lowest learning rate of that interval over the run's peak (a plateau "
-            "at a decayed rate may only mean the rate stopped training).",
+            "*lr*: the lowest learning rate over the compared evaluations, over the run's "
+            "peak (a plateau at a decayed rate may only mean the rate stopped training).",
             "", "| setting | method | seeds | steps | before | last | change | lr | rule | "
             "ended above best |", "|---|---|---:|---|---:|---:|---:|---:|---|---|", *rows, ""]
 
@@ -403,7 +417,7 @@ def write_experiment_report(res: dict[str, Any], cfg: Any, out: Path,
                       "reduction)", "", "| test | arm | ratio | MACs / token | analytic | "
                       "fine-tuned | verdict |", "|---|---|---|---|---|---|---|",
                       *_scope_rows(res, text), ""]
-    lines += _plateau_lines(res, res["eval_texts"][0])
+    lines += _plateau_lines(res, res["eval_texts"][0], getattr(cfg, "plateau_window", 1))
     lines += ["## Test 8: a second model", "",
               "The same command on another model, then `structlm experiment transfer` "
               "puts the two side by side finding by finding (docs/share.md).", ""]
