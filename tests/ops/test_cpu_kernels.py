@@ -309,3 +309,34 @@ def test_dense_packed_rows_every_row_count_of_a_panel_call(dtype: torch.dtype) -
     x[5, 3] = float("nan")
     y = cpu_kernels.dense_rows_linear(x, w.to(dtype), packed=True)
     assert torch.isnan(y[5]).all() and torch.isfinite(torch.cat([y[:5], y[6:]])).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_packed_rows_in_input_chunks(dtype: torch.dtype) -> None:
+    """From nine rows a block is taken 256 inputs at a time, every group of rows against
+    each chunk: inputs below, at and past one chunk and with a ragged last chunk (255,
+    256, 257, 1025), rows on both sides of the threshold (8, 9, 32, 33), a dense weight
+    and an algebra layer of mixed types with 300-wide blocks, NaN kept to its row."""
+    gen = torch.Generator().manual_seed(31)
+    n = 53
+    for k, rows in [(k, r) for k in (255, 256, 257, 1025) for r in (8, 9, 32, 33)]:
+        w = torch.randn(n, k, generator=gen, dtype=torch.float64) / k**0.5
+        bias = torch.randn(n, generator=gen, dtype=torch.float64)
+        x = torch.randn(rows, k, generator=gen, dtype=torch.float64)
+        exact = F.linear(x, w, bias)
+        plain = F.linear(x.to(dtype), w.to(dtype), bias.to(dtype))
+        fast = cpu_kernels.dense_rows_linear(x.to(dtype), w.to(dtype), bias.to(dtype),
+                                             packed=True)
+        err_fast = (fast.double() - exact).abs().max().item()
+        err_plain = (plain.double() - exact).abs().max().item()
+        assert err_fast <= 2 * err_plain + 4 * torch.finfo(dtype).eps * k, (k, rows, err_fast)
+    x = torch.randn(33, 1025, generator=gen).to(dtype)
+    x[20, 700] = float("nan")
+    y = cpu_kernels.dense_rows_linear(x, w.to(dtype), packed=True)
+    assert torch.isnan(y[20]).all() and torch.isfinite(torch.cat([y[:20], y[21:]])).all()
+    layer = AlgebraLinear(4 * 300, 4 * 40, "Q2^2").to(dtype)
+    for rows in (9, 33):
+        xa = torch.randn(rows, layer.in_features, generator=gen).to(dtype)
+        types = torch.randint(0, 4, (rows,), generator=gen)
+        err_fast, err_plain = _errors(layer, xa, types)
+        assert err_fast <= 2 * err_plain + 8 * torch.finfo(dtype).eps * 1200**0.5, rows

@@ -409,7 +409,7 @@ def _models(cfg: ShareBenchConfig, manifest: dict[str, Any] | None, progress: bo
     assert prep.calibration is not None
     compressed = copy.deepcopy(prep.loaded.model)
     report = compress_model(get_adapter(compressed), prep.calibration, ccfg,
-                            calib_tokens=prep.calib_ids)
+                            progress=progress, calib_tokens=prep.calib_ids)
     return (prep.loaded, compressed.eval(), report,
             next(iter(prep.eval_ids.values())).reshape(-1))
 

@@ -104,22 +104,23 @@ def _parameter_sharing_copy(model: Any) -> tuple[Any, Callable[[], None]]:
     return copied, check
 
 
-def _compress(prep: Prepared, ccfg: CompressionConfig
+def _compress(prep: Prepared, ccfg: CompressionConfig, progress: bool = False
               ) -> tuple[Any, dict[str, Any], Callable[[], None]]:
     """A compressed copy of the model (deterministic: no seed involved) sharing the
     uncompressed parameters with the source, and the check that they stayed unchanged."""
     model, check = _parameter_sharing_copy(prep.loaded.model)
     assert prep.calibration is not None
-    rep = compress_model(get_adapter(model), prep.calibration, ccfg,
+    rep = compress_model(get_adapter(model), prep.calibration, ccfg, progress=progress,
                          calib_tokens=prep.calib_ids)
     check()
     return model, rep, check
 
 
-def _analytic(prep: Prepared, ccfg: CompressionConfig) -> dict[str, Any]:
+def _analytic(prep: Prepared, ccfg: CompressionConfig, progress: bool = False
+              ) -> dict[str, Any]:
     """Compress a fresh copy and evaluate it before any training."""
     t0 = time.time()
-    model, rep, check = _compress(prep, ccfg)
+    model, rep, check = _compress(prep, ccfg, progress)
     out: dict[str, Any] = {
         "method": ccfg.method, "types": ccfg.types, "reduction": ccfg.target_reduction,
         "ratio": rep["ratio"], "stored_parameters": rep["stored_parameters"],
@@ -162,7 +163,7 @@ def _tuned(prep: Prepared, ccfg: CompressionConfig, ft: FinetuneConfig, seed: in
     """Compress a fresh copy, fine-tune it with ``seed`` (resuming from ``state_path``
     if a killed run left one), evaluate."""
     t0 = time.time()
-    model, _, check = _compress(prep, ccfg)
+    model, _, check = _compress(prep, ccfg, progress)
     torch.manual_seed(seed)
     in_domain = next(iter(prep.eval_ids.values()))
     ftc = dataclasses.replace(ft, seed=seed)
@@ -213,7 +214,7 @@ class _ArmCache:
                  progress: bool) -> dict[str, Any]:
         label = f"{ccfg.method} on {ccfg.types} at {ccfg.target_reduction or ccfg.k_fraction}"
         return self._get(self._key(prep, ccfg, part="analytic"),
-                         lambda: _analytic(prep, ccfg), label + " (analytic)", progress)
+                         lambda: _analytic(prep, ccfg, progress), label + " (analytic)", progress)
 
     def tuned(self, prep: Prepared, ccfg: CompressionConfig, ft: FinetuneConfig, seed: int,
               progress: bool) -> dict[str, Any] | None:

@@ -10,6 +10,7 @@ from typing import Annotated, Any
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from structlm.config import ConfigError, NonEmpty, OneOf, Range, dataclass_from_dict, validated
 from structlm.hf.adapters import MatrixType, ModelAdapter, parse_types
@@ -152,12 +153,12 @@ def build_modules(factors: TypeFactors, biases: list[torch.Tensor | None]) -> li
 
 
 def compress_model(adapter: ModelAdapter, cal: Calibration, cfg: CompressionConfig,
-                   progress: Any = None, calib_tokens: torch.Tensor | None = None
+                   progress: bool = False, calib_tokens: torch.Tensor | None = None
                    ) -> dict[str, Any]:
     """Factorise ``cfg.types`` in every layer and replace the modules in place; returns
     the accounting (original vs stored parameters per type and for the model), ranks
-    and per-layer kept energy. ``cfg.update`` needs ``calib_tokens`` (the calibration
-    windows, run again through the compressed model)."""
+    and per-layer kept energy (``progress``: a bar over the types). ``cfg.update`` needs
+    ``calib_tokens`` (the calibration windows, run again through the compressed model)."""
     if cfg.update and calib_tokens is None:
         raise ValueError("update=True needs the calibration tokens (calib_tokens=...)")
     L = adapter.num_layers
@@ -167,8 +168,10 @@ def compress_model(adapter: ModelAdapter, cal: Calibration, cfg: CompressionConf
     originals: dict[MatrixType, list[torch.Tensor]] = {}
     plans = plan_types(adapter, cfg)
     roots = RootCache(cfg.eig_floor, store=cache_dir("roots"))  # keyed on content
-    for plan in plans:
+    bar = tqdm(plans, desc="compress", unit="type", disable=not progress, leave=False)
+    for plan in bar:
         t = plan.type
+        bar.set_postfix_str(t.value)
         weights = adapter.weights(t)
         if cfg.update:
             originals[t] = weights
@@ -191,8 +194,6 @@ def compress_model(adapter: ModelAdapter, cal: Calibration, cfg: CompressionConf
             "token_macs": method.token_macs(out, inn, factors.ranks, sizes, factors.parts),
             "budget": plan.budget, "ratio": original / stored, "energy_kept": factors.energy,
             "mean_energy_kept": sum(factors.energy) / L, **factors.info}
-        if progress is not None:
-            progress.update(1)
     if cfg.update:
         assert calib_tokens is not None
         report["update"] = get_method(cfg.method).update(adapter, cal, plans, originals,

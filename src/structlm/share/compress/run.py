@@ -59,7 +59,7 @@ def _run(model: str, ccfg: CompressionConfig, out: Path, corpus: str, second_cor
                            "calibration": dict(prep.calibration.meta), "text": prep.text}
     res["ppl_original"] = evaluate_all(prep.loaded.model, prep.eval_ids, progress=progress)
     t1 = time.time()
-    res["compression"] = compress_model(prep.adapter, prep.calibration, ccfg,
+    res["compression"] = compress_model(prep.adapter, prep.calibration, ccfg, progress=progress,
                                         calib_tokens=prep.calib_ids)
     res["compress_seconds"] = time.time() - t1
     res["ppl_compressed"] = evaluate_all(prep.loaded.model, prep.eval_ids, progress=progress)
