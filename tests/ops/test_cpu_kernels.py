@@ -312,11 +312,11 @@ def test_dense_packed_rows_every_row_count_of_a_panel_call(dtype: torch.dtype) -
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_packed_rows_in_input_chunks(dtype: torch.dtype) -> None:
-    """From nine rows a block is taken 256 inputs at a time, every group of rows against
-    each chunk: inputs below, at and past one chunk and with a ragged last chunk (255,
-    256, 257, 1025), rows on both sides of the threshold (8, 9, 32, 33), a dense weight
-    and an algebra layer of mixed types with 300-wide blocks, NaN kept to its row."""
+def test_packed_rows_long_inputs_many_rows(dtype: torch.dtype) -> None:
+    """The packed kernel at more rows than one panel call takes (several groups of six
+    and eight against each strip pair, then the rest): inputs 255, 256, 257 and 1025 wide,
+    8, 9, 32 and 33 rows, a dense weight and an algebra layer of mixed types with 300-wide
+    blocks, NaN kept to its row."""
     gen = torch.Generator().manual_seed(31)
     n = 53
     for k, rows in [(k, r) for k in (255, 256, 257, 1025) for r in (8, 9, 32, 33)]:

@@ -42,11 +42,10 @@ constexpr int64_t kChunkRows = 64;  // output rows per accumulator pass (measure
 // typed rows at least this long go four at a time (measured: rows of 384 floats four at
 // a time 1.3x slower than one at a time; 768-float dense rows a few percent faster)
 constexpr int64_t kFourRowsMinLength = 512;
-// Panel-packed calls: a block read by at least kChunkMinRows rows is taken kInputChunk
-// inputs at a time (a strip pair's chunk: 256 x 32 floats = 32 KiB, in L1 with the rows'
-// inputs), every group of rows against the chunk before the next.
-constexpr int64_t kChunkMinRows = 9;
-constexpr int64_t kInputChunk = 256;
+// Not done: taking a block 256 inputs at a time from nine rows (every group of rows
+// against an L1-sized chunk of the panels): 1.25-1.34x slower at M = 16-64 on an AMD EPYC
+// (Zen 4) VM, where the dense M = 32 call already runs near the FMA peak of its 2 cores
+// (benchmarks/results/few_row_input_chunks.md, builds alternated).
 
 using structlm::Support;
 
@@ -78,16 +77,16 @@ void fused_rows_impl(const T* x, const T* packed, const int64_t* types, const Su
       std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_panels));
   // rows `rows[k0..k1)` against the panel of block (d, b) of the strip at output row n0
   // (pw outputs), accumulated into acc (kPanel floats per row)
-  // inputs c0 .. c0 + width of the block
   auto strip_rows = [&](const int64_t* rows, int64_t k0, int64_t k1, int64_t b, int64_t n0,
-                        int64_t pw, T* acc, int64_t c0, int64_t width) {
-    const T* pan = packed + n0 * K + s.in_off[b] * pw + c0 * pw;
+                        int64_t pw, T* acc) {
+    const int64_t width = s.in_off[b + 1] - s.in_off[b];
+    const T* pan = packed + n0 * K + s.in_off[b] * pw;
     for (int64_t k = k0; k < k1; k += structlm::kPanelRowsPerCall) {
       const int64_t n_rows = std::min<int64_t>(structlm::kPanelRowsPerCall, k1 - k);
       const T* xs[structlm::kPanelRowsPerCall];
       T* as[structlm::kPanelRowsPerCall];
       for (int64_t r = 0; r < n_rows; ++r) {
-        xs[r] = x + rows[k + r] * K + s.in_off[b] + c0;
+        xs[r] = x + rows[k + r] * K + s.in_off[b];
         as[r] = acc + rows[k + r] * kPanel;
       }
       if (pw == kPanel) {
@@ -119,41 +118,33 @@ void fused_rows_impl(const T* x, const T* packed, const int64_t* types, const Su
             const int64_t count = n_users[d * q + b];
             if (count == 0) continue;
             const int64_t* rows = users.data() + (d * q + b) * M;
-            const int64_t width = s.in_off[b + 1] - s.in_off[b];
-            // more rows than one call takes: the block's inputs in chunks, every group of
-            // rows against a chunk of the panels while it is in L1 (else each group
-            // streams the whole strip again from L2 or DRAM)
-            const int64_t chunk = count >= kChunkMinRows ? kInputChunk : width;
-            for (int64_t c0 = 0; c0 < width; c0 += chunk) {
-              const int64_t cw = std::min(chunk, width - c0);
-              int64_t k = 0;
-              if constexpr (std::is_same_v<T, float>) {
-                if (pair) {
-                  const float* pan0 = packed + n0 * K + s.in_off[b] * kPanel + c0 * kPanel;
-                  const float* pan1 = pan0 + kPanel * K;
-                  // a dense weight at few rows: the first call prefetches the next pair's
-                  // panels (see kPrefetchMaxRows)
-                  const float* next =
-                      q == 1 && count <= structlm::kPrefetchMaxRows && p + 3 < p_end &&
-                              s.out_off[d + 1] - n0 >= 4 * kPanel
-                          ? pan0 + 2 * kPanel * K : nullptr;  // two full strips
-                  for (; k + structlm::kPairRows <= count; k += structlm::kPairRows) {
-                    const float* xs[structlm::kPairRows];
-                    float* as0[structlm::kPairRows];
-                    float* as1[structlm::kPairRows];
-                    for (int64_t r = 0; r < structlm::kPairRows; ++r) {
-                      xs[r] = x + rows[k + r] * K + s.in_off[b] + c0;
-                      as0[r] = acc.data() + rows[k + r] * kPanel;
-                      as1[r] = acc2.data() + rows[k + r] * kPanel;
-                    }
-                    structlm::panel_pair_rows(xs, pan0, pan1, cw, as0, as1,
-                                              k == 0 ? next : nullptr);
+            int64_t k = 0;
+            if constexpr (std::is_same_v<T, float>) {
+              if (pair) {
+                const int64_t width = s.in_off[b + 1] - s.in_off[b];
+                const float* pan0 = packed + n0 * K + s.in_off[b] * kPanel;
+                const float* pan1 = pan0 + kPanel * K;
+                // a dense weight at few rows: the first call prefetches the next pair's
+                // panels (see kPrefetchMaxRows)
+                const float* next = q == 1 && count <= structlm::kPrefetchMaxRows &&
+                                            p + 3 < p_end && s.out_off[d + 1] - n0 >= 4 * kPanel
+                                        ? pan0 + 2 * kPanel * K : nullptr;  // two full strips
+                for (; k + structlm::kPairRows <= count; k += structlm::kPairRows) {
+                  const float* xs[structlm::kPairRows];
+                  float* as0[structlm::kPairRows];
+                  float* as1[structlm::kPairRows];
+                  for (int64_t r = 0; r < structlm::kPairRows; ++r) {
+                    xs[r] = x + rows[k + r] * K + s.in_off[b];
+                    as0[r] = acc.data() + rows[k + r] * kPanel;
+                    as1[r] = acc2.data() + rows[k + r] * kPanel;
                   }
+                  structlm::panel_pair_rows(xs, pan0, pan1, width, as0, as1,
+                                            k == 0 ? next : nullptr);
                 }
               }
-              strip_rows(rows, k, count, b, n0, pw, acc.data(), c0, cw);
-              if (pair) strip_rows(rows, k, count, b, n0 + kPanel, kPanel, acc2.data(), c0, cw);
             }
+            strip_rows(rows, k, count, b, n0, pw, acc.data());
+            if (pair) strip_rows(rows, k, count, b, n0 + kPanel, kPanel, acc2.data());
           }
           for (int64_t m = 0; m < M; ++m) {
             for (int64_t j = 0; j < pw; ++j) {
