@@ -44,7 +44,8 @@ def test_the_docs_show_the_generated_table() -> None:
 def _layer_row(algebra: str, m: int, speedup: float, roofline: float, **kw: str) -> dict:
     return {"kind": "linear", "algebra": algebra, "mode": "fwd", "M": str(m), "K": "4096",
             "N": "4096", "speedup": str(speedup), "roofline_ideal": str(roofline),
-            "dense_path": "DecodeLinear", "dense_pct_of_stream": "47.0", **kw}
+            "dense_path": "DecodeLinear", "dense_pct_of_stream": "47.0",
+            "dense_macs": "536870912", "dense_ms": "5.5", "gemm_peak_gflops": "204.9", **kw}
 
 
 def test_rules_at_their_thresholds() -> None:
@@ -70,7 +71,11 @@ def test_rules_at_their_thresholds() -> None:
     assert ct._m32_roofline(m32).status == "met"
     above = ct._m32_roofline([*m32, _layer_row("Q8", 32, 1.2, 1.0)])
     assert above.status == "not decidable" and "Q8 above the roofline" in above.detail
-    assert ct._m32_roofline([_layer_row("Q2", 32, 0.84, 1.0)]).status == "missed"
+    v = ct._m32_roofline([_layer_row("Q2", 32, 0.84, 1.0)])
+    assert v.status == "missed" and v.measured == "Q2 84.0%"
+    # 2 x 536870912 flops in 5.5 ms at a 204.9 GFLOP/s GEMM rate: 95%
+    assert v.detail == ("below 85%: Q2; the dense arm at up to 95% of the GEMM rate and 47% "
+                        "of the stream measured in the run")
     gen = [{"model": "dense", "tokens_per_s": "40"},
            {"model": "llama.cpp f32", "tokens_per_s": "40", "greedy_tokens_equal_reference":
             "128/128"},
