@@ -111,3 +111,23 @@ def test_bad_input_is_named(tmp_path) -> None:
         ct.evaluate(partial)
     with pytest.raises(SystemExit):
         ct.main(["--results", str(tmp_path / "nowhere")])
+
+
+def test_share_rules() -> None:
+    """bench share rows: the decode speed-up against the bytes ideal (above it: the
+    original is off its floor, not decidable) and the original against llama.cpp f32."""
+    ct = _module()
+    decode = {"phase": "decode", "batch": "1", "original_bytes_per_step": "132",
+              "compressed_bytes_per_step": "100", "original_pct_of_stream": "52.0"}
+    assert ct._share_decode([{**decode, "speedup": "1.19"}]).status == "met"  # 90.2%
+    assert ct._share_decode([{**decode, "speedup": "1.18"}]).status == "missed"
+    v = ct._share_decode([{**decode, "speedup": "1.40"}])
+    assert v.status == "not decidable" and "52% of the stream" in v.detail
+    peer = {"phase": "peer", "item": "llamacpp-f32", "original_tok_s": "56.2",
+            "peer_tok_s": "68.7", "original_over_peer": "0.818",
+            "peer_greedy_agreement": "32/32"}
+    v = ct._share_dense_vs_llamacpp([peer])
+    assert v.status == "missed" and v.measured == "56.20 vs 68.70 tok/s, 0.82×"
+    assert ct._share_dense_vs_llamacpp([{**peer, "original_over_peer": "1.0"}]).status == "met"
+    with pytest.raises(ValueError):
+        ct._share_dense_vs_llamacpp([decode])  # no peer row

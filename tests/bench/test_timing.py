@@ -35,3 +35,19 @@ def test_csv_and_markdown_from_the_csv(tmp_path: os.PathLike[str]) -> None:
 def test_empty_rows_are_refused(tmp_path: os.PathLike[str]) -> None:
     with pytest.raises(ValueError, match="no rows"):
         write_csv_and_markdown(os.path.join(tmp_path, "x"), [], lambda r: "")
+
+
+def test_passive_wait_policy_is_warned_and_recorded(monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """OMP_WAIT_POLICY=PASSIVE (any case) gets a warning on stderr naming it; the policy
+    is part of every run's environment, "unset" when it is."""
+    from structlm.bench.timing import warn_if_passive_wait
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    assert "OMP_WAIT_POLICY=PASSIVE" in (warn_if_passive_wait() or "")
+    assert "OMP_WAIT_POLICY=PASSIVE" in capsys.readouterr().err
+    assert environment()["omp_wait_policy"] == "passive"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert warn_if_passive_wait() is None and capsys.readouterr().err == ""
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    assert warn_if_passive_wait() is None and environment()["omp_wait_policy"] == "unset"

@@ -14,9 +14,11 @@ from structlm.config import dataclass_from_dict
 
 def _cmd_bench_layer(args: argparse.Namespace) -> int:
     from structlm.bench.layer import config_from_args, run_layer_bench
+    from structlm.bench.timing import warn_if_passive_wait
 
     cfg = config_from_args(args.preset, **args.flags.values(args))
     out = args.out or f"bench-out/layer_{args.preset}"
+    warn_if_passive_wait()
     run_layer_bench(cfg, out)
     with open(out + ".md") as fh:
         print(fh.read())
@@ -26,6 +28,7 @@ def _cmd_bench_layer(args: argparse.Namespace) -> int:
 
 def _cmd_bench_generate(args: argparse.Namespace) -> int:
     from structlm.bench.generate import GenerateBenchConfig, run_generate_bench
+    from structlm.bench.timing import warn_if_passive_wait
 
     given = args.flags.values(args)
     if not given.get("model") and not (given.get("dense_model") and given.get("algebra_model")):
@@ -34,6 +37,7 @@ def _cmd_bench_generate(args: argparse.Namespace) -> int:
     if args.prompt:
         given["prompts"] = tuple(args.prompt)
     cfg = dataclass_from_dict(GenerateBenchConfig, given)
+    warn_if_passive_wait()
     run_generate_bench(cfg, args.out)
     with open(args.out + ".md") as fh:
         print(fh.read())
@@ -43,11 +47,13 @@ def _cmd_bench_generate(args: argparse.Namespace) -> int:
 def _cmd_bench_train(args: argparse.Namespace) -> int:
     import dataclasses
 
+    from structlm.bench.timing import warn_if_passive_wait
     from structlm.bench.train_step import PRESETS, run_train_bench
 
     given = args.flags.values(args)
     cfgs = [dataclasses.replace(c, **given) for c in PRESETS[args.preset]]
     out = args.out or f"bench-out/train_{args.preset}"
+    warn_if_passive_wait()
     run_train_bench(cfgs, out)
     with open(out + ".md") as fh:
         print(fh.read())

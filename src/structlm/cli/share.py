@@ -144,9 +144,11 @@ def _cmd_share_compress(args: argparse.Namespace) -> int:
 
 def _cmd_bench_share(args: argparse.Namespace) -> int:
     from structlm.bench.share import ShareBenchConfig, run_share_bench
+    from structlm.bench.timing import warn_if_passive_wait
 
     cfg = dataclass_from_dict(ShareBenchConfig, {"model": args.model,
                                                  **args.flags.values(args)})
+    warn_if_passive_wait()
     run_share_bench(cfg, args.out)
     with open(args.out + ".md") as fh:
         print(fh.read())
