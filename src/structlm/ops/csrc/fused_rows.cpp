@@ -43,9 +43,10 @@ constexpr int64_t kChunkRows = 64;  // output rows per accumulator pass (measure
 // a time 1.3x slower than one at a time; 768-float dense rows a few percent faster)
 constexpr int64_t kFourRowsMinLength = 512;
 // Not done: taking a block 256 inputs at a time from nine rows (every group of rows
-// against an L1-sized chunk of the panels): 1.25-1.34x slower at M = 16-64 on an AMD EPYC
-// (Zen 4) VM, where the dense M = 32 call already runs near the FMA peak of its 2 cores
-// (benchmarks/results/few_row_input_chunks.md, builds alternated).
+// against an L1-sized chunk of the panels): 1.11-1.33x slower at M = 16-64 on an AMD EPYC
+// (Zen 4) VM (two alternations, both builds under OMP_WAIT_POLICY=PASSIVE), where the dense
+// M = 32 call runs at the GEMM rate measured in the run
+// (benchmarks/results/few_row_input_chunks.md).
 
 using structlm::Support;
 
