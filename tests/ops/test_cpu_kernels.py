@@ -340,3 +340,25 @@ def test_packed_rows_long_inputs_many_rows(dtype: torch.dtype) -> None:
         types = torch.randint(0, 4, (rows,), generator=gen)
         err_fast, err_plain = _errors(layer, xa, types)
         assert err_fast <= 2 * err_plain + 8 * torch.finfo(dtype).eps * 1200**0.5, rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_dense_rows_in_place_both_row_loops(dtype: torch.dtype) -> None:
+    """The in-place few-row loop takes rows of at least 2048 inputs four at a time and
+    shorter ones one at a time: inputs on both sides (2047, 2048, 2053), output counts
+    that leave 1-3 rows after the groups of four (N = 13, 6), 1 and 3 rows, NaN kept to
+    its row, against a float64 product."""
+    gen = torch.Generator().manual_seed(41)
+    for k, n, rows in [(2047, 13, 1), (2048, 13, 3), (2053, 6, 1), (2053, 13, 3)]:
+        w = torch.randn(n, k, generator=gen, dtype=torch.float64) / k**0.5
+        x = torch.randn(rows, k, generator=gen, dtype=torch.float64)
+        exact = F.linear(x, w)
+        plain = F.linear(x.to(dtype), w.to(dtype))
+        fast = cpu_kernels.dense_rows_linear(x.to(dtype), w.to(dtype), packed=False)
+        err_fast = (fast.double() - exact).abs().max().item()
+        err_plain = (plain.double() - exact).abs().max().item()
+        assert err_fast <= 2 * err_plain + 4 * torch.finfo(dtype).eps * k, (k, n, rows)
+    x = torch.randn(3, 2053, generator=gen).to(dtype)
+    x[1, 2050] = float("nan")  # in the tail after the last full vector
+    y = cpu_kernels.dense_rows_linear(x, w.to(dtype), packed=False)
+    assert torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2]]).all()

@@ -39,9 +39,13 @@ using structlm::dot4;
 using structlm::kPanel;
 
 constexpr int64_t kChunkRows = 64;  // output rows per accumulator pass (measured: 16-256)
-// typed rows at least this long go four at a time (measured: rows of 384 floats four at
-// a time 1.3x slower than one at a time; 768-float dense rows a few percent faster)
-constexpr int64_t kFourRowsMinLength = 512;
+// typed rows at least this long go four at a time (each x vector loaded once for four
+// rows), shorter ones one at a time (one forward stream). Weights rotated over 1 GiB, 2
+// threads, builds alternated three times (AMD EPYC Zen 4 VM): one at a time is 1.2-1.7x
+// faster on rows of 576 and 1536 floats (SmolLM2's projections; its 49152x576 LM head
+// 3.7-3.9 -> 2.3-2.7 ms) and level on 4096-float rows; on the Xeon VM four at a time was
+// 1.3x slower on 384-float rows and a few percent faster on 768-float ones.
+constexpr int64_t kFourRowsMinLength = 2048;
 // Not done: taking a block 256 inputs at a time from nine rows (every group of rows
 // against an L1-sized chunk of the panels): 1.11-1.33x slower at M = 16-64 on an AMD EPYC
 // (Zen 4) VM (two alternations, both builds under OMP_WAIT_POLICY=PASSIVE), where the dense
