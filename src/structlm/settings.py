@@ -19,6 +19,9 @@ variable                       effect
                                default ``~/.cache/torch_extensions``)
 ``TRITON_INTERPRET``           ``1`` runs the Triton kernels on the CPU (Triton's own)
 ``WORLD_SIZE``, ``LOCAL_RANK``  set by ``torchrun``: distributed training
+``OMP_WAIT_POLICY``            OpenMP's own: recorded in every benchmark's environment;
+                               ``PASSIVE`` gets a warning from the benchmarks (every
+                               parallel region then pays a thread wake-up)
 =============================  ============================================================
 """
 
@@ -29,12 +32,13 @@ from pathlib import Path
 
 __all__ = ["ENVIRONMENT_VARIABLES", "backend_override", "backend_override_set", "cache_dir",
            "cpu_kernels_enabled",
-           "decode_copy_default", "local_rank", "torch_extensions_dir",
+           "decode_copy_default", "local_rank", "omp_wait_policy", "torch_extensions_dir",
            "triton_dispatch_path", "triton_interpret", "world_size"]
 
 ENVIRONMENT_VARIABLES = ("STRUCTLM_CACHE", "STRUCTLM_BACKEND", "STRUCTLM_CPU_KERNELS",
                          "STRUCTLM_DECODE_COPY", "STRUCTLM_TRITON_DISPATCH",
-                         "TORCH_EXTENSIONS_DIR", "TRITON_INTERPRET", "WORLD_SIZE", "LOCAL_RANK")
+                         "TORCH_EXTENSIONS_DIR", "TRITON_INTERPRET", "WORLD_SIZE", "LOCAL_RANK",
+                         "OMP_WAIT_POLICY")
 """The variables documented above (a test checks that no other is read)."""
 
 
@@ -99,3 +103,8 @@ def world_size() -> int:
 def local_rank() -> int:
     """``LOCAL_RANK`` (0 without ``torchrun``)."""
     return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def omp_wait_policy() -> str:
+    """``OMP_WAIT_POLICY`` as set (``"unset"`` when it is not)."""
+    return os.environ.get("OMP_WAIT_POLICY", "unset")

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from structlm.cpu_malloc import malloc_setting
+from structlm.settings import omp_wait_policy
 
 __all__ = ["CacheFlusher", "environment", "interleaved_medians", "warn_if_passive_wait",
            "write_csv_and_markdown", "write_csv_atomic"]
@@ -31,7 +32,7 @@ def warn_if_passive_wait() -> str | None:
     decode ran 1.8x slower in a run minutes apart, llama.cpp's OpenMP build too), so
     timings taken under it describe the wake-ups. Recorded in every run's environment
     (``omp_wait_policy``)."""
-    if os.environ.get("OMP_WAIT_POLICY", "").strip().upper() != "PASSIVE":
+    if omp_wait_policy().strip().upper() != "PASSIVE":
         return None
     msg = ("warning: OMP_WAIT_POLICY=PASSIVE: every parallel region wakes sleeping threads, "
            "which slows short calls and decode steps (a 2-thread region 48 us instead of 4 us "
@@ -69,7 +70,7 @@ def environment() -> dict[str, str]:
         "python": platform.python_version(),
         "threads": str(torch.get_num_threads()),
         "malloc": malloc_setting(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
+        "omp_wait_policy": omp_wait_policy(),
         "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
 
