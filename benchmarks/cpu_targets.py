@@ -231,17 +231,26 @@ TARGETS = (
            "--peers llamacpp-f32,llamacpp-q8_0 --modes fixed --max-new-tokens 128",
            _dense_vs_llamacpp),
     Target("dense decode of SmolLM2 f32 ≥ llama.cpp f32, same run (EPYC)",
+           "generate_fused/smollm2_q2x2_all_epyc.csv",
+           "structlm bench generate --model smollm2 --algebra Q2^2 --targets all "
+           "--peers llamacpp-f32,llamacpp-q8_0 --modes fixed --max-new-tokens 128",
+           _dense_vs_llamacpp),
+    Target("dense decode of SmolLM2 f32 ≥ llama.cpp f32, `bench share` trials (EPYC)",
            "share_bench_smollm2_basis_sharing_all40_peers.csv",
            "structlm bench share smollm2 --compressed DIR/model --trials 7 "
            "--peers llamacpp-f32,llamacpp-q8_0", _share_dense_vs_llamacpp),
-    Target("`Q2^2` on every linear ≥ 1.3× llama.cpp f32 and ≥ 90% of its ideal over dense",
-           "generate_fused/smollm2_q2x2_all.csv", "(the same run)", _algebra_vs_llamacpp),
+    Target("`Q2^2` on every linear ≥ 1.3× llama.cpp f32 and ≥ 90% of its ideal over dense "
+           "(Xeon)", "generate_fused/smollm2_q2x2_all.csv", "(the same run)",
+           _algebra_vs_llamacpp),
+    Target("`Q2^2` on every linear ≥ 1.3× llama.cpp f32 and ≥ 90% of its ideal over dense "
+           "(EPYC)", "generate_fused/smollm2_q2x2_all_epyc.csv", "(the same run)",
+           _algebra_vs_llamacpp),
     Target("basis-sharing −40% decode (batch 1) ≥ 90% of its bytes ideal (Xeon)",
            "share_bench_smollm2_basis_sharing_all40_fused.csv",
            "structlm bench share smollm2 --compressed DIR/model --trials 7", _share_decode),
     Target("basis-sharing −40% decode (batch 1) ≥ 90% of its bytes ideal (EPYC)",
-           "share_bench_smollm2_basis_sharing_all40_peers.csv", "(the same run)",
-           _share_decode),
+           "share_bench_smollm2_basis_sharing_all40_peers.csv",
+           "(the same run as its dense vs llama.cpp row)", _share_decode),
     Target("StructLM decode (paper-110m, `Q2^2`) ≥ 90% of its ideal",
            "generate_cpu_paper110m_xeon.csv",
            "structlm bench generate --preset paper-110m --algebra Q2^2 --runs 4 "
