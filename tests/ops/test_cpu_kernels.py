@@ -284,6 +284,22 @@ def test_batch_of_32_with_a_graph_equals_the_reference(algebra: str, train_weigh
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
+def _dense_rows_errors(gen: torch.Generator, n: int, k: int, rows: int, dtype: torch.dtype,
+                       packed: bool, bias: bool = True) -> tuple[torch.Tensor, float, float]:
+    """A random ``(n, k)`` weight (and bias) and ``rows`` inputs: the weight, and the
+    largest error of the few-row kernel and of ``F.linear`` in ``dtype`` against the
+    float64 product."""
+    w = torch.randn(n, k, generator=gen, dtype=torch.float64) / k**0.5
+    b = torch.randn(n, generator=gen, dtype=torch.float64) if bias else None
+    x = torch.randn(rows, k, generator=gen, dtype=torch.float64)
+    low = None if b is None else b.to(dtype)
+    exact = F.linear(x, w, b)
+    plain = F.linear(x.to(dtype), w.to(dtype), low)
+    fast = cpu_kernels.dense_rows_linear(x.to(dtype), w.to(dtype), low, packed=packed)
+    return (w, (fast.double() - exact).abs().max().item(),
+            (plain.double() - exact).abs().max().item())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_dense_packed_rows_every_row_count_of_a_panel_call(dtype: torch.dtype) -> None:
     """The packed few-row kernel takes rows four (eight with AVX-512) at a time against
@@ -294,15 +310,7 @@ def test_dense_packed_rows_every_row_count_of_a_panel_call(dtype: torch.dtype) -
     gen = torch.Generator().manual_seed(29)
     k = 37
     for n, rows in [(53, r) for r in range(1, 18)] + [(100, 13), (100, 6)]:
-        w = torch.randn(n, k, generator=gen, dtype=torch.float64) / k**0.5
-        bias = torch.randn(n, generator=gen, dtype=torch.float64)
-        x = torch.randn(rows, k, generator=gen, dtype=torch.float64)
-        exact = F.linear(x, w, bias)
-        plain = F.linear(x.to(dtype), w.to(dtype), bias.to(dtype))
-        fast = cpu_kernels.dense_rows_linear(x.to(dtype), w.to(dtype), bias.to(dtype),
-                                             packed=True)
-        err_fast = (fast.double() - exact).abs().max().item()
-        err_plain = (plain.double() - exact).abs().max().item()
+        w, err_fast, err_plain = _dense_rows_errors(gen, n, k, rows, dtype, packed=True)
         bound = 2 * err_plain + 4 * torch.finfo(dtype).eps * k
         assert err_fast <= bound, (n, rows, err_fast)
     x = torch.randn(9, k, generator=gen).to(dtype)
@@ -320,15 +328,7 @@ def test_packed_rows_long_inputs_many_rows(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(31)
     n = 53
     for k, rows in [(k, r) for k in (255, 256, 257, 1025) for r in (8, 9, 32, 33)]:
-        w = torch.randn(n, k, generator=gen, dtype=torch.float64) / k**0.5
-        bias = torch.randn(n, generator=gen, dtype=torch.float64)
-        x = torch.randn(rows, k, generator=gen, dtype=torch.float64)
-        exact = F.linear(x, w, bias)
-        plain = F.linear(x.to(dtype), w.to(dtype), bias.to(dtype))
-        fast = cpu_kernels.dense_rows_linear(x.to(dtype), w.to(dtype), bias.to(dtype),
-                                             packed=True)
-        err_fast = (fast.double() - exact).abs().max().item()
-        err_plain = (plain.double() - exact).abs().max().item()
+        w, err_fast, err_plain = _dense_rows_errors(gen, n, k, rows, dtype, packed=True)
         assert err_fast <= 2 * err_plain + 4 * torch.finfo(dtype).eps * k, (k, rows, err_fast)
     x = torch.randn(33, 1025, generator=gen).to(dtype)
     x[20, 700] = float("nan")
@@ -350,13 +350,8 @@ def test_dense_rows_in_place_both_row_loops(dtype: torch.dtype) -> None:
     its row, against a float64 product."""
     gen = torch.Generator().manual_seed(41)
     for k, n, rows in [(2047, 13, 1), (2048, 13, 3), (2053, 6, 1), (2053, 13, 3)]:
-        w = torch.randn(n, k, generator=gen, dtype=torch.float64) / k**0.5
-        x = torch.randn(rows, k, generator=gen, dtype=torch.float64)
-        exact = F.linear(x, w)
-        plain = F.linear(x.to(dtype), w.to(dtype))
-        fast = cpu_kernels.dense_rows_linear(x.to(dtype), w.to(dtype), packed=False)
-        err_fast = (fast.double() - exact).abs().max().item()
-        err_plain = (plain.double() - exact).abs().max().item()
+        w, err_fast, err_plain = _dense_rows_errors(gen, n, k, rows, dtype, packed=False,
+                                                    bias=False)
         assert err_fast <= 2 * err_plain + 4 * torch.finfo(dtype).eps * k, (k, n, rows)
     x = torch.randn(3, 2053, generator=gen).to(dtype)
     x[1, 2050] = float("nan")  # in the tail after the last full vector
