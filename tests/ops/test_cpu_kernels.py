@@ -77,6 +77,40 @@ def test_fused_rows_long_rows_and_leading_dims() -> None:
         assert err_fast <= 2 * err_plain + 8 * torch.finfo(torch.float32).eps * 4100**0.5
 
 
+@pytest.mark.parametrize("algebra", ["Q2^2", "Q2^3", "Q4", "Q2xQ3"])
+@pytest.mark.parametrize("width", [37, 2053])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_typed_copies_every_type_and_nan(algebra: str, width: int, dtype: torch.dtype) -> None:
+    """Rows of one type from the typed copies, for every type: short rows read x in place
+    as the segments of the blocks the type reads (adjacent ones merged, the others apart),
+    rows of >= 2048 inputs read a gathered copy. A NaN in one input column reaches exactly
+    the outputs whose blocks read that column, as in the reference."""
+    q = support_of(get_algebra(algebra)).q
+    gen = torch.Generator().manual_seed(width + q)
+    torch.manual_seed(width)
+    in_w = [width + 3 * i for i in range(q)]  # unequal groups; every row long at 2053
+    out_w = [5 + i % 3 for i in range(q)]
+    layer = AlgebraLinear(sum(in_w), sum(out_w), algebra, group_sizes=(in_w, out_w),
+                          bias=True).to(dtype)
+    col = in_w[0] + in_w[1] // 2  # a column of input group 1
+    for a in range(q):
+        types = torch.full((3,), a)
+        x = torch.randn(3, layer.in_features, generator=gen).to(dtype)
+        with cpu_kernels.decode_copy("typed"):
+            err_fast, err_plain = _errors(layer, x, types)
+        bound = 2 * err_plain + 8 * torch.finfo(dtype).eps * layer.in_features**0.5
+        assert err_fast <= bound, (a, err_fast, err_plain)
+        x[1, col] = float("nan")
+        with torch.no_grad():
+            layer.backend = Backend.REFERENCE
+            want = layer(x, types).isnan()
+            layer.backend = Backend.BLOCKED
+            with cpu_kernels.decode_copy("typed"), force_layout("fused-rows"):
+                got = layer(x, types).isnan()
+        assert want[1].any() == bool(layer.plan.type_blocks[a, 1].any()), a  # reads group 1?
+        assert torch.equal(got, want), a
+
+
 def test_fused_rows_bf16_falls_back_to_rectangles() -> None:
     """bf16 is not compiled: the layout runs the PyTorch rectangles instead, still exact."""
     gen = torch.Generator().manual_seed(9)

@@ -35,6 +35,16 @@ inline T dot1(const T* __restrict x, const T* __restrict w, int64_t n) {
   return dot_segment(x, w, n);
 }
 
+// x . w where the row w is segments of x back to back: segment g is x[off[g] : off[g] +
+// width[g]] (a typed row: the blocks its type reads, read from x in place).
+template <typename T>
+inline T dot_segments(const T* __restrict x, const int64_t* off, const int64_t* width,
+                      int64_t n_seg, const T* __restrict w) {
+  T s = 0;
+  for (int64_t g = 0; g < n_seg; w += width[g++]) s += dot_segment(x + off[g], w, width[g]);
+  return s;
+}
+
 // out[r] += x . w[r * ld : r * ld + n] for r < 4.
 template <typename T>
 inline void dot4(const T* __restrict x, const T* __restrict w, int64_t ld, int64_t n,
@@ -65,6 +75,31 @@ inline float dot1<float>(const float* __restrict x, const float* __restrict w, i
   }
   float t = 0;
   for (; i < n; ++i) t += x[i] * w[i];
+  return hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3))) + t;
+}
+
+// The segments' products summed in one set of accumulators (one reduction per row).
+template <>
+inline float dot_segments<float>(const float* __restrict x, const int64_t* off,
+                                 const int64_t* width, int64_t n_seg,
+                                 const float* __restrict w) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+  float t = 0;
+  for (int64_t g = 0; g < n_seg; w += width[g++]) {
+    const float* xs = x + off[g];
+    const int64_t n = width[g];
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(xs + i), _mm256_loadu_ps(w + i), s0);
+      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(xs + i + 8), _mm256_loadu_ps(w + i + 8), s1);
+      s2 = _mm256_fmadd_ps(_mm256_loadu_ps(xs + i + 16), _mm256_loadu_ps(w + i + 16), s2);
+      s3 = _mm256_fmadd_ps(_mm256_loadu_ps(xs + i + 24), _mm256_loadu_ps(w + i + 24), s3);
+    }
+    for (; i + 8 <= n; i += 8) {
+      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(xs + i), _mm256_loadu_ps(w + i), s0);
+    }
+    for (; i < n; ++i) t += xs[i] * w[i];
+  }
   return hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3))) + t;
 }
 

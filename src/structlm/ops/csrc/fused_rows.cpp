@@ -36,6 +36,7 @@ namespace {
 
 using structlm::dot1;
 using structlm::dot4;
+using structlm::dot_segments;
 using structlm::kPanel;
 
 constexpr int64_t kChunkRows = 64;  // output rows per accumulator pass (measured: 16-256)
@@ -202,8 +203,14 @@ void typed_rows_impl(const T* x, const T* typed, int64_t a, const int64_t* len,
   for (int64_t d = 0; d < q; ++d) {
     start[d + 1] = start[d] + (s.out_off[d + 1] - s.out_off[d]) * len[d];
   }
-  // xg: row m's inputs for group d, the blocks' input columns concatenated like the rows
-  const bool gather = q > 1;
+  // Rows of fewer than kFourRowsMinLength inputs (one at a time) read x in place, as the
+  // segments of the blocks their type reads. Longer rows (four at a time) read a gathered
+  // copy, xg: row m's inputs for group d, the blocks' input columns concatenated like the
+  // rows. (Gathering for short rows too cost Q2^2's SmolLM2 decode step a serial copy per
+  // call into a buffer the weight stream keeps evicting, the other thread idle meanwhile.)
+  bool long_rows = false;
+  for (int64_t d = 0; d < q; ++d) long_rows = long_rows || len[d] >= kFourRowsMinLength;
+  const bool gather = q > 1 && long_rows;
   int64_t xg_width = 0;
   std::vector<int64_t> xg_off(q);
   for (int64_t d = 0; d < q; ++d) xg_off[d] = xg_width, xg_width += len[d];
@@ -232,6 +239,8 @@ void typed_rows_impl(const T* x, const T* typed, int64_t a, const int64_t* len,
     return N;
   };
   at::parallel_for(0, n_threads, 1, [&](int64_t t0, int64_t t1) {
+    // group d's segments of x, where its rows read x in place (typed, short rows)
+    std::vector<int64_t> seg_off(gather || q == 1 ? 0 : q), seg_width(seg_off.size());
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t r0 = t == 0 ? 0 : row_at(t * total / n_threads);
       const int64_t r1 = t + 1 == n_threads ? N : row_at((t + 1) * total / n_threads);
@@ -254,9 +263,32 @@ void typed_rows_impl(const T* x, const T* typed, int64_t a, const int64_t* len,
             }
           }
         }
+        int64_t n_seg = 0;  // x's segments this group's rows read (adjacent blocks merged)
+        if (!seg_off.empty()) {
+          for (int64_t b = 0; b < q; ++b) {
+            if (!s.uses[(a * q + d) * q + b]) continue;
+            const int64_t w_b = s.in_off[b + 1] - s.in_off[b];
+            if (n_seg > 0 && seg_off[n_seg - 1] + seg_width[n_seg - 1] == s.in_off[b]) {
+              seg_width[n_seg - 1] += w_b;
+            } else {
+              seg_off[n_seg] = s.in_off[b];
+              seg_width[n_seg++] = w_b;
+            }
+          }
+        }
+        if (seg_off.empty() || n_seg == 1) {  // the row's inputs are contiguous
+          const T* xs = xd + (n_seg == 1 ? seg_off[0] : 0);
+          for (; n < hi; ++n, w += L) {
+            for (int64_t m = 0; m < M; ++m) {
+              y[m * N + n] = dot1<T>(xs + m * ld_x, w, L) + (bias ? bias[n] : T(0));
+            }
+          }
+        }
         for (; n < hi; ++n, w += L) {
           for (int64_t m = 0; m < M; ++m) {
-            y[m * N + n] = dot1<T>(xd + m * ld_x, w, L) + (bias ? bias[n] : T(0));
+            y[m * N + n] = dot_segments<T>(xd + m * ld_x, seg_off.data(), seg_width.data(),
+                                           n_seg, w) +
+                           (bias ? bias[n] : T(0));
           }
         }
       }
