@@ -233,7 +233,7 @@ TARGETS = (
     Target("dense decode of SmolLM2 f32 ≥ llama.cpp f32, same run (EPYC)",
            "generate_fused/smollm2_q2x2_all_epyc.csv",
            "structlm bench generate --model smollm2 --algebra Q2^2 --targets all "
-           "--peers llamacpp-f32,llamacpp-q8_0 --modes fixed --max-new-tokens 128",
+           "--peers llamacpp-f32,llamacpp-q8_0 --modes fixed --max-new-tokens 128 --runs 7",
            _dense_vs_llamacpp),
     Target("dense decode of SmolLM2 f32 ≥ llama.cpp f32, `bench share` trials (EPYC)",
            "share_bench_smollm2_basis_sharing_all40_peers.csv",
