@@ -161,6 +161,38 @@ def test_compressed_layers_stay_factorised() -> None:
     _check_against_forward(model)
 
 
+def test_factorised_siblings_run_as_one_stacked_chain() -> None:
+    """q, k, v (one-sided over bases two layers share, v low-rank with a bias) and gate,
+    up (one-sided over one basis) each run as one stacked chain: the first factors
+    stacked, the second block-diagonal. The step still equals the model's forward."""
+    from structlm.hf.fused_stack import _Firsts, _siblings
+    from structlm.ops.weight_arena import WeightArena
+
+    model = _spread(_tiny("llama"))
+    gen = torch.Generator().manual_seed(8)
+    d, f, kv = 48, 80, 24  # hidden, FFN, 2 KV heads of 12
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * 0.3
+
+    bases = {n: SharedBasis(rand(r, d), None) for n, r in (("q", 11), ("k", 7), ("up", 13))}
+    for i, block in enumerate(model.model.layers):
+        attn = block.self_attn
+        attn.q_proj = OneSidedLinear(bases["q"], rand(d, 11), None)
+        attn.k_proj = OneSidedLinear(bases["k"], rand(kv, 7), None)
+        attn.v_proj = LowRankLinear(rand(kv, 5), rand(5, d), rand(kv) if i else None)
+        mlp = block.mlp
+        block.mlp = GatedMLP(ConcatProjection([
+            OneSidedLinear(bases["up"], rand(f, 13), None),
+            OneSidedLinear(bases["up"], rand(f, 13), None)]), mlp.down_proj, f, mlp.act_fn)
+    mod = cpu_kernels.kernel_for(model.lm_head.weight, model.lm_head.weight)
+    attn = model.model.layers[0].self_attn
+    assert _siblings(mod, [attn.q_proj, attn.k_proj, attn.v_proj], _Firsts(),
+                     WeightArena()) is not None
+    assert _siblings(mod, [attn.q_proj, attn.o_proj], _Firsts(), WeightArena()) is None
+    _check_against_forward(model)
+
+
 def test_sampling_draws_what_generate_draws() -> None:
     model = _spread(_tiny("llama"))
     ids = _prompt(model.config.vocab_size)

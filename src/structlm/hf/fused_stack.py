@@ -118,6 +118,66 @@ def _chain(mod: Any, module: nn.Module, slots: _Slots, arena: WeightArena) -> An
                            "supported)")
 
 
+def _two_factors(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(F, S)`` of a layer that is ``x -> S (F x)`` (+ bias), the parameters themselves (a
+    shared basis is one object in every layer using it): a one-sided layer's basis and its
+    own factor, a low-rank layer's ``C`` and ``B``; else ``None``."""
+    if isinstance(module, OneSidedLinear):
+        return module.basis.P, module.D
+    if isinstance(module, LowRankLinear):
+        return module.C, module.B
+    return None
+
+
+class _Firsts:
+    """The stacked first factors of sibling projections (q, k, v; gate, up), made once per
+    set of factors so that layers sharing their bases share one stacked copy."""
+
+    def __init__(self) -> None:
+        self._stacked: dict[tuple[int, ...], tuple[list[torch.Tensor], torch.Tensor]] = {}
+
+    def stacked(self, firsts: list[torch.Tensor]) -> torch.Tensor:
+        key = tuple(id(f) for f in firsts)
+        if key not in self._stacked:  # the factors kept alive with it: ids stay theirs
+            self._stacked[key] = (firsts, torch.cat([f.detach() for f in firsts]))
+        return self._stacked[key][1]
+
+
+def _siblings(mod: Any, modules: list[nn.Module], firsts: _Firsts,
+              arena: WeightArena) -> Any | None:
+    """Sibling projections of one input, each ``x -> S_i (F_i x)``, as one ``ChainLinear``
+    whose output is theirs concatenated: the distinct first factors stacked (one call
+    reads them all, where each projection's own call was a few hundred kilobytes), then
+    the second factors as one block-diagonal weight (each output group reads its first
+    factor's slice: a one-type support, the zero-width input groups of repeated factors
+    read by nobody). ``None`` where a module is not such a layer."""
+    pairs = [_two_factors(m) for m in modules]
+    if len(modules) < 2 or any(p is None for p in pairs):
+        return None
+    firsts_, group_of = [], []
+    for f, _ in pairs:  # distinct first factors, by identity (a shared basis: once)
+        index = next((i for i, g in enumerate(firsts_) if g is f), None)
+        if index is None:
+            index = len(firsts_)
+            firsts_.append(f)
+        group_of.append(index)
+    q = len(modules)
+    widths = [f.shape[0] for f in firsts_] + [0] * (q - len(firsts_))
+    in_off = torch.tensor([0, *widths], dtype=torch.int64).cumsum(0)
+    out_off = torch.tensor([0, *(s.shape[0] for _, s in pairs)], dtype=torch.int64).cumsum(0)
+    uses = torch.zeros(1, q, q, dtype=torch.uint8)
+    for d, b in enumerate(group_of):
+        uses[0, d, b] = 1
+    first = _dense_rows(mod, firsts.stacked(firsts_), arena)
+    blocks = torch.cat([s.detach().reshape(-1) for _, s in pairs])  # group d: its block
+    second = mod.BoundRows(arena.place(blocks), out_off, in_off, uses, q, -1)
+    biases = [getattr(m, "bias", None) for m in modules]
+    bias = (None if all(b is None for b in biases) else torch.cat([
+        b.detach() if b is not None else s.new_zeros(s.shape[0])
+        for b, (_, s) in zip(biases, pairs, strict=True)]).contiguous())
+    return mod.ChainLinear([[first, second]], bias)
+
+
 def _is_silu(act: Any) -> bool:
     return isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLU", "SiLUActivation")
 
@@ -173,20 +233,21 @@ def _bias(module: nn.Module | None) -> torch.Tensor | None:
     return None if b is None else b.detach()
 
 
-def _attention_inputs(mod: Any, attn: nn.Module, slots: _Slots, arena: WeightArena
-                      ) -> list[Any]:
+def _attention_inputs(mod: Any, attn: nn.Module, slots: _Slots, arena: WeightArena,
+                      firsts: _Firsts) -> list[Any]:
     """``[q, k, v]``, or one stacked ``[q; k; v]`` (Phi-3's ``qkv_proj``, GPT-2's
-    ``c_attn``; split into three modules when a conversion replaced them)."""
+    ``c_attn``; split into three modules when a conversion replaced them; compressed
+    q, k, v of two factors each, :func:`_siblings`)."""
     qkv = getattr(attn, "qkv_proj", None) or getattr(attn, "c_attn", None)
-    if qkv is None:
-        return [_chain(mod, getattr(attn, n), slots, arena) for n in ("q_proj", "k_proj",
-                                                                        "v_proj")]
-    if isinstance(qkv, ConcatProjection):
-        return [_chain(mod, part, slots, arena) for part in qkv.parts]
-    return [_chain(mod, qkv, slots, arena)]
+    parts = ([getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")] if qkv is None
+             else list(qkv.parts) if isinstance(qkv, ConcatProjection) else [qkv])
+    stacked = _siblings(mod, parts, firsts, arena)
+    if stacked is not None:
+        return [stacked]
+    return [_chain(mod, part, slots, arena) for part in parts]
 
 
-def _gated_mlp(mod: Any, mlp: nn.Module, slots: _Slots, arena: WeightArena,
+def _gated_mlp(mod: Any, mlp: nn.Module, slots: _Slots, arena: WeightArena, firsts: _Firsts,
                gelu: bool = False) -> tuple[list[Any], Any]:
     """``([gate, up] or [stacked gate; up], down)`` of a SiLU-gated MLP (GELU-tanh-gated
     with ``gelu``: Gemma)."""
@@ -196,7 +257,9 @@ def _gated_mlp(mod: Any, mlp: nn.Module, slots: _Slots, arena: WeightArena,
             if len(mlp.proj_in.parts) != 2:
                 raise UnsupportedModel(f"an MLP input of {len(mlp.proj_in.parts)} parts: "
                                        "expected gate and up")
-            mlp_in = [_chain(mod, part, slots, arena) for part in mlp.proj_in.parts]
+            stacked = _siblings(mod, list(mlp.proj_in.parts), firsts, arena)
+            mlp_in = ([stacked] if stacked is not None else
+                      [_chain(mod, part, slots, arena) for part in mlp.proj_in.parts])
         else:
             mlp_in = [_chain(mod, mlp.proj_in, slots, arena)]
     elif hasattr(mlp, "gate_up_proj"):  # Phi-3: stacked [gate; up]
@@ -204,8 +267,10 @@ def _gated_mlp(mod: Any, mlp: nn.Module, slots: _Slots, arena: WeightArena,
         down = mlp.down_proj
     else:
         act, down = mlp.act_fn, mlp.down_proj
-        mlp_in = [_chain(mod, mlp.gate_proj, slots, arena), _chain(mod, mlp.up_proj, slots,
-                                                                    arena)]
+        stacked = _siblings(mod, [mlp.gate_proj, mlp.up_proj], firsts, arena)
+        mlp_in = ([stacked] if stacked is not None else
+                  [_chain(mod, mlp.gate_proj, slots, arena),
+                   _chain(mod, mlp.up_proj, slots, arena)])
     if gelu and "Tanh" not in type(act).__name__:
         raise UnsupportedModel(f"MLP activation {type(act).__name__}: expected GELU-tanh")
     if not gelu and not _is_silu(act):
@@ -214,11 +279,11 @@ def _gated_mlp(mod: Any, mlp: nn.Module, slots: _Slots, arena: WeightArena,
 
 
 def _layer(mod: Any, kind: str, block: nn.Module, slots: _Slots, arena: WeightArena,
-           rope: int = 0) -> Any:
+           firsts: _Firsts, rope: int = 0) -> Any:
     """One block as the step's ``DecoderLayer`` (``rope``: its rotary table)."""
     if kind == "gpt2":
         attn = block.attn
-        attn_in = _attention_inputs(mod, attn, slots, arena)
+        attn_in = _attention_inputs(mod, attn, slots, arena, firsts)
         o = _chain(mod, attn.c_proj, slots, arena)
         mlp_in, down = [_chain(mod, block.mlp.c_fc, slots, arena)], block.mlp.c_proj
         return mod.DecoderLayer(
@@ -226,9 +291,9 @@ def _layer(mod: Any, kind: str, block: nn.Module, slots: _Slots, arena: WeightAr
             None, None, attn_in, o, mlp_in, _chain(mod, down, slots, arena), None, None,
             float(attn.scaling))
     attn = block.self_attn
-    attn_in = _attention_inputs(mod, attn, slots, arena)
+    attn_in = _attention_inputs(mod, attn, slots, arena, firsts)
     o = _chain(mod, attn.o_proj, slots, arena)
-    mlp_in, down = _gated_mlp(mod, block.mlp, slots, arena, gelu=kind in _GEMMA)
+    mlp_in, down = _gated_mlp(mod, block.mlp, slots, arena, firsts, gelu=kind in _GEMMA)
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     if kind in _GEMMA:  # norms before and after attention and MLP, all scaling by 1 + w
         return mod.DecoderLayer(
@@ -294,7 +359,8 @@ def build_stack(model: nn.Module, capacity: int, arena: WeightArena) -> Any:
     layer_types = list(getattr(config, "layer_types", None) or []) if kind == "gemma3_text" else []
     tables = sorted(set(layer_types)) or [None]
     ropes = [tables.index(lt) for lt in layer_types] or [0] * len(decoder_layers(model))
-    layers = [_layer(mod, kind, b, slots, arena, rope)
+    firsts = _Firsts()
+    layers = [_layer(mod, kind, b, slots, arena, firsts, rope)
               for b, rope in zip(decoder_layers(model), ropes, strict=True)]
     head = _chain(mod, head_module, slots, arena)
     eps = _norm_eps(model, config)
