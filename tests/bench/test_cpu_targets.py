@@ -62,6 +62,14 @@ def test_rules_at_their_thresholds() -> None:
     assert v.status == "missed" and v.detail.startswith("below 80%: Q16;")
     m1[1]["algebra_pct_of_stream"] = "80.0"
     assert ct._m1_floor(m1).status == "met"
+    assert "bare kernel" not in ct._m1_floor(m1).detail  # the bare calls were not timed
+    for r in m1:  # 1 ms, of which 0.2 ms call cost, for 32 MB: the bare kernel at 40 GB/s
+        r.update(algebra_ms="1.0", algebra_call_overhead_us="200", algebra_bytes="3.2e7",
+                 dense_gbps="50")
+    assert "bare kernel (less the module's call cost) at Q4 80%" in ct._m1_floor(m1).detail
+    for r in m1:
+        r["algebra_call_overhead_us"] = "20.0"
+    m1[1]["algebra_call_overhead_us"] = ""
     assert ct._call_overhead(m1).status == "met"  # 20.0 is within; blank rows are skipped
     noisy = [_layer_row("Q4", 1, 1.0, 1.0, algebra_call_overhead_us="30",
                         dense_call_overhead_us="-5")]
