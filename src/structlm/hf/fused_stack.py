@@ -13,8 +13,10 @@ rotary tables; sliding-window layers only up to their window) and ``gpt2`` (Laye
 learned positions, a GELU MLP, ``Conv1D`` weights stored transposed). Every projection
 becomes a sum of chains of bound weights: a dense matrix, an algebra layer's typed copy
 (its type at each position tabulated once from the conversion's schedule), the factors of
-a low-rank or shared-basis layer (applied in order, never multiplied out); anything else
-is refused with the module's name (:class:`UnsupportedModel`). The weights are placed in a
+a low-rank or shared-basis layer (applied in order, never multiplied out; sibling
+projections of one input that are two factors each — a compressed model's q, k, v or
+gate, up — as one chain of their stacked first factors and block-diagonal second ones);
+anything else is refused with the module's name (:class:`UnsupportedModel`). The weights are placed in a
 :class:`~structlm.ops.weight_arena.WeightArena` in the order a step reads them.
 """
 
