@@ -165,7 +165,7 @@ def test_factorised_siblings_run_as_one_stacked_chain() -> None:
     """q, k, v (one-sided over bases two layers share, v low-rank with a bias) and gate,
     up (one-sided over one basis) each run as one stacked chain: the first factors
     stacked, the second block-diagonal. The step still equals the model's forward."""
-    from structlm.hf.fused_stack import _Firsts, _siblings
+    from structlm.hf.fused_siblings import Firsts, siblings
     from structlm.ops.weight_arena import WeightArena
 
     model = _spread(_tiny("llama"))
@@ -187,9 +187,9 @@ def test_factorised_siblings_run_as_one_stacked_chain() -> None:
             OneSidedLinear(bases["up"], rand(f, 13), None)]), mlp.down_proj, f, mlp.act_fn)
     mod = cpu_kernels.kernel_for(model.lm_head.weight, model.lm_head.weight)
     attn = model.model.layers[0].self_attn
-    assert _siblings(mod, [attn.q_proj, attn.k_proj, attn.v_proj], _Firsts(),
-                     WeightArena()) is not None
-    assert _siblings(mod, [attn.q_proj, attn.o_proj], _Firsts(), WeightArena()) is None
+    assert siblings(mod, [attn.q_proj, attn.k_proj, attn.v_proj], None, Firsts(),
+                    WeightArena()) is not None
+    assert siblings(mod, [attn.q_proj, attn.o_proj], None, Firsts(), WeightArena()) is None
     _check_against_forward(model)
 
 

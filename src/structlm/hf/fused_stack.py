@@ -13,10 +13,10 @@ rotary tables; sliding-window layers only up to their window) and ``gpt2`` (Laye
 learned positions, a GELU MLP, ``Conv1D`` weights stored transposed). Every projection
 becomes a sum of chains of bound weights: a dense matrix, an algebra layer's typed copy
 (its type at each position tabulated once from the conversion's schedule), the factors of
-a low-rank or shared-basis layer (applied in order, never multiplied out; sibling
-projections of one input that are two factors each — a compressed model's q, k, v or
-gate, up — as one chain of their stacked first factors and block-diagonal second ones);
-anything else is refused with the module's name (:class:`UnsupportedModel`). The weights are placed in a
+a low-rank or shared-basis layer (applied in order, never multiplied out); sibling
+projections of one input (q, k, v; gate, up) of one kind run as one chain
+(:mod:`structlm.hf.fused_siblings`); anything else is refused with the module's name
+(:class:`UnsupportedModel`). The weights are placed in a
 :class:`~structlm.ops.weight_arena.WeightArena` in the order a step reads them.
 """
 
@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from structlm.hf.adapters.modules import ConcatProjection
+from structlm.hf.fused_siblings import Firsts, dense_rows, siblings
 from structlm.nn import AlgebraLinear
 from structlm.nn.factorized import LowRankLinear, OneSidedLinear, SharedBasisLinear
 from structlm.ops import cpu_kernels
@@ -49,11 +50,6 @@ _GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
 
 class UnsupportedModel(ValueError):
     """The model (or one of its modules) has a shape the fused decode step does not run."""
-
-
-def _dense_rows(mod: Any, w: torch.Tensor, arena: WeightArena) -> Any:
-    return mod.BoundRows(arena.place(w.detach().contiguous()),
-                         *cpu_kernels.dense_tables(*w.shape), 1, -1)
 
 
 class _Slots:
@@ -99,85 +95,25 @@ def _chain(mod: Any, module: nn.Module, slots: _Slots, arena: WeightArena) -> An
                              module.q, slots.slot(module))
         return mod.ChainLinear([[rows]], bias)
     if isinstance(module, nn.Linear):  # DecodeLinear included
-        return mod.ChainLinear([[_dense_rows(mod, module.weight, arena)]], bias)
+        return mod.ChainLinear([[dense_rows(mod, module.weight, arena)]], bias)
     if type(module).__name__ == "Conv1D":  # GPT-2: (in, out) stored; the step reads (out, in)
-        return mod.ChainLinear([[_dense_rows(mod, module.weight.t(), arena)]], bias)
+        return mod.ChainLinear([[dense_rows(mod, module.weight.t(), arena)]], bias)
     if isinstance(module, LowRankLinear):
-        return mod.ChainLinear([[_dense_rows(mod, module.C, arena),
-                                 _dense_rows(mod, module.B, arena)]], bias)
+        return mod.ChainLinear([[dense_rows(mod, module.C, arena),
+                                 dense_rows(mod, module.B, arena)]], bias)
     if isinstance(module, OneSidedLinear):
-        return mod.ChainLinear([[_dense_rows(mod, module.basis.P, arena),
-                                 _dense_rows(mod, module.D, arena)]], bias)
+        return mod.ChainLinear([[dense_rows(mod, module.basis.P, arena),
+                                 dense_rows(mod, module.D, arena)]], bias)
     if isinstance(module, SharedBasisLinear):
-        terms = [[_dense_rows(mod, module.basis.P, arena), _dense_rows(mod, module.core, arena),
-                  _dense_rows(mod, module.basis.U, arena)]]
+        terms = [[dense_rows(mod, module.basis.P, arena), dense_rows(mod, module.core, arena),
+                  dense_rows(mod, module.basis.U, arena)]]
         if module.res_b is not None:
-            terms.append([_dense_rows(mod, module.res_c, arena),
-                          _dense_rows(mod, module.res_b, arena)])
+            terms.append([dense_rows(mod, module.res_c, arena),
+                          dense_rows(mod, module.res_b, arena)])
         return mod.ChainLinear(terms, bias)
     raise UnsupportedModel(f"the fused decode step has no rule for {type(module).__name__} "
                            "(dense, algebra, low-rank, one-sided and shared-basis linears are "
                            "supported)")
-
-
-def _two_factors(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(F, S)`` of a layer that is ``x -> S (F x)`` (+ bias), the parameters themselves (a
-    shared basis is one object in every layer using it): a one-sided layer's basis and its
-    own factor, a low-rank layer's ``C`` and ``B``; else ``None``."""
-    if isinstance(module, OneSidedLinear):
-        return module.basis.P, module.D
-    if isinstance(module, LowRankLinear):
-        return module.C, module.B
-    return None
-
-
-class _Firsts:
-    """The stacked first factors of sibling projections (q, k, v; gate, up), made once per
-    set of factors so that layers sharing their bases share one stacked copy."""
-
-    def __init__(self) -> None:
-        self._stacked: dict[tuple[int, ...], tuple[list[torch.Tensor], torch.Tensor]] = {}
-
-    def stacked(self, firsts: list[torch.Tensor]) -> torch.Tensor:
-        key = tuple(id(f) for f in firsts)
-        if key not in self._stacked:  # the factors kept alive with it: ids stay theirs
-            self._stacked[key] = (firsts, torch.cat([f.detach() for f in firsts]))
-        return self._stacked[key][1]
-
-
-def _siblings(mod: Any, modules: list[nn.Module], firsts: _Firsts,
-              arena: WeightArena) -> Any | None:
-    """Sibling projections of one input, each ``x -> S_i (F_i x)``, as one ``ChainLinear``
-    whose output is theirs concatenated: the distinct first factors stacked (one call
-    reads them all, where each projection's own call was a few hundred kilobytes), then
-    the second factors as one block-diagonal weight (each output group reads its first
-    factor's slice: a one-type support, the zero-width input groups of repeated factors
-    read by nobody). ``None`` where a module is not such a layer."""
-    pairs = [_two_factors(m) for m in modules]
-    if len(modules) < 2 or any(p is None for p in pairs):
-        return None
-    firsts_, group_of = [], []
-    for f, _ in pairs:  # distinct first factors, by identity (a shared basis: once)
-        index = next((i for i, g in enumerate(firsts_) if g is f), None)
-        if index is None:
-            index = len(firsts_)
-            firsts_.append(f)
-        group_of.append(index)
-    q = len(modules)
-    widths = [f.shape[0] for f in firsts_] + [0] * (q - len(firsts_))
-    in_off = torch.tensor([0, *widths], dtype=torch.int64).cumsum(0)
-    out_off = torch.tensor([0, *(s.shape[0] for _, s in pairs)], dtype=torch.int64).cumsum(0)
-    uses = torch.zeros(1, q, q, dtype=torch.uint8)
-    for d, b in enumerate(group_of):
-        uses[0, d, b] = 1
-    first = _dense_rows(mod, firsts.stacked(firsts_), arena)
-    blocks = torch.cat([s.detach().reshape(-1) for _, s in pairs])  # group d: its block
-    second = mod.BoundRows(arena.place(blocks), out_off, in_off, uses, q, -1)
-    biases = [getattr(m, "bias", None) for m in modules]
-    bias = (None if all(b is None for b in biases) else torch.cat([
-        b.detach() if b is not None else s.new_zeros(s.shape[0])
-        for b, (_, s) in zip(biases, pairs, strict=True)]).contiguous())
-    return mod.ChainLinear([[first, second]], bias)
 
 
 def _is_silu(act: Any) -> bool:
@@ -236,20 +172,20 @@ def _bias(module: nn.Module | None) -> torch.Tensor | None:
 
 
 def _attention_inputs(mod: Any, attn: nn.Module, slots: _Slots, arena: WeightArena,
-                      firsts: _Firsts) -> list[Any]:
+                      firsts: Firsts) -> list[Any]:
     """``[q, k, v]``, or one stacked ``[q; k; v]`` (Phi-3's ``qkv_proj``, GPT-2's
     ``c_attn``; split into three modules when a conversion replaced them; compressed
-    q, k, v of two factors each, :func:`_siblings`)."""
+    siblings of one kind as one chain, :func:`~structlm.hf.fused_siblings.siblings`)."""
     qkv = getattr(attn, "qkv_proj", None) or getattr(attn, "c_attn", None)
     parts = ([getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")] if qkv is None
              else list(qkv.parts) if isinstance(qkv, ConcatProjection) else [qkv])
-    stacked = _siblings(mod, parts, firsts, arena)
+    stacked = siblings(mod, parts, slots, firsts, arena)
     if stacked is not None:
         return [stacked]
     return [_chain(mod, part, slots, arena) for part in parts]
 
 
-def _gated_mlp(mod: Any, mlp: nn.Module, slots: _Slots, arena: WeightArena, firsts: _Firsts,
+def _gated_mlp(mod: Any, mlp: nn.Module, slots: _Slots, arena: WeightArena, firsts: Firsts,
                gelu: bool = False) -> tuple[list[Any], Any]:
     """``([gate, up] or [stacked gate; up], down)`` of a SiLU-gated MLP (GELU-tanh-gated
     with ``gelu``: Gemma)."""
@@ -259,7 +195,7 @@ def _gated_mlp(mod: Any, mlp: nn.Module, slots: _Slots, arena: WeightArena, firs
             if len(mlp.proj_in.parts) != 2:
                 raise UnsupportedModel(f"an MLP input of {len(mlp.proj_in.parts)} parts: "
                                        "expected gate and up")
-            stacked = _siblings(mod, list(mlp.proj_in.parts), firsts, arena)
+            stacked = siblings(mod, list(mlp.proj_in.parts), slots, firsts, arena)
             mlp_in = ([stacked] if stacked is not None else
                       [_chain(mod, part, slots, arena) for part in mlp.proj_in.parts])
         else:
@@ -269,7 +205,7 @@ def _gated_mlp(mod: Any, mlp: nn.Module, slots: _Slots, arena: WeightArena, firs
         down = mlp.down_proj
     else:
         act, down = mlp.act_fn, mlp.down_proj
-        stacked = _siblings(mod, [mlp.gate_proj, mlp.up_proj], firsts, arena)
+        stacked = siblings(mod, [mlp.gate_proj, mlp.up_proj], slots, firsts, arena)
         mlp_in = ([stacked] if stacked is not None else
                   [_chain(mod, mlp.gate_proj, slots, arena),
                    _chain(mod, mlp.up_proj, slots, arena)])
@@ -281,7 +217,7 @@ def _gated_mlp(mod: Any, mlp: nn.Module, slots: _Slots, arena: WeightArena, firs
 
 
 def _layer(mod: Any, kind: str, block: nn.Module, slots: _Slots, arena: WeightArena,
-           firsts: _Firsts, rope: int = 0) -> Any:
+           firsts: Firsts, rope: int = 0) -> Any:
     """One block as the step's ``DecoderLayer`` (``rope``: its rotary table)."""
     if kind == "gpt2":
         attn = block.attn
@@ -361,7 +297,7 @@ def build_stack(model: nn.Module, capacity: int, arena: WeightArena) -> Any:
     layer_types = list(getattr(config, "layer_types", None) or []) if kind == "gemma3_text" else []
     tables = sorted(set(layer_types)) or [None]
     ropes = [tables.index(lt) for lt in layer_types] or [0] * len(decoder_layers(model))
-    firsts = _Firsts()
+    firsts = Firsts()
     layers = [_layer(mod, kind, b, slots, arena, firsts, rope)
               for b, rope in zip(decoder_layers(model), ropes, strict=True)]
     head = _chain(mod, head_module, slots, arena)

@@ -175,6 +175,14 @@ def pack_types(w: torch.Tensor, plan: BlockPlan) -> torch.Tensor:
     return torch.cat(parts) if parts else w.new_empty(0)
 
 
+def typed_copy_sizes(plan: BlockPlan) -> list[int]:
+    """Elements of each type's copy in :func:`pack_types` (type after type): the sum over
+    output groups of their rows times the widths of the blocks the type reads."""
+    oo, io, uses = block_tables(plan)
+    lengths = uses.long() @ io.diff()  # (types, q): row length of each output group
+    return (lengths @ oo.diff()).tolist()
+
+
 #: weight tensor -> (its state when copied, the typed copies)
 _TYPED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
