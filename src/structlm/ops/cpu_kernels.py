@@ -277,7 +277,7 @@ def typed_rows_binding(w: torch.Tensor, plan: BlockPlan, max_rows: int) -> objec
     The typed copies (:func:`typed_weight`), the support tables and every type's row
     lengths are fixed at binding time, so a decode call is one crossing into C++ whose
     checks are a few integer compares (the unbound path's Python gate and wrapper cost
-    ~0.5 ms a call with cold caches, see ``csrc/fused_rows.cpp``).
+    ~0.5 ms a call with cold caches, see ``csrc/bindings.cpp``).
 
     Raises:
         RuntimeError: when the kernel is not available (see :func:`fused_rows_available`).

@@ -1,6 +1,8 @@
-// The compiled CPU decode kernels of structlm (one extension, two translation units):
+// The compiled CPU decode kernels of structlm (one extension, four translation units):
 // fused_rows.cpp has the few-row products, decode_block.cpp one decoder block's decode
-// step built on them. The Python side is structlm.ops.cpu_kernels.
+// step built on them, decode_hf.cpp the Hugging Face decoders' step, bindings.cpp the
+// Python module (and a layer's bound decode call). The Python side is
+// structlm.ops.cpu_kernels.
 #pragma once
 
 #include <ATen/ATen.h>
