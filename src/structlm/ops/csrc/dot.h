@@ -60,22 +60,37 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// One AVX2 accumulation pass: adds x[i] * w[i] for i < n into the four vector partial
+// sums (32, then 8 lanes at a time) and the scalar tail into t.
+struct Acc8x4 {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(),
+         s3 = _mm256_setzero_ps();
+  float t = 0;
+
+  inline void add(const float* __restrict x, const float* __restrict w, int64_t n) {
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(w + i), s0);
+      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(w + i + 8), s1);
+      s2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 16), _mm256_loadu_ps(w + i + 16), s2);
+      s3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 24), _mm256_loadu_ps(w + i + 24), s3);
+    }
+    for (; i + 8 <= n; i += 8) {
+      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(w + i), s0);
+    }
+    for (; i < n; ++i) t += x[i] * w[i];
+  }
+
+  inline float sum() const {
+    return hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3))) + t;
+  }
+};
+
 template <>
 inline float dot1<float>(const float* __restrict x, const float* __restrict w, int64_t n) {
-  __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(w + i), s0);
-    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(w + i + 8), s1);
-    s2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 16), _mm256_loadu_ps(w + i + 16), s2);
-    s3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 24), _mm256_loadu_ps(w + i + 24), s3);
-  }
-  for (; i + 8 <= n; i += 8) {
-    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(w + i), s0);
-  }
-  float t = 0;
-  for (; i < n; ++i) t += x[i] * w[i];
-  return hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3))) + t;
+  Acc8x4 acc;
+  acc.add(x, w, n);
+  return acc.sum();
 }
 
 // The segments' products summed in one set of accumulators (one reduction per row).
@@ -83,24 +98,9 @@ template <>
 inline float dot_segments<float>(const float* __restrict x, const int64_t* off,
                                  const int64_t* width, int64_t n_seg,
                                  const float* __restrict w) {
-  __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-  float t = 0;
-  for (int64_t g = 0; g < n_seg; w += width[g++]) {
-    const float* xs = x + off[g];
-    const int64_t n = width[g];
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32) {
-      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(xs + i), _mm256_loadu_ps(w + i), s0);
-      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(xs + i + 8), _mm256_loadu_ps(w + i + 8), s1);
-      s2 = _mm256_fmadd_ps(_mm256_loadu_ps(xs + i + 16), _mm256_loadu_ps(w + i + 16), s2);
-      s3 = _mm256_fmadd_ps(_mm256_loadu_ps(xs + i + 24), _mm256_loadu_ps(w + i + 24), s3);
-    }
-    for (; i + 8 <= n; i += 8) {
-      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(xs + i), _mm256_loadu_ps(w + i), s0);
-    }
-    for (; i < n; ++i) t += xs[i] * w[i];
-  }
-  return hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3))) + t;
+  Acc8x4 acc;
+  for (int64_t g = 0; g < n_seg; w += width[g++]) acc.add(x + off[g], w, width[g]);
+  return acc.sum();
 }
 
 // Four weight rows against one x: each x vector is loaded once for four FMAs. (A software
