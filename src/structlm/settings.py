@@ -28,10 +28,12 @@ variable                       effect
 from __future__ import annotations
 
 import os
+from collections.abc import Container
 from pathlib import Path
+from typing import Any
 
-__all__ = ["ENVIRONMENT_VARIABLES", "backend_override", "backend_override_set", "cache_dir",
-           "cpu_kernels_enabled",
+__all__ = ["ENVIRONMENT_VARIABLES", "backend_override", "backend_override_probe",
+           "backend_override_set", "cache_dir", "cpu_kernels_enabled",
            "decode_copy_default", "local_rank", "omp_wait_policy", "torch_extensions_dir",
            "triton_dispatch_path", "triton_interpret", "world_size"]
 
@@ -57,6 +59,18 @@ def backend_override() -> str | None:
 _BACKEND_KEY_ENCODED: bytes | None = (
     os.environ.encodekey("STRUCTLM_BACKEND")  # type: ignore[attr-defined]
     if hasattr(os.environ, "encodekey") else None)
+
+
+def backend_override_probe() -> tuple[Any, Container[Any], object]:
+    """``(environ, container, key)``: while ``os.environ is environ``, ``key in container``
+    is true exactly when ``STRUCTLM_BACKEND`` is set, read live (``os.environ``'s own dict
+    and the encoded name where CPython has them: one dict lookup, no Python frame; the
+    bound decode calls ask on every call, with cold caches). After ``os.environ`` is
+    replaced (``mock.patch("os.environ", ...)``), ask :func:`backend_override_set`."""
+    data = getattr(os.environ, "_data", None)
+    if data is not None and _BACKEND_KEY_ENCODED is not None:
+        return os.environ, data, _BACKEND_KEY_ENCODED
+    return os.environ, os.environ, "STRUCTLM_BACKEND"
 
 
 def backend_override_set() -> bool:
