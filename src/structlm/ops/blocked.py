@@ -9,10 +9,11 @@ Five layouts, all doing exactly the MACs of the cost model in forward, ``dX`` an
   accumulated in place (``addmm_``) into views of the output rows when the rows of
   that type are evenly spaced (cyclic or contiguous schedules), else on gathered
   rows.
-* **output-major** (few rows of one type, e.g. cached decode at batch 1): each present
-  type's blocks, common ones included, as a handful of rectangles ``W[out d0:d1, in
-  b0:b1]`` (one GEMM each, no batched diagonal GEMM, no gathers); the backward is
-  diag-first's.
+* **output-major** (few rows of one type, e.g. cached decode at batch 1; or many rows of
+  several types on small weights, where a weight block read once per type costs nothing
+  and the GEMMs' depth is what counts): each present type's blocks, common ones
+  included, as a handful of rectangles ``W[out d0:d1, in b0:b1]`` (one GEMM each, as deep
+  as the rectangle is wide, no batched diagonal GEMM), in forward, ``dX`` and ``dW``.
 * **fused-rows** (CPU, float32/float64, at most ``kernel_max_rows_per_type`` rows per
   type on average, i.e. ``16 q`` rows, any types):
   one call of a compiled kernel (:mod:`.cpu_kernels`) that streams through exactly the
@@ -285,6 +286,37 @@ def _backward_diag_first(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, pla
     return dx, dw
 
 
+def _backward_output_major(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                           plan: BlockPlan, part: TypePartition, need_dx: bool,
+                           need_dw: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Each present type's rectangles, as in its forward: ``dX[rows, in] += gY[rows, out]
+    @ W[out, in]`` and ``dW[out, in] += gY[rows, out]^T @ X[rows, in]`` per rectangle (a
+    GEMM over all of the type's rows: K = its row count for ``dW``), accumulated into
+    zeroed gradients (blocks and input groups no row reads stay zero)."""
+    io, oo = plan.in_offsets, plan.out_offsets
+    dx = gy.new_zeros(x.shape) if need_dx else None
+    dw = w.new_zeros(w.shape, dtype=gy.dtype) if need_dw else None
+    for a in part.present:
+        rs: RowSet = part.sets[a]
+        gathered = rs.rows is None
+        gr = gy.index_select(0, rs.index) if gathered else gy[rs.rows]
+        xr = x.index_select(0, rs.index) if gathered and dw is not None else (
+            None if gathered else x[rs.rows])
+        dxr = None
+        if dx is not None:
+            dxr = dx.new_zeros(rs.count, x.shape[1]) if gathered else dx[rs.rows]
+        for d0, d1, b0, b1 in plan.type_rects[a]:
+            cs, bs = slice(oo[d0], oo[d1]), slice(io[b0], io[b1])
+            if dxr is not None:
+                dxr[:, bs].addmm_(gr[:, cs], w[cs, bs])
+            if dw is not None:
+                assert xr is not None
+                dw[cs, bs].addmm_(gr[:, cs].t(), xr[:, bs])
+        if gathered and dx is not None:
+            dx.index_copy_(0, rs.index, dxr)
+    return dx, dw
+
+
 # ------------------------------------------------------------- block-major
 def _shared_run_ranges(plan: BlockPlan, rows: TypeSortedRows
                        ) -> Iterator[tuple[list[tuple[int, int]], slice, slice, int, int, int]]:
@@ -361,7 +393,7 @@ _FORWARD = {Route.KERNEL: _forward_fused_rows, Route.GATHERED: _forward_gathered
 _BACKWARD = {Route.KERNEL: _backward_diag_first,  # only under a forced layout
              Route.GATHERED: _backward_gathered,
              Route.BLOCK_MAJOR: _backward_block_major, Route.DIAG_FIRST: _backward_diag_first,
-             Route.OUTPUT_MAJOR: _backward_diag_first}
+             Route.OUTPUT_MAJOR: _backward_output_major}
 
 
 class _BlockedLinearFn(torch.autograd.Function):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import importlib
+import itertools
 import os as _os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -136,6 +137,8 @@ _KERNEL_PER_TYPE = THRESHOLDS["kernel_max_rows_per_type"].value
 _GATHERED_PER_TYPE = THRESHOLDS["gathered_max_rows_per_type"].value
 _GATHERED_MIN_Q = THRESHOLDS["gathered_min_q"].value
 _OUTPUT_MAJOR_ROWS = THRESHOLDS["output_major_max_rows"].value
+_BLOCK_MAJOR_ROWS = THRESHOLDS["block_major_max_rows"].value
+_OUTPUT_MAJOR_IN_WIDTH = THRESHOLDS["output_major_max_in_width"].value
 DENSE_IN_PLACE_MAX_ROWS = THRESHOLDS["dense_in_place_max_rows"].value
 DENSE_KERNEL_MAX_ROWS = THRESHOLDS["dense_kernel_max_rows"].value
 _TRITON_DECODE_ROWS = THRESHOLDS["triton_decode_max_rows"].value
@@ -430,7 +433,14 @@ _GATHERED = _d(Route.GATHERED, f"Q_q-shaped support, q >= gathered_min_q={_GATHE
                f"equal rows per type <= gathered_max_rows_per_type={_GATHERED_PER_TYPE}")
 _OUTPUT_MAJOR = _d(Route.OUTPUT_MAJOR, "one type, at most output_major_max_rows="
                    f"{_OUTPUT_MAJOR_ROWS} rows")
-_BLOCK_MAJOR = _d(Route.BLOCK_MAJOR, "blocks shared by several present types: each read once")
+_BLOCK_MAJOR = _d(Route.BLOCK_MAJOR, "blocks shared by several present types, at most "
+                  f"block_major_max_rows={_BLOCK_MAJOR_ROWS} rows: each block read once")
+_DEEP_OUTPUT_MAJOR = _d(Route.OUTPUT_MAJOR, f"more than {_BLOCK_MAJOR_ROWS} rows of several "
+                        "types, shared blocks, an input group at most output_major_max_in_"
+                        f"width={_OUTPUT_MAJOR_IN_WIDTH} wide: rectangles merge narrow blocks")
+_DEEP_DIAG_FIRST = _d(Route.DIAG_FIRST, f"more than {_BLOCK_MAJOR_ROWS} rows of several types, "
+                      "shared blocks, input groups wider than output_major_max_in_width="
+                      f"{_OUTPUT_MAJOR_IN_WIDTH}")
 _DIAG_FIRST = _d(Route.DIAG_FIRST, "the general layout")
 _FORCED = {r: _d(r, "forced (force_layout)") for r in LAYOUTS}
 _KERNEL_FORCED_FALLBACK = _d(Route.OUTPUT_MAJOR, "fused-rows forced but the kernel cannot "
@@ -460,10 +470,12 @@ def _algebra(c: AlgebraCall) -> Decision:
         return _GATHERED
     if len(part.present) == 1 and m <= _OUTPUT_MAJOR_ROWS:
         return _OUTPUT_MAJOR
-    # measured for Q2^2 at K = N = 4096: block-major is as fast or faster than diag-first
-    # from M = 8 to M = 2048, forward and fwd+bwd
     if c.plan.has_shared_blocks and len(part.present) > 1:
-        return _BLOCK_MAJOR
+        if m <= _BLOCK_MAJOR_ROWS:
+            return _BLOCK_MAJOR
+        io = c.plan.in_offsets
+        narrowest = min(b - a for a, b in itertools.pairwise(io))
+        return _DEEP_OUTPUT_MAJOR if narrowest <= _OUTPUT_MAJOR_IN_WIDTH else _DEEP_DIAG_FIRST
     return _DIAG_FIRST
 
 
