@@ -192,13 +192,13 @@ def test_layout_choice() -> None:
     assert choose(q22, one) == ("fused-rows" if kernel else "output-major")
     assert choose(q22, one.expand(17), graph=True) == "output-major"
     assert choose(q22, one.expand(65)) == "diag-first"
-    # from 1024 rows of several types the GEMMs' depth decides: output-major merges the
-    # narrow blocks (groups of 4 columns here), diag-first where every group is wide
+    # from 1024 rows of several types, narrow input groups (4 columns here): output-major's
+    # rectangles merge them into deeper GEMMs; wide groups keep block-major
     assert choose(q22, torch.arange(1023) % 4, graph=True) == "block-major"
     assert choose(q22, torch.arange(1024) % 4, graph=True) == "output-major"
     assert choose(q22, (torch.arange(4096) // 32) % 4, graph=True) == "output-major"
     wide = AlgebraLinear(2048, 64, "Q2^2")  # input groups of 512 columns
-    assert choose(wide, torch.arange(1024) % 4, graph=True) == "diag-first"
+    assert choose(wide, torch.arange(1024) % 4, graph=True) == "block-major"
     with pytest.raises(ValueError, match="unknown layout"), force_layout("fused"):
         pass
 

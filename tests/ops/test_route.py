@@ -41,7 +41,7 @@ def test_every_threshold_says_what_set_it() -> None:
                                "gathered_max_rows_per_type", "gathered_min_q",
                                "output_major_max_rows", "dense_in_place_max_rows",
                                "dense_kernel_max_rows", "triton_decode_max_rows",
-                               "block_major_max_rows", "output_major_max_in_width"}
+                               "output_major_min_rows", "output_major_max_in_width"}
     for name, t in THRESHOLDS.items():
         assert isinstance(t.value, int) and t.value >= 1, name
         assert len(t.meaning) > 20 and len(t.measured) > 20, name

@@ -137,7 +137,7 @@ _KERNEL_PER_TYPE = THRESHOLDS["kernel_max_rows_per_type"].value
 _GATHERED_PER_TYPE = THRESHOLDS["gathered_max_rows_per_type"].value
 _GATHERED_MIN_Q = THRESHOLDS["gathered_min_q"].value
 _OUTPUT_MAJOR_ROWS = THRESHOLDS["output_major_max_rows"].value
-_BLOCK_MAJOR_ROWS = THRESHOLDS["block_major_max_rows"].value
+_OUTPUT_MAJOR_MIN_ROWS = THRESHOLDS["output_major_min_rows"].value
 _OUTPUT_MAJOR_IN_WIDTH = THRESHOLDS["output_major_max_in_width"].value
 DENSE_IN_PLACE_MAX_ROWS = THRESHOLDS["dense_in_place_max_rows"].value
 DENSE_KERNEL_MAX_ROWS = THRESHOLDS["dense_kernel_max_rows"].value
@@ -433,14 +433,11 @@ _GATHERED = _d(Route.GATHERED, f"Q_q-shaped support, q >= gathered_min_q={_GATHE
                f"equal rows per type <= gathered_max_rows_per_type={_GATHERED_PER_TYPE}")
 _OUTPUT_MAJOR = _d(Route.OUTPUT_MAJOR, "one type, at most output_major_max_rows="
                    f"{_OUTPUT_MAJOR_ROWS} rows")
-_BLOCK_MAJOR = _d(Route.BLOCK_MAJOR, "blocks shared by several present types, at most "
-                  f"block_major_max_rows={_BLOCK_MAJOR_ROWS} rows: each block read once")
-_DEEP_OUTPUT_MAJOR = _d(Route.OUTPUT_MAJOR, f"more than {_BLOCK_MAJOR_ROWS} rows of several "
-                        "types, shared blocks, an input group at most output_major_max_in_"
-                        f"width={_OUTPUT_MAJOR_IN_WIDTH} wide: rectangles merge narrow blocks")
-_DEEP_DIAG_FIRST = _d(Route.DIAG_FIRST, f"more than {_BLOCK_MAJOR_ROWS} rows of several types, "
-                      "shared blocks, input groups wider than output_major_max_in_width="
-                      f"{_OUTPUT_MAJOR_IN_WIDTH}")
+_BLOCK_MAJOR = _d(Route.BLOCK_MAJOR, "blocks shared by several present types: each read once")
+_DEEP_OUTPUT_MAJOR = _d(Route.OUTPUT_MAJOR, "at least output_major_min_rows="
+                        f"{_OUTPUT_MAJOR_MIN_ROWS} rows of several types, shared blocks, an "
+                        "input group at most "
+                        f"output_major_max_in_width={_OUTPUT_MAJOR_IN_WIDTH} wide")
 _DIAG_FIRST = _d(Route.DIAG_FIRST, "the general layout")
 _FORCED = {r: _d(r, "forced (force_layout)") for r in LAYOUTS}
 _KERNEL_FORCED_FALLBACK = _d(Route.OUTPUT_MAJOR, "fused-rows forced but the kernel cannot "
@@ -471,11 +468,10 @@ def _algebra(c: AlgebraCall) -> Decision:
     if len(part.present) == 1 and m <= _OUTPUT_MAJOR_ROWS:
         return _OUTPUT_MAJOR
     if c.plan.has_shared_blocks and len(part.present) > 1:
-        if m <= _BLOCK_MAJOR_ROWS:
-            return _BLOCK_MAJOR
-        io = c.plan.in_offsets
-        narrowest = min(b - a for a, b in itertools.pairwise(io))
-        return _DEEP_OUTPUT_MAJOR if narrowest <= _OUTPUT_MAJOR_IN_WIDTH else _DEEP_DIAG_FIRST
+        if m >= _OUTPUT_MAJOR_MIN_ROWS and min(
+                b - a for a, b in itertools.pairwise(c.plan.in_offsets)) <= _OUTPUT_MAJOR_IN_WIDTH:
+            return _DEEP_OUTPUT_MAJOR
+        return _BLOCK_MAJOR
     return _DIAG_FIRST
 
 

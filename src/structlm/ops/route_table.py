@@ -49,26 +49,24 @@ THRESHOLDS: dict[str, Threshold] = {
         64, "the output-major layout for batches of one type up to this many rows",
         "cached decode batches on the pure-PyTorch path (the kernel unavailable), K = N = "
         "4096, 2 threads: a handful of rectangles beat diag-first's 1 + runs GEMM calls"),
-    "block_major_max_rows": Threshold(
-        1023, "block-major (each shared block read once, on all its types' rows) for "
-        "supports with shared blocks up to this many rows; from 1024 rows the GEMMs' depth "
-        "counts, not the weight bytes: output-major or diag-first (see "
-        "output_major_max_in_width)",
-        "Q2^2, 2 threads, AMD EPYC VM, forward + backward, every layout forced, interleaved "
-        "medians, % of the MAC ideal over F.linear: study-cpu FFN 256x1024 / 1024x256 at "
-        "M = 4096 (block:32) block-major 51% / 53%, diag-first 62% / 60%, output-major 69% "
-        "/ 66%; paper-110m FFN 768x3072 / 3072x768 at M = 1536 (block:192) 73% / 76%, "
-        "81% / 81%, 85% / 77%; 4096x4096 at M = 2048 (cyclic, block:32) 84-89%, 90-93%, "
-        "88-90%; forward alone the same order. Below ~1024 rows a 4096x4096 weight read "
-        "once per type costs more than 3% of the step (2 (types - 1) flops per byte over "
-        "M): block-major keeps those"),
+    "output_major_min_rows": Threshold(
+        1024, "from this many rows of several types on a support with shared blocks, "
+        "output-major instead of block-major when an input group is at most "
+        "output_major_max_in_width wide (its rectangles merge narrow blocks into deeper "
+        "GEMMs; a block read once per type costs nothing at this many rows)",
+        "python benchmarks/layer_layouts.py --trials 7 (benchmarks/results/"
+        "layer_layouts_epyc.md; AMD EPYC VM, 2 threads, Q2^2, every layout forced, % of "
+        "the MAC ideal over F.linear): forward + backward, output-major / block-major / "
+        "diag-first, study-cpu FFN 256x1024 at M = 4096 (block:32) 77 / 63 / 65%, 1024x256 "
+        "75 / 62 / 68%, paper-110m 768x3072 at M = 1536 (block:192) 86 / 83 / 81%; two "
+        "earlier runs the same session, the same order (81 / 70 / 69%, 74 / 63 / 65%, "
+        "82 / 79 / 77%; 69 / 51 / 62%, 66 / 53 / 60%, 85 / 73 / 81%). Where every input "
+        "group is wide (3072x768, 4096x4096) the three are within 4 points and change "
+        "order between runs: block-major stays"),
     "output_major_max_in_width": Threshold(
-        511, "from block_major_max_rows rows, output-major when the narrowest input group "
-        "is at most this wide (its rectangles merge adjacent narrow blocks into deeper "
-        "GEMMs), else diag-first",
-        "same runs as block_major_max_rows: output-major ahead at input groups of 64, 192 "
-        "and 256 columns (69% vs 62%, 85% vs 81%, 66% vs 60%), diag-first at 768 and 1024 "
-        "(81% vs 77%, 90-93% vs 88-90%)"),
+        511, "the widest input group at which output_major_min_rows applies",
+        "the same runs: output-major ahead at input groups of 64, 192 and 256 columns, "
+        "level at 768 and 1024"),
     "dense_in_place_max_rows": Threshold(
         4, "the dense few-row kernel reads the weight in place up to this many rows; above "
         "it a panel-packed copy (+1x the weight)",
