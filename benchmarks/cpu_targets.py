@@ -158,12 +158,45 @@ def _bare_kernel(sel: list[Row]) -> str:
         " of the dense arm's GB/s in the same row")
 
 
+#: the stream bandwidth read before and after a run may differ by this factor at most;
+#: beyond it the floor a share is taken of was not one number during the run
+STEADY_STREAM = 1.2
+
+
+#: a dense arm reading above this share of the stream bandwidth (%) means the floor
+#: measured beside the run is below the machine's during the timings
+DENSE_ABOVE_STREAM = 110
+
+
+def _unsteady_stream(sel: list[Row]) -> str:
+    """Why a run's floor is unknown (the stream bandwidth measured before and after it
+    differs by more than STEADY_STREAM), or "" where it held."""
+    pair = sel[0].get("stream_read_gbps_before_after", "")
+    values = [float(v) for v in str(pair).split(";") if v]
+    if len(values) < 2 or max(values) <= STEADY_STREAM * min(values):
+        return ""
+    return (f"the stream bandwidth measured before and after the run reads "
+            f"{' and '.join(f'{v:.1f}' for v in values)} GB/s: the machine changed state "
+            "during the run, so its floor is not known")
+
+
 def _m1_floor(rows: list[Row]) -> Verdict:
     """The issue's rule: ≥ 80% of the stream read bandwidth measured in the run on the
     bytes the layer must read. Beside it, the share of the roofline ideal (the speed-up
-    over the dense arm over the bytes ideal), which the dense arm's own reading bounds."""
+    over the dense arm over the bytes ideal), which the dense arm's own reading bounds.
+    Not decidable where the stream bandwidth moved during the run (_unsteady_stream)."""
     sel = _layer_rows(rows, 1, square=4096)
     _every_q(sel)
+    unsteady = _unsteady_stream(sel)
+    dense_top = max(_f(r, "dense_pct_of_stream") for r in sel)
+    if not unsteady and dense_top > DENSE_ABOVE_STREAM:
+        unsteady = (f"the dense arm reads at up to {dense_top:.0f}% of the stream bandwidth "
+                    "measured beside the run: the machine ran faster during the timings "
+                    "than when its floor was measured")
+    if unsteady:
+        text = ", ".join(f"{r['algebra']} {_share(_f(r, 'algebra_pct_of_stream') / 100)}"
+                         for r in sel)
+        return Verdict(text, "not decidable", unsteady)
     cells = [(r["algebra"], _f(r, "algebra_pct_of_stream"),
               _f(r, "speedup") / _f(r, "roofline_ideal")) for r in sel]
     low = [a for a, pct, _ in cells if pct < 80]
@@ -210,6 +243,9 @@ def _m32_roofline(rows: list[Row]) -> Verdict:
                        f"{', '.join(above)} above the roofline: the dense arm "
                        f"({sel[0]['dense_path']}) reads at {dense} of the stream, off its "
                        "own floor")
+    unsteady = _unsteady_stream(sel)
+    if unsteady:
+        return Verdict(text, "not decidable", unsteady)
     low = [a for a, f in fracs if f < 0.85]
     # the dense arm's own place: its flops at the GEMM rate measured in the run
     rate = max(2 * _f(r, "dense_macs") / (_f(r, "dense_ms") * 1e-3) / 1e9
