@@ -38,6 +38,8 @@ constexpr int64_t kPrefetchMaxRows = 16;
 // compiles everywhere.
 inline void panel_pair_rows(const float* const*, const float*, const float*, int64_t,
                             float* const*, float* const*, const float* = nullptr) {}
+inline void panel_pair_rows_rest(const float* const*, int64_t, const float*, const float*,
+                                 int64_t, float* const*, float* const*) {}
 #endif
 
 // acc[u][j] += sum_k x[u][k] * pan[k * pw + j] for u < n_rows, j < pw.
@@ -234,6 +236,76 @@ inline void panel_pair_rows(const float* const* __restrict x, const float* __res
   _mm512_storeu_ps(acc1[4], c4), _mm512_storeu_ps(acc1[5], c5);
 }
 #undef STRUCTLM_PAIR_FMA
+
+// One to five rows against two full panels (the rest of a block's rows after the
+// six-row pair calls): each input value broadcast once for both panels' weight vectors,
+// R x 2 accumulators (for R <= 3 the k loop split in two, so at least eight independent
+// chains cover the FMA latency). The arrays are indexed by constants only and the loops
+// over them fully unrolled, so the accumulators stay in registers.
+template <int R>
+inline void panel_pair_rows_few(const float* const* __restrict x, const float* __restrict pan0,
+                                const float* __restrict pan1, int64_t w,
+                                float* const* __restrict acc0, float* const* __restrict acc1) {
+  static_assert(R >= 1 && R <= 5, "one to five rows");
+  constexpr bool kSplit = R <= 3;
+  const __m512 z = _mm512_setzero_ps();
+  __m512 a[R], c[R], e[R], f[R];  // e, f: odd k where split
+  const float* xr[R];
+#pragma GCC unroll 5
+  for (int r = 0; r < R; ++r) {
+    xr[r] = x[r];
+    a[r] = _mm512_loadu_ps(acc0[r]);
+    c[r] = _mm512_loadu_ps(acc1[r]);
+    e[r] = z;
+    f[r] = z;
+  }
+  int64_t k = 0;
+  if constexpr (kSplit) {
+    for (; k + 2 <= w; k += 2) {
+      const __m512 w0 = _mm512_loadu_ps(pan0 + k * kPanel);
+      const __m512 w1 = _mm512_loadu_ps(pan1 + k * kPanel);
+      const __m512 v0 = _mm512_loadu_ps(pan0 + (k + 1) * kPanel);
+      const __m512 v1 = _mm512_loadu_ps(pan1 + (k + 1) * kPanel);
+#pragma GCC unroll 5
+      for (int r = 0; r < R; ++r) {
+        const __m512 xb = _mm512_set1_ps(xr[r][k]);
+        const __m512 xo = _mm512_set1_ps(xr[r][k + 1]);
+        a[r] = _mm512_fmadd_ps(xb, w0, a[r]);
+        c[r] = _mm512_fmadd_ps(xb, w1, c[r]);
+        e[r] = _mm512_fmadd_ps(xo, v0, e[r]);
+        f[r] = _mm512_fmadd_ps(xo, v1, f[r]);
+      }
+    }
+  }
+  for (; k < w; ++k) {
+    const __m512 w0 = _mm512_loadu_ps(pan0 + k * kPanel);
+    const __m512 w1 = _mm512_loadu_ps(pan1 + k * kPanel);
+#pragma GCC unroll 5
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(xr[r][k]);
+      a[r] = _mm512_fmadd_ps(xb, w0, a[r]);
+      c[r] = _mm512_fmadd_ps(xb, w1, c[r]);
+    }
+  }
+#pragma GCC unroll 5
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(acc0[r], _mm512_add_ps(a[r], e[r]));
+    _mm512_storeu_ps(acc1[r], _mm512_add_ps(c[r], f[r]));
+  }
+}
+
+// panel_pair_rows_few for n_rows in [1, 5].
+inline void panel_pair_rows_rest(const float* const* x, int64_t n_rows, const float* pan0,
+                                 const float* pan1, int64_t w, float* const* acc0,
+                                 float* const* acc1) {
+  switch (n_rows) {
+    case 1: panel_pair_rows_few<1>(x, pan0, pan1, w, acc0, acc1); break;
+    case 2: panel_pair_rows_few<2>(x, pan0, pan1, w, acc0, acc1); break;
+    case 3: panel_pair_rows_few<3>(x, pan0, pan1, w, acc0, acc1); break;
+    case 4: panel_pair_rows_few<4>(x, pan0, pan1, w, acc0, acc1); break;
+    default: panel_pair_rows_few<5>(x, pan0, pan1, w, acc0, acc1); break;
+  }
+}
 #endif
 
 template <>
