@@ -169,15 +169,16 @@ DENSE_ABOVE_STREAM = 110
 
 
 def _unsteady_stream(sel: list[Row]) -> str:
-    """Why a run's floor is unknown (the stream bandwidth measured before and after it
-    differs by more than STEADY_STREAM), or "" where it held."""
-    pair = sel[0].get("stream_read_gbps_before_after", "")
-    values = [float(v) for v in str(pair).split(";") if v]
-    if len(values) < 2 or max(values) <= STEADY_STREAM * min(values):
-        return ""
-    return (f"the stream bandwidth measured before and after the run reads "
-            f"{' and '.join(f'{v:.1f}' for v in values)} GB/s: the machine changed state "
-            "during the run, so its floor is not known")
+    """Why a run's floor is unknown (the stream bandwidth measured before and after a run
+    of these rows differs by more than STEADY_STREAM), or "" where it held."""
+    for r in sel:
+        values = [float(v) for v in str(r.get("stream_read_gbps_before_after", "")).split(";")
+                  if v]
+        if len(values) >= 2 and max(values) > STEADY_STREAM * min(values):
+            return (f"the stream bandwidth measured before and after the run reads "
+                    f"{' and '.join(f'{v:.2f}' for v in values)} GB/s: the machine changed "
+                    "state during the run, so its floor is not known")
+    return ""
 
 
 def _m1_floor(rows: list[Row]) -> Verdict:
@@ -190,7 +191,7 @@ def _m1_floor(rows: list[Row]) -> Verdict:
     unsteady = _unsteady_stream(sel)
     dense_top = max(_f(r, "dense_pct_of_stream") for r in sel)
     if not unsteady and dense_top > DENSE_ABOVE_STREAM:
-        unsteady = (f"the dense arm reads at up to {dense_top:.0f}% of the stream bandwidth "
+        unsteady = (f"the dense arm reads at up to {dense_top:.1f}% of the stream bandwidth "
                     "measured beside the run: the machine ran faster during the timings "
                     "than when its floor was measured")
     if unsteady:

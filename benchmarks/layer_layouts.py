@@ -8,7 +8,7 @@ shapes of the training-step presets' FFNs and 4096²), every layout that applies
 weight, forward alone (no autograd) and forward + backward (``dX`` and ``dW``), in
 interleaved rounds, medians; 2 threads. Each row gives the share of the MAC ideal
 (``F.linear`` time × ρ / layout time) and which layout the route takes unforced. This is
-the measurement behind the route's ``block_major_max_rows`` and
+the measurement behind the route's ``output_major_min_rows`` and
 ``output_major_max_in_width`` thresholds. Writes ``<out>.csv`` (with the environment) and
 ``<out>.md``.
 """

@@ -108,15 +108,15 @@ def test_a_floor_that_moved_decides_nothing() -> None:
     assert ct._m1_floor(m1).status == "met"  # 1.2x and 110% are within
     m1[0]["stream_read_gbps_before_after"] = "30.0;36.1"
     v = ct._m1_floor(m1)
-    assert v.status == "not decidable" and "30.0 and 36.1 GB/s" in v.detail
+    assert v.status == "not decidable" and "30.00 and 36.10 GB/s" in v.detail
     assert v.measured.startswith("Q2 85%")
     m1[0]["stream_read_gbps_before_after"] = "30.0;36.0"
     m1[2]["dense_pct_of_stream"] = "110.1"
     v = ct._m1_floor(m1)
-    assert v.status == "not decidable" and "up to 110% of the stream" in v.detail
+    assert v.status == "not decidable" and "up to 110.1% of the stream" in v.detail
     m32 = [_layer_row("Q2", 32, 0.5, 1.0, stream_read_gbps_before_after="57.0;34.3")]
     v = ct._m32_roofline(m32)
-    assert v.status == "not decidable" and "57.0 and 34.3 GB/s" in v.detail
+    assert v.status == "not decidable" and "57.00 and 34.30 GB/s" in v.detail
 
 
 def test_bad_input_is_named(tmp_path) -> None:

@@ -468,8 +468,11 @@ def _algebra(c: AlgebraCall) -> Decision:
     if len(part.present) == 1 and m <= _OUTPUT_MAJOR_ROWS:
         return _OUTPUT_MAJOR
     if c.plan.has_shared_blocks and len(part.present) > 1:
-        if m >= _OUTPUT_MAJOR_MIN_ROWS and min(
-                b - a for a, b in itertools.pairwise(c.plan.in_offsets)) <= _OUTPUT_MAJOR_IN_WIDTH:
+        # measured on the CPU in float32 (in bf16 its per-type dW sums would round q times)
+        if (m >= _OUTPUT_MAJOR_MIN_ROWS and c.x.device.type == "cpu"
+                and c.x.dtype in KERNEL_DTYPES and min(
+                    b - a for a, b in itertools.pairwise(c.plan.in_offsets))
+                <= _OUTPUT_MAJOR_IN_WIDTH):
             return _DEEP_OUTPUT_MAJOR
         return _BLOCK_MAJOR
     return _DIAG_FIRST

@@ -50,8 +50,9 @@ THRESHOLDS: dict[str, Threshold] = {
         "cached decode batches on the pure-PyTorch path (the kernel unavailable), K = N = "
         "4096, 2 threads: a handful of rectangles beat diag-first's 1 + runs GEMM calls"),
     "output_major_min_rows": Threshold(
-        1024, "from this many rows of several types on a support with shared blocks, "
-        "output-major instead of block-major when an input group is at most "
+        1024, "from this many rows of several types on a support with shared blocks (CPU, "
+        "float32 / float64), output-major instead of block-major when an input group is at "
+        "most "
         "output_major_max_in_width wide (its rectangles merge narrow blocks into deeper "
         "GEMMs; a block read once per type costs nothing at this many rows)",
         "python benchmarks/layer_layouts.py --trials 7 (benchmarks/results/"
@@ -64,7 +65,8 @@ THRESHOLDS: dict[str, Threshold] = {
         "group is wide (3072x768, 4096x4096) the three are within 4 points and change "
         "order between runs: block-major stays"),
     "output_major_max_in_width": Threshold(
-        511, "the widest input group at which output_major_min_rows applies",
+        511, "output_major_min_rows applies when the narrowest input group is at most this "
+        "wide",
         "the same runs: output-major ahead at input groups of 64, 192 and 256 columns, "
         "level at 768 and 1024"),
     "dense_in_place_max_rows": Threshold(

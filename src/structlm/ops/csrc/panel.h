@@ -303,7 +303,8 @@ inline void panel_pair_rows_rest(const float* const* x, int64_t n_rows, const fl
     case 2: panel_pair_rows_few<2>(x, pan0, pan1, w, acc0, acc1); break;
     case 3: panel_pair_rows_few<3>(x, pan0, pan1, w, acc0, acc1); break;
     case 4: panel_pair_rows_few<4>(x, pan0, pan1, w, acc0, acc1); break;
-    default: panel_pair_rows_few<5>(x, pan0, pan1, w, acc0, acc1); break;
+    case 5: panel_pair_rows_few<5>(x, pan0, pan1, w, acc0, acc1); break;
+    default: break;  // never called with another count (fused_rows_impl: 1 to 5)
   }
 }
 #endif
