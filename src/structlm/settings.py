@@ -76,11 +76,10 @@ def backend_override_probe() -> tuple[Any, Container[Any], object]:
 def backend_override_set() -> bool:
     """Whether ``STRUCTLM_BACKEND`` is set (cheaper than reading it; asked on every bound
     decode call: ``key in os.environ`` runs three Python frames and raises and catches a
-    ``KeyError`` for a missing key, so the live dict is read where there is one)."""
-    data = getattr(os.environ, "_data", None)
-    if data is not None and _BACKEND_KEY_ENCODED is not None:
-        return _BACKEND_KEY_ENCODED in data
-    return "STRUCTLM_BACKEND" in os.environ
+    ``KeyError`` for a missing key, so the live dict is read where there is one,
+    :func:`backend_override_probe`)."""
+    _, container, key = backend_override_probe()
+    return key in container
 
 
 def cpu_kernels_enabled() -> bool:

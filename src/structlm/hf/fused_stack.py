@@ -171,6 +171,16 @@ def _bias(module: nn.Module | None) -> torch.Tensor | None:
     return None if b is None else b.detach()
 
 
+def _inputs(mod: Any, parts: list[nn.Module], slots: _Slots, arena: WeightArena,
+            firsts: Firsts) -> list[Any]:
+    """Sibling projections of one input as one stacked chain where they stack
+    (:func:`~structlm.hf.fused_siblings.siblings`), else one chain each."""
+    stacked = siblings(mod, parts, slots, firsts, arena)
+    if stacked is not None:
+        return [stacked]
+    return [_chain(mod, part, slots, arena) for part in parts]
+
+
 def _attention_inputs(mod: Any, attn: nn.Module, slots: _Slots, arena: WeightArena,
                       firsts: Firsts) -> list[Any]:
     """``[q, k, v]``, or one stacked ``[q; k; v]`` (Phi-3's ``qkv_proj``, GPT-2's
@@ -179,10 +189,7 @@ def _attention_inputs(mod: Any, attn: nn.Module, slots: _Slots, arena: WeightAre
     qkv = getattr(attn, "qkv_proj", None) or getattr(attn, "c_attn", None)
     parts = ([getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")] if qkv is None
              else list(qkv.parts) if isinstance(qkv, ConcatProjection) else [qkv])
-    stacked = siblings(mod, parts, slots, firsts, arena)
-    if stacked is not None:
-        return [stacked]
-    return [_chain(mod, part, slots, arena) for part in parts]
+    return _inputs(mod, parts, slots, arena, firsts)
 
 
 def _gated_mlp(mod: Any, mlp: nn.Module, slots: _Slots, arena: WeightArena, firsts: Firsts,
@@ -195,9 +202,7 @@ def _gated_mlp(mod: Any, mlp: nn.Module, slots: _Slots, arena: WeightArena, firs
             if len(mlp.proj_in.parts) != 2:
                 raise UnsupportedModel(f"an MLP input of {len(mlp.proj_in.parts)} parts: "
                                        "expected gate and up")
-            stacked = siblings(mod, list(mlp.proj_in.parts), slots, firsts, arena)
-            mlp_in = ([stacked] if stacked is not None else
-                      [_chain(mod, part, slots, arena) for part in mlp.proj_in.parts])
+            mlp_in = _inputs(mod, list(mlp.proj_in.parts), slots, arena, firsts)
         else:
             mlp_in = [_chain(mod, mlp.proj_in, slots, arena)]
     elif hasattr(mlp, "gate_up_proj"):  # Phi-3: stacked [gate; up]
@@ -205,10 +210,7 @@ def _gated_mlp(mod: Any, mlp: nn.Module, slots: _Slots, arena: WeightArena, firs
         down = mlp.down_proj
     else:
         act, down = mlp.act_fn, mlp.down_proj
-        stacked = siblings(mod, [mlp.gate_proj, mlp.up_proj], slots, firsts, arena)
-        mlp_in = ([stacked] if stacked is not None else
-                  [_chain(mod, mlp.gate_proj, slots, arena),
-                   _chain(mod, mlp.up_proj, slots, arena)])
+        mlp_in = _inputs(mod, [mlp.gate_proj, mlp.up_proj], slots, arena, firsts)
     if gelu and "Tanh" not in type(act).__name__:
         raise UnsupportedModel(f"MLP activation {type(act).__name__}: expected GELU-tanh")
     if not gelu and not _is_silu(act):

@@ -299,12 +299,13 @@ def _backward_output_major(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
     for a in part.present:
         rs: RowSet = part.sets[a]
         gathered = rs.rows is None
-        gr = gy.index_select(0, rs.index) if gathered else gy[rs.rows]
-        xr = x.index_select(0, rs.index) if gathered and dw is not None else (
-            None if gathered else x[rs.rows])
-        dxr = None
-        if dx is not None:
-            dxr = dx.new_zeros(rs.count, x.shape[1]) if gathered else dx[rs.rows]
+        if gathered:  # copies of the type's rows (dX's written back below)
+            gr = gy.index_select(0, rs.index)
+            xr = x.index_select(0, rs.index) if dw is not None else None
+            dxr = dx.new_zeros(rs.count, x.shape[1]) if dx is not None else None
+        else:  # views
+            gr, xr = gy[rs.rows], x[rs.rows]
+            dxr = dx[rs.rows] if dx is not None else None
         for d0, d1, b0, b1 in plan.type_rects[a]:
             cs, bs = slice(oo[d0], oo[d1]), slice(io[b0], io[b1])
             if dxr is not None:

@@ -177,6 +177,12 @@ class BlockPlan:
         return tuple(_output_major_rects(m) for m in self.type_blocks)
 
     @cached_property
+    def narrowest_input_group(self) -> int:
+        """The fewest input columns of any group."""
+        io = self.in_offsets
+        return min(b - a for a, b in itertools.pairwise(io))
+
+    @cached_property
     def diag_plus_row(self) -> bool:
         """The ``Q_q`` shape: type ``alpha`` adds exactly row ``alpha`` off the diagonal."""
         if not (self.common_is_diag and self.equal_widths):

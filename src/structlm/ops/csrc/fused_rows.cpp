@@ -39,10 +39,6 @@ using structlm::dot4;
 using structlm::dot_segments;
 using structlm::kPanel;
 
-// The pair kernel takes a block's last one to five rows too (panel_pair_rows_rest), not
-// only whole sixes: each input broadcast once for both strips (see the A/B in
-// docs/benchmarks.md, M = 32).
-constexpr bool kPairRest = true;
 constexpr int64_t kChunkRows = 64;  // output rows per accumulator pass (measured: 16-256)
 // typed rows at least this long go four at a time (each x vector loaded once for four
 // rows), shorter ones one at a time (one forward stream). Weights rotated over 1 GiB, 2
@@ -139,29 +135,25 @@ void fused_rows_impl(const T* x, const T* packed, const int64_t* types, const Su
                 const float* next = q == 1 && count <= structlm::kPrefetchMaxRows &&
                                             p + 3 < p_end && s.out_off[d + 1] - n0 >= 4 * kPanel
                                         ? pan0 + 2 * kPanel * K : nullptr;  // two full strips
-                for (; k + structlm::kPairRows <= count; k += structlm::kPairRows) {
+                // six rows at a time, then the last one to five also against both
+                // strips (panel_pair_rows_rest: each input broadcast once for both; see
+                // the A/B in docs/benchmarks.md, M = 32)
+                for (int64_t n = 0; k < count; k += n) {
+                  n = std::min<int64_t>(structlm::kPairRows, count - k);
                   const float* xs[structlm::kPairRows];
                   float* as0[structlm::kPairRows];
                   float* as1[structlm::kPairRows];
-                  for (int64_t r = 0; r < structlm::kPairRows; ++r) {
+                  for (int64_t r = 0; r < n; ++r) {
                     xs[r] = x + rows[k + r] * K + s.in_off[b];
                     as0[r] = acc.data() + rows[k + r] * kPanel;
                     as1[r] = acc2.data() + rows[k + r] * kPanel;
                   }
-                  structlm::panel_pair_rows(xs, pan0, pan1, width, as0, as1,
-                                            k == 0 ? next : nullptr);
-                }
-                if (k < count && kPairRest) {  // the last one to five rows, both strips
-                  const float* xs[structlm::kPairRows];
-                  float* as0[structlm::kPairRows];
-                  float* as1[structlm::kPairRows];
-                  for (int64_t r = 0; r < count - k; ++r) {
-                    xs[r] = x + rows[k + r] * K + s.in_off[b];
-                    as0[r] = acc.data() + rows[k + r] * kPanel;
-                    as1[r] = acc2.data() + rows[k + r] * kPanel;
+                  if (n == structlm::kPairRows) {
+                    structlm::panel_pair_rows(xs, pan0, pan1, width, as0, as1,
+                                              k == 0 ? next : nullptr);
+                  } else {
+                    structlm::panel_pair_rows_rest(xs, n, pan0, pan1, width, as0, as1);
                   }
-                  structlm::panel_pair_rows_rest(xs, count - k, pan0, pan1, width, as0, as1);
-                  k = count;
                 }
               }
             }
