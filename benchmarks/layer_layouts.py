@@ -7,7 +7,10 @@ shapes of the training-step presets' FFNs and 4096²), every layout that applies
 (:func:`structlm.ops.route.force_layout`) and timed against ``F.linear`` on the same
 weight, forward alone (no autograd) and forward + backward (``dX`` and ``dW``), in
 interleaved rounds, medians; 2 threads. Each row gives the share of the MAC ideal
-(``F.linear`` time × ρ / layout time) and which layout the route takes unforced. This is
+(``F.linear`` time × ρ / layout time) and which layout the route takes unforced; the
+dense arm is judged in absolute terms by its GFLOP/s against the float32 GEMM rate
+measured before and after the run (these batches are compute-bound; llama.cpp has no
+training step to compare with). This is
 the measurement behind the route's ``output_major_min_rows`` and
 ``output_major_max_in_width`` thresholds. Writes ``<out>.csv`` (with the environment) and
 ``<out>.md``.
@@ -23,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from structlm.atomic import atomic_write_text
+from structlm.bench.bandwidth import gemm_peak_gflops
 from structlm.bench.timing import (
     environment,
     environment_line,
@@ -90,7 +94,9 @@ def time_case(name: str, trials: int) -> list[dict[str, object]]:
     rows = []
     for (lay, mode), t in times.items():
         dense = times[("F.linear", mode)]
+        passes = 1 if mode == "fwd" else 3  # fwd+bwd: the forward and the two gradients
         rows.append({"case": name, "algebra": algebra, "K": k, "N": n, "M": m,
+                     "dense_gflops": round(2 * passes * m * k * n / dense / 1e9, 1),
                      "schedule": schedule, "mode": mode, "layout": lay,
                      "ms": round(t * 1e3, 3), "pct_of_ideal": round(100 * dense * rho / t, 1)
                      if lay != "F.linear" else "", "rho": round(rho, 4),
@@ -103,8 +109,8 @@ def markdown(rows: list[dict[str, object]]) -> str:
     lines = ["# The blocked layouts forced side by side", "",
              "`python benchmarks/layer_layouts.py` (2 threads, interleaved rounds, medians; "
              "% = F.linear ms × ρ / layout ms; **bold**: the route's choice)", "",
-             "| case | algebra | K×N | M | schedule | mode | F.linear ms | "
-             + " | ".join(LAYOUTS) + " |", "|---|---|---|---:|---|---|---:|"
+             "| case | algebra | K×N | M | schedule | mode | F.linear ms (GFLOP/s, % of "
+             "GEMM) | " + " | ".join(LAYOUTS) + " |", "|---|---|---|---:|---|---|---:|"
              + "---:|" * len(LAYOUTS)]
     keys = list(dict.fromkeys((r["case"], r["mode"]) for r in rows))
     for case, mode in keys:
@@ -115,10 +121,15 @@ def markdown(rows: list[dict[str, object]]) -> str:
             r = sel.get(lay)
             cell = "—" if r is None else f"{r['ms']:.2f} ({r['pct_of_ideal']:.0f}%)"
             cells.append(f"**{cell}**" if r is not None and r["route"] == lay else cell)
+        peak = float(r0["gemm_peak_gflops"])
         lines.append(f"| {case} | {r0['algebra']} | {r0['K']}×{r0['N']} | {r0['M']} | "
-                     f"{r0['schedule']} | {mode} | {r0['ms']:.2f} | " + " | ".join(cells)
+                     f"{r0['schedule']} | {mode} | {r0['ms']:.2f} ({r0['dense_gflops']:.0f}, "
+                     f"{100 * float(r0['dense_gflops']) / peak:.0f}%) | " + " | ".join(cells)
                      + " |")
-    return "\n".join([*lines, "", environment_line(rows), ""])  # type: ignore[arg-type]
+    peaks = rows[0]["gemm_peak_before_after"]
+    return "\n".join([*lines, "", f"GEMM rate (float32 1024³ `torch.mm`, median of 5) "
+                       f"before / after the run: {peaks} GFLOP/s; the % column takes their "
+                       "mean.", "", environment_line(rows), ""])  # type: ignore[arg-type]
 
 
 def main() -> None:
@@ -134,12 +145,18 @@ def main() -> None:
     retain_freed_memory()
     torch.set_num_threads(2)
     rows: list[dict[str, object]] = []
+    before = gemm_peak_gflops()
     for name in names:
         rows += time_case(name, args.trials)
         print(name, " ".join(f"{r['layout']}/{r['mode']}: {r['ms']}" for r in rows
                              if r["case"] == name), flush=True)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         write_csv_atomic(args.out + ".csv", rows)  # partial results survive a stop
+    after = gemm_peak_gflops()
+    for r in rows:
+        r["gemm_peak_gflops"] = round((before + after) / 2, 1)
+        r["gemm_peak_before_after"] = f"{before:.1f};{after:.1f}"
+    write_csv_atomic(args.out + ".csv", rows)
     atomic_write_text(Path(args.out + ".md"), markdown(rows))
 
 
