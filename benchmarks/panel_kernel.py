@@ -13,8 +13,8 @@ Rows:
 
 ``--layouts``: instead, the layer at M rows of cyclic types (K = N = 4096, caches
 flushed) with the ``fused-rows`` layout forced against the best PyTorch layout
-(the route's choice without the kernel), up to and past ``16 q`` rows — the measurement
-behind ``kernel_max_rows_per_type`` in ``structlm.ops.route.THRESHOLDS``.
+(the route's choice without the kernel), 16 to 1024 rows per type (at most 8192 rows) —
+the measurement behind ``kernel_max_rows_per_type`` in ``structlm.ops.route.THRESHOLDS``.
 
 GMAC/s counts the support's multiply-adds (``fused_rows_macs``). Interleaved rounds,
 medians (with ``--flush`` a 512 MiB read before each call, and the dense rows at
@@ -34,9 +34,14 @@ from structlm.bench.timing import (
     interleaved_medians,
     write_csv_and_markdown,
 )
+from structlm.cpu_malloc import retain_freed_memory
 from structlm.nn import AlgebraLinear
 from structlm.ops import cpu_kernels
 from structlm.ops.partition import TypePartition
+
+#: ``--layouts``: (algebra, types) and the most rows timed
+LAYOUT_ALGEBRAS = (("Q2", 2), ("Q4", 4), ("Q2^2", 4), ("Q8", 8), ("Q16", 16), ("Q32", 32))
+LAYOUT_MAX_ROWS = 8192
 
 
 def _rate(macs: int, seconds: float) -> float:
@@ -117,18 +122,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=9)
     ap.add_argument("--flush", action="store_true", help="read 512 MiB before each call")
     ap.add_argument("--layouts", action="store_true",
-                    help="fused-rows against the best PyTorch layout, flushed, M up to 16 q+")
+                    help="fused-rows against the best PyTorch layout, flushed, 16-1024 rows "
+                         "per type")
     ap.add_argument("--out", default="benchmarks/results/panel_kernel_cpu")
     args = ap.parse_args(argv)
     if not cpu_kernels.fused_rows_available():
         raise SystemExit("the compiled rows kernel is not available: nothing to time")
+    retain_freed_memory()  # large outputs reuse warm pages (recorded in the environment)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rows: list[dict[str, object]] = []
     flush = CacheFlusher() if args.flush or args.layouts else None
-    cases = ((("Q2", 32), ("Q2", 64), ("Q4", 64), ("Q4", 128), ("Q2^2", 64), ("Q2^2", 128),
-              ("Q8", 128), ("Q8", 256), ("Q16", 256), ("Q16", 512), ("Q32", 512))
-             if args.layouts else ())
+    # 16 to 1024 rows per type, at most LAYOUT_MAX_ROWS rows in all
+    cases = (tuple((alg, per * q) for alg, q in LAYOUT_ALGEBRAS for per in (16, 64, 256, 1024)
+                   if per * q <= LAYOUT_MAX_ROWS) if args.layouts else ())
     for alg, m in cases:
         assert flush is not None
         rows += layout_rows(alg, m, args.trials, flush)

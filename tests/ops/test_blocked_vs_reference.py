@@ -12,7 +12,7 @@ import torch
 from route_helpers import layout_of
 from structlm import AlgebraLinear, get_algebra, support_of
 from structlm.ops import Backend, cpu_kernels
-from structlm.ops.route import force_layout, gathered_applies
+from structlm.ops.route import THRESHOLDS, force_layout, gathered_applies
 
 ALGEBRAS = ["Q1", "Q2", "Q4", "Q2^2", "Q8", "graph:3:0-1,1-2,2-0", "Q2xQ3", "graph:4:"]
 
@@ -178,20 +178,22 @@ def test_layout_choice() -> None:
         w = layer.weight if graph else layer.weight.detach()  # graph: no kernel
         return layout_of(layer.plan, layer.partition(types), _x(layer, len(types)), w)
 
-    # up to 16 q rows (16 per type on average) the compiled kernel, where it applies
+    # up to kernel_max_rows_per_type q rows (per type on average) the compiled kernel,
+    # where it applies
+    per = THRESHOLDS["kernel_max_rows_per_type"].value
     assert choose(q4, cyc % 4) == ("fused-rows" if kernel else "gathered")
     assert choose(q4, cyc % 4, graph=True) == "gathered"
-    assert choose(q4, torch.arange(64) % 4) == ("fused-rows" if kernel else "diag-first")
-    assert choose(q4, torch.arange(65) % 4) == "diag-first"
-    assert choose(q4, torch.arange(4096) % 4) == "diag-first"
+    assert choose(q4, torch.arange(4 * per) % 4) == ("fused-rows" if kernel else "diag-first")
+    assert choose(q4, torch.arange(4 * per + 1) % 4) == "diag-first"
+    assert choose(q4, torch.arange(65) % 4, graph=True) == "diag-first"
     assert choose(q22, cyc % 4) == ("fused-rows" if kernel else "block-major")
     assert choose(q22, cyc % 4, graph=True) == "block-major"
-    assert choose(q2, torch.arange(32) % 2) == ("fused-rows" if kernel else "diag-first")
-    assert choose(q2, torch.arange(33) % 2) == "diag-first"
+    assert choose(q2, torch.arange(2 * per) % 2) == ("fused-rows" if kernel else "diag-first")
+    assert choose(q2, torch.arange(2 * per + 1) % 2) == "diag-first"
     one = torch.zeros(1, dtype=torch.long)  # a decode step at batch 1
     assert choose(q22, one) == ("fused-rows" if kernel else "output-major")
     assert choose(q22, one.expand(17), graph=True) == "output-major"
-    assert choose(q22, one.expand(65)) == "diag-first"
+    assert choose(q22, one.expand(65), graph=True) == "diag-first"
     # from 1024 rows of several types, narrow input groups (4 columns here): output-major's
     # rectangles merge them into deeper GEMMs; wide groups keep block-major
     assert choose(q22, torch.arange(1023) % 4, graph=True) == "block-major"

@@ -48,7 +48,7 @@ def _errors(layer: AlgebraLinear, x: torch.Tensor, types: torch.Tensor) -> tuple
 
 @pytest.mark.parametrize("algebra", ALGEBRAS)
 @pytest.mark.parametrize("unequal", [False, True])
-@pytest.mark.parametrize("m", [1, 7, 16, 97])
+@pytest.mark.parametrize("m", [1, 7, 16, 97, 1025])  # 1025: three row blocks
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_fused_rows_matches_reference(algebra: str, unequal: bool, m: int,
                                       dtype: torch.dtype) -> None:
@@ -391,3 +391,38 @@ def test_dense_rows_in_place_both_row_loops(dtype: torch.dtype) -> None:
     x[1, 2050] = float("nan")  # in the tail after the last full vector
     y = cpu_kernels.dense_rows_linear(x, w.to(dtype), packed=False)
     assert torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2]]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("m", [31 * 3, 32 * 3, 1025, 1537])
+def test_many_rows_row_blocks_and_types_in_turn(dtype: torch.dtype, m: int) -> None:
+    """Batches past one row block (512 rows, cut at type boundaries) and with 32 or more
+    rows per type present (float32 with AVX-512: each type's rows against all its blocks
+    of a strip pair per call, stored straight into the output; 31 per type: block by
+    block): unequal groups whose strips end in narrow ones, a random bias, one type absent,
+    against the float64 reference; a NaN input reaches exactly the outputs that read it."""
+    gen = torch.Generator().manual_seed(m)
+    in_w, out_w = [40, 72, 24, 64], [48, 40, 37, 64]  # 40 = 32 + 8, 37 = 32 + 5: narrow strips
+    kw = dict(group_sizes=(in_w, out_w), bias=True)
+    layer = AlgebraLinear(sum(in_w), sum(out_w), "Q2^2", **kw).to(dtype)
+    exact = AlgebraLinear(sum(in_w), sum(out_w), "Q2^2", backend="reference", dtype=torch.float64,
+                          **kw)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen))
+        layer.bias.copy_(torch.randn(layer.bias.shape, generator=gen))
+        exact.weight.copy_(layer.weight.double())
+        exact.bias.copy_(layer.bias.double())
+    types = torch.randint(0, 3, (m,), generator=gen)  # type 3 absent
+    if m in (31 * 3, 32 * 3):  # exactly 31 / 32 rows of each present type
+        types = torch.arange(m) % 3
+    x = torch.randn(m, layer.in_features, generator=gen).to(dtype)
+    with torch.no_grad(), force_layout("fused-rows"):
+        fast = layer(x, types)
+        want = exact(x.double(), types)
+        x[m // 2, 7] = float("nan")
+        y_nan, want_nan = layer(x, types), exact(x.double(), types)
+    err = (fast.double() - want).abs().max().item()
+    assert err <= 64 * torch.finfo(dtype).eps * sum(in_w) ** 0.5 * want.abs().max().item(), err
+    # NaN exactly where the reference has it: the outputs whose blocks read input 7
+    assert torch.isnan(y_nan[m // 2]).any()
+    assert torch.equal(torch.isnan(y_nan), torch.isnan(want_nan))

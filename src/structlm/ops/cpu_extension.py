@@ -24,7 +24,7 @@ __all__ = ["build_directory", "extension"]
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (_CSRC / "fused_rows.cpp", _CSRC / "decode_block.cpp", _CSRC / "decode_hf.cpp",
             _CSRC / "bindings.cpp")
-_HEADERS = (_CSRC / "rows_kernel.h", _CSRC / "dot.h", _CSRC / "panel.h", _CSRC / "norms.h")
+_HEADERS = tuple(sorted(_CSRC.glob("*.h")))  # every header the sources include
 #: -fopenmp matters: without it ATen's parallel_for runs serially inside an extension
 _FLAGS = ["-O3", "-march=native", "-fopenmp"]
 _STATE: dict[str, ModuleType | None] = {}

@@ -1,7 +1,8 @@
-// One-call CPU kernels for a few rows (cached decode): y[m, n] = sum over the input
-// groups b that row m's type uses for output group(n) of x[m, group b] . W[n, group b]
-// (+ bias[n]), reading exactly the support's weight, each weight row once per call
-// (kept in L1 for every row m that uses it). Two layouts of the weight:
+// One-call CPU kernels (cached decode, and inference batches of any size): y[m, n] = sum
+// over the input groups b that row m's type uses for output group(n) of x[m, group b] .
+// W[n, group b] (+ bias[n]), reading exactly the support's weight, each weight row once
+// per call and row block (kept in L1 for every row m that uses it). Two layouts of the
+// weight:
 //
 // * typed (`typed_rows_forward`, every row of one type: a decode step): each type has
 //   its own copy, whose rows hold just the blocks the type reads, concatenated, so the
@@ -13,7 +14,10 @@
 // * panel-packed (`fused_rows_forward`, rows of mixed types): strips of 16 output rows,
 //   each stored transposed (input-major, panel.h), so a thread's reads are one forward
 //   stream; the rows' types select the strips' block parts, each read once for all the
-//   rows using it, their outputs accumulated in registers. +1x memory only.
+//   rows using it, their outputs accumulated in registers. +1x memory only. Many rows
+//   go in row blocks (kRowBlock, rows sorted by type): a GEMM whose weight panels stay in
+//   L1 and whose rows stay in L2, at MKL's rate on a dense weight (M = 2048, 4096^2,
+//   AMD EPYC VM: 207 vs 195 GFLOP/s).
 //
 // A type's blocks read as 192-float pieces of row-major [out, in] rows cost as much memory
 // traffic as the full rows (the prefetchers fetch the skipped lines too), hence the copies.
@@ -47,135 +51,9 @@ constexpr int64_t kChunkRows = 64;  // output rows per accumulator pass (measure
 // 3.7-3.9 -> 2.3-2.7 ms) and level on 4096-float rows; on the Xeon VM four at a time was
 // 1.3x slower on 384-float rows and a few percent faster on 768-float ones.
 constexpr int64_t kFourRowsMinLength = 2048;
-// Not done: taking a block 256 inputs at a time from nine rows (every group of rows
-// against an L1-sized chunk of the panels): 1.11-1.33x slower at M = 16-64 on an AMD EPYC
-// (Zen 4) VM (two alternations, both builds under OMP_WAIT_POLICY=PASSIVE), where the dense
-// M = 32 call runs at the GEMM rate measured in the run
-// (benchmarks/results/few_row_input_chunks.md).
-
 using structlm::Support;
 
-// Panel-packed weight, rows of any types. Each output group's rows are cut into strips of
-// kPanel rows (the last one the rows left over), each strip stored transposed: the strip
-// of pw rows from output row n0 is the (K, pw) matrix W[n0 : n0 + pw, :]^T, row-major, at
-// element n0 * K; block (d, b)'s panel of it is its rows in_off[b] .. in_off[b + 1], at
-// n0 * K + in_off[b] * pw. A thread takes strips of every output group and reads each
-// strip front to back (one forward stream), the blocks' parts that some row uses; per
-// panel, those rows go four (eight with AVX-512) at a time against it, the strip's outputs
-// in registers.
-template <typename T>
-void fused_rows_impl(const T* x, const T* packed, const int64_t* types, const Support& s,
-                     const T* bias, int64_t M, int64_t N, int64_t K, T* y) {
-  const int64_t q = s.q;
-  // users[(d*q + b)*M + k]: the k-th row m whose type reads block (d, b)
-  std::vector<int64_t> users(q * q * M), n_users(q * q, 0);
-  for (int64_t d = 0; d < q; ++d) {
-    for (int64_t b = 0; b < q; ++b) {
-      for (int64_t m = 0; m < M; ++m) {
-        if (s.uses[(types[m] * q + d) * q + b]) {
-          users[(d * q + b) * M + n_users[d * q + b]++] = m;
-        }
-      }
-    }
-  }
-  const int64_t n_panels = (N + kPanel - 1) / kPanel;  // about: groups round up
-  const int64_t n_threads =
-      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_panels));
-  // rows `rows[k0..k1)` against the panel of block (d, b) of the strip at output row n0
-  // (pw outputs), accumulated into acc (kPanel floats per row)
-  auto strip_rows = [&](const int64_t* rows, int64_t k0, int64_t k1, int64_t b, int64_t n0,
-                        int64_t pw, T* acc) {
-    const int64_t width = s.in_off[b + 1] - s.in_off[b];
-    const T* pan = packed + n0 * K + s.in_off[b] * pw;
-    for (int64_t k = k0; k < k1; k += structlm::kPanelRowsPerCall) {
-      const int64_t n_rows = std::min<int64_t>(structlm::kPanelRowsPerCall, k1 - k);
-      const T* xs[structlm::kPanelRowsPerCall];
-      T* as[structlm::kPanelRowsPerCall];
-      for (int64_t r = 0; r < n_rows; ++r) {
-        xs[r] = x + rows[k + r] * K + s.in_off[b];
-        as[r] = acc + rows[k + r] * kPanel;
-      }
-      if (pw == kPanel) {
-        structlm::panel_rows<T>(xs, n_rows, pan, width, as);
-      } else {
-        structlm::panel_rows_generic<T>(xs, n_rows, pan, width, pw, as);
-      }
-    }
-  };
-  at::parallel_for(0, n_threads, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<T> acc(M * kPanel), acc2(M * kPanel);
-    for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t d = 0; d < q; ++d) {
-        const int64_t rows_d = s.out_off[d + 1] - s.out_off[d];
-        const int64_t panels_d = (rows_d + kPanel - 1) / kPanel;
-        // thread t's panels of group d: every row of a group uses the same blocks, so
-        // the threads get equal work whatever the types
-        const int64_t p_end = (t + 1) * panels_d / n_threads;
-        for (int64_t p = t * panels_d / n_threads; p < p_end;) {
-          const int64_t n0 = s.out_off[d] + p * kPanel;
-          const int64_t pw = std::min(kPanel, s.out_off[d + 1] - n0);
-          // two full strips at once where the pair kernel applies (each input broadcast
-          // once for both strips' weight vectors)
-          const bool pair = structlm::kPairedPanels && std::is_same_v<T, float> &&
-                            p + 1 < p_end && s.out_off[d + 1] - n0 >= 2 * kPanel;
-          std::fill(acc.begin(), acc.end(), T(0));
-          if (pair) std::fill(acc2.begin(), acc2.end(), T(0));
-          for (int64_t b = 0; b < q; ++b) {
-            const int64_t count = n_users[d * q + b];
-            if (count == 0) continue;
-            const int64_t* rows = users.data() + (d * q + b) * M;
-            int64_t k = 0;
-            if constexpr (std::is_same_v<T, float>) {
-              if (pair) {
-                const int64_t width = s.in_off[b + 1] - s.in_off[b];
-                const float* pan0 = packed + n0 * K + s.in_off[b] * kPanel;
-                const float* pan1 = pan0 + kPanel * K;
-                // a dense weight at few rows: the first call prefetches the next pair's
-                // panels (see kPrefetchMaxRows)
-                const float* next = q == 1 && count <= structlm::kPrefetchMaxRows &&
-                                            p + 3 < p_end && s.out_off[d + 1] - n0 >= 4 * kPanel
-                                        ? pan0 + 2 * kPanel * K : nullptr;  // two full strips
-                // six rows at a time, then the last one to five also against both
-                // strips (panel_pair_rows_rest: each input broadcast once for both; see
-                // the A/B in docs/benchmarks.md, M = 32)
-                for (int64_t n = 0; k < count; k += n) {
-                  n = std::min<int64_t>(structlm::kPairRows, count - k);
-                  const float* xs[structlm::kPairRows];
-                  float* as0[structlm::kPairRows];
-                  float* as1[structlm::kPairRows];
-                  for (int64_t r = 0; r < n; ++r) {
-                    xs[r] = x + rows[k + r] * K + s.in_off[b];
-                    as0[r] = acc.data() + rows[k + r] * kPanel;
-                    as1[r] = acc2.data() + rows[k + r] * kPanel;
-                  }
-                  if (n == structlm::kPairRows) {
-                    structlm::panel_pair_rows(xs, pan0, pan1, width, as0, as1,
-                                              k == 0 ? next : nullptr);
-                  } else {
-                    structlm::panel_pair_rows_rest(xs, n, pan0, pan1, width, as0, as1);
-                  }
-                }
-              }
-            }
-            strip_rows(rows, k, count, b, n0, pw, acc.data());
-            if (pair) strip_rows(rows, k, count, b, n0 + kPanel, kPanel, acc2.data());
-          }
-          for (int64_t m = 0; m < M; ++m) {
-            for (int64_t j = 0; j < pw; ++j) {
-              y[m * N + n0 + j] = acc[m * kPanel + j] + (bias ? bias[n0 + j] : T(0));
-            }
-            if (!pair) continue;
-            for (int64_t j = 0; j < kPanel; ++j) {
-              const int64_t n = n0 + kPanel + j;
-              y[m * N + n] = acc2[m * kPanel + j] + (bias ? bias[n] : T(0));
-            }
-          }
-          p += pair ? 2 : 1;
-        }
-      }
-    }
-  });
-}
+#include "panel_rows.h"  // fused_rows_impl (in this anonymous namespace)
 
 // Row lengths of every type's copy: lengths[a * q + d] = the widths of the blocks (d, b)
 // type a reads (one branch-free pass over the use table: O(types q^2) multiply-adds, a
@@ -378,12 +256,14 @@ at::Tensor fused_rows_forward(at::Tensor x, at::Tensor packed, at::Tensor types,
   const Support s = support_of(out_off, in_off, uses, q);
   const int64_t N = s.out_off[q], K = s.in_off[q];
   check_rows(x, packed, bias, N, K, N * K);
-  const int64_t* t = checked_types(types, x, uses.numel() / (q * q));
+  const int64_t n_types = uses.numel() / (q * q);
+  const int64_t* t = checked_types(types, x, n_types);
   x = x.contiguous();
   const int64_t M = x.size(0);
   auto y = at::empty({M, N}, x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_rows_forward", [&] {
     fused_rows_impl<scalar_t>(x.data_ptr<scalar_t>(), packed.data_ptr<scalar_t>(), t, s,
+                              n_types,
                               bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr, M, N,
                               K, y.data_ptr<scalar_t>());
   });

@@ -8,6 +8,7 @@
 // the last, narrower panel of a block).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "dot.h"  // STRUCTLM_AVX2
@@ -40,6 +41,9 @@ inline void panel_pair_rows(const float* const*, const float*, const float*, int
                             float* const*, float* const*, const float* = nullptr) {}
 inline void panel_pair_rows_rest(const float* const*, int64_t, const float*, const float*,
                                  int64_t, float* const*, float* const*) {}
+inline void panel_pair_segments(const float* const*, int64_t, const int64_t*,
+                                const int64_t*, const float* const*, int64_t,
+                                std::ptrdiff_t, float* const*, const float*) {}
 #endif
 
 // acc[u][j] += sum_k x[u][k] * pan[k * pw + j] for u < n_rows, j < pw.
@@ -292,6 +296,66 @@ inline void panel_pair_rows_few(const float* const* __restrict x, const float* _
     _mm512_storeu_ps(acc0[r], _mm512_add_ps(a[r], e[r]));
     _mm512_storeu_ps(acc1[r], _mm512_add_ps(c[r], f[r]));
   }
+}
+
+// R rows (1 to 6) against two full panels over n_seg input segments -- segment s is
+// inputs x[r] + off[s] .. + width[s], its panels at pan[s] and pan[s] + gap -- with the
+// accumulators in registers from zero to the end: stored once, plus the bias where given,
+// straight into the rows' outputs (y[r] .. y[r] + 2 kPanel). No accumulator memory to
+// fill, reload per block or copy out: the many-rows layout of fused_rows_impl.
+template <int R>
+inline void panel_pair_segments_rows(const float* const* __restrict x, const int64_t* off,
+                                     const int64_t* width, const float* const* pan,
+                                     int64_t n_seg, std::ptrdiff_t gap,
+                                     float* const* __restrict y, const float* bias) {
+  static_assert(R >= 1 && R <= 6, "one to six rows");
+  __m512 a[R], c[R];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) a[r] = c[r] = _mm512_setzero_ps();
+  for (int64_t sg = 0; sg < n_seg; ++sg) {
+    const float* __restrict p0 = pan[sg];
+    const float* __restrict p1 = p0 + gap;
+    const float* xr[R];
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) xr[r] = x[r] + off[sg];
+    for (int64_t k = 0, w = width[sg]; k < w; ++k) {
+      const __m512 w0 = _mm512_loadu_ps(p0 + k * kPanel);
+      const __m512 w1 = _mm512_loadu_ps(p1 + k * kPanel);
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) {
+        const __m512 xb = _mm512_set1_ps(xr[r][k]);
+        a[r] = _mm512_fmadd_ps(xb, w0, a[r]);
+        c[r] = _mm512_fmadd_ps(xb, w1, c[r]);
+      }
+    }
+  }
+  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_loadu_ps(bias + kPanel) : _mm512_setzero_ps();
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(y[r], _mm512_add_ps(a[r], b0));
+    _mm512_storeu_ps(y[r] + kPanel, _mm512_add_ps(c[r], b1));
+  }
+}
+
+// panel_pair_segments_rows for n_rows in [1, 6].
+inline void panel_pair_segments(const float* const* x, int64_t n_rows, const int64_t* off,
+                                const int64_t* width, const float* const* pan, int64_t n_seg,
+                                std::ptrdiff_t gap, float* const* y, const float* bias) {
+#define STRUCTLM_SEGMENTS_CASE(R)                                                  \
+  case R:                                                                          \
+    panel_pair_segments_rows<R>(x, off, width, pan, n_seg, gap, y, bias); \
+    break;
+  switch (n_rows) {
+    STRUCTLM_SEGMENTS_CASE(1)
+    STRUCTLM_SEGMENTS_CASE(2)
+    STRUCTLM_SEGMENTS_CASE(3)
+    STRUCTLM_SEGMENTS_CASE(4)
+    STRUCTLM_SEGMENTS_CASE(5)
+    STRUCTLM_SEGMENTS_CASE(6)
+    default: break;  // never called with another count (fused_rows_impl: 1 to 6)
+  }
+#undef STRUCTLM_SEGMENTS_CASE
 }
 
 // panel_pair_rows_few for n_rows in [1, 5].
