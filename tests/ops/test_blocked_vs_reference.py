@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from route_helpers import layout_of
+from route_helpers import kernel_rows_per_type, layout_of
 from structlm import AlgebraLinear, get_algebra, support_of
 from structlm.ops import Backend, cpu_kernels
-from structlm.ops.route import THRESHOLDS, force_layout, gathered_applies
+from structlm.ops.route import force_layout, gathered_applies
 
 ALGEBRAS = ["Q1", "Q2", "Q4", "Q2^2", "Q8", "graph:3:0-1,1-2,2-0", "Q2xQ3", "graph:4:"]
 
@@ -180,7 +180,7 @@ def test_layout_choice() -> None:
 
     # up to kernel_max_rows_per_type q rows (per type on average) the compiled kernel,
     # where it applies
-    per = THRESHOLDS["kernel_max_rows_per_type"].value
+    per = kernel_rows_per_type(torch.float32)
     assert choose(q4, cyc % 4) == ("fused-rows" if kernel else "gathered")
     assert choose(q4, cyc % 4, graph=True) == "gathered"
     assert choose(q4, torch.arange(4 * per) % 4) == ("fused-rows" if kernel else "diag-first")

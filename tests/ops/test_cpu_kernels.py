@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from route_helpers import layout_of
+from route_helpers import kernel_rows_per_type, layout_of
 from structlm import AlgebraLinear, get_algebra, support_of
 from structlm.ops import Backend, cpu_extension, cpu_kernels
-from structlm.ops.route import DECODE_MAX_ROWS, THRESHOLDS, force_layout
+from structlm.ops.route import DECODE_MAX_ROWS, force_layout
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.fused_rows_available(),
                                 reason="no C++ compiler: the fused-rows kernel cannot be built")
@@ -125,7 +125,7 @@ def test_fused_rows_is_chosen_for_cpu_decode_and_grads_flow() -> None:
     one = torch.tensor([3])
     assert layout_of(layer.plan, layer.partition(one), torch.randn(1, 64),
                          layer.weight.detach()) == "fused-rows"
-    many = torch.arange(THRESHOLDS["kernel_max_rows_per_type"].value * layer.q + 1) % 4
+    many = torch.arange(kernel_rows_per_type(torch.float32) * layer.q + 1) % 4
     assert layout_of(layer.plan, layer.partition(many), torch.randn(len(many), 64),
                          layer.weight.detach()) != "fused-rows"
     x = torch.randn(1, 64, requires_grad=True)  # training through it: diag-first backward
@@ -426,3 +426,43 @@ def test_many_rows_row_blocks_and_types_in_turn(dtype: torch.dtype, m: int) -> N
     # NaN exactly where the reference has it: the outputs whose blocks read input 7
     assert torch.isnan(y_nan[m // 2]).any()
     assert torch.equal(torch.isnan(y_nan), torch.isnan(want_nan))
+
+
+@pytest.mark.parametrize(("algebra", "m", "one_type"), [
+    ("Q1", 1100, False),    # a dense weight past one row block
+    ("Q4", 1025, False),    # type by type, several row blocks
+    ("Q16", 1025, False),   # 64 rows per type: type by type
+    ("Q32", 700, False),    # ~22 rows per type: block by block, two row blocks
+    ("Q2^2", 1025, True),   # one type, many rows: the panel-packed copy, not the typed one
+])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_many_rows_every_path(algebra: str, m: int, one_type: bool, threads: int) -> None:
+    """Every loop of the panel kernel at many rows, on output groups of 64 rows (two strip
+    pairs; split over 3 threads some strips are left single and go block by block inside
+    a type-by-type row block), float32 with a bias, against the float64 reference."""
+    gen = torch.Generator().manual_seed(m + threads)
+    q = support_of(get_algebra(algebra)).q
+    k, n = 48 * q, 64 * q
+    layer = AlgebraLinear(k, n, algebra, bias=True)
+    exact = AlgebraLinear(k, n, algebra, bias=True, backend="reference", dtype=torch.float64)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n, k, generator=gen))
+        layer.bias.copy_(torch.randn(n, generator=gen))
+        exact.weight.copy_(layer.weight.double())
+        exact.bias.copy_(layer.bias.double())
+    types = (torch.full((m,), q - 1) if one_type else
+             torch.randint(0, q, (m,), generator=gen))
+    x = torch.randn(m, k, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad(), force_layout("fused-rows"):
+            fast = layer(x, types)
+    finally:
+        torch.set_num_threads(before)
+    with torch.no_grad():
+        want = exact(x.double(), types)
+    err = (fast.double() - want).abs().max().item()
+    assert err <= 64 * torch.finfo(torch.float32).eps * k**0.5 * want.abs().max().item(), err
+    if one_type:
+        assert not cpu_kernels.uses_typed_copy(layer.partition(types))

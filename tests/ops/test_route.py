@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from route_helpers import kernel_rows_per_type
 from structlm import AlgebraLinear
 from structlm.ops import cpu_kernels
 from structlm.ops.route import (
@@ -38,6 +39,7 @@ kernel = pytest.mark.skipif(not cpu_kernels.fused_rows_available(),
 
 def test_every_threshold_says_what_set_it() -> None:
     assert set(THRESHOLDS) == {"decode_max_rows", "kernel_max_rows_per_type",
+                               "kernel_portable_max_rows_per_type",
                                "gathered_max_rows_per_type", "gathered_min_q",
                                "output_major_max_rows", "dense_in_place_max_rows",
                                "dense_kernel_max_rows", "triton_decode_max_rows",
@@ -67,7 +69,7 @@ def _layer(algebra: str = "Q2^2", k: int = 32, n: int = 16) -> AlgebraLinear:
 
 
 def _algebra_route(layer: AlgebraLinear, m: int, **kw: object) -> Decision:
-    x = torch.randn(m, layer.in_features)
+    x = torch.randn(m, layer.in_features, dtype=layer.weight.dtype)
     part = layer.partition(torch.arange(m) % layer.q)
     return choose(AlgebraCall(x, layer.weight, layer.plan, part, layer.backend, **kw))
 
@@ -75,11 +77,16 @@ def _algebra_route(layer: AlgebraLinear, m: int, **kw: object) -> Decision:
 @kernel
 def test_algebra_kernel_up_to_its_threshold_then_layouts() -> None:
     layer = _layer("Q4")
-    limit = THRESHOLDS["kernel_max_rows_per_type"].value * layer.q
+    limit = kernel_rows_per_type(torch.float32) * layer.q
     with torch.no_grad():
         assert _algebra_route(layer, 1).route is Route.KERNEL
         assert _algebra_route(layer, limit).route is Route.KERNEL
         above = _algebra_route(layer, limit + 1)
+        # float64 (and builds without AVX-512): the portable limit
+        wide = _layer("Q4").double()
+        portable = THRESHOLDS["kernel_portable_max_rows_per_type"].value * layer.q
+        assert _algebra_route(wide, portable).route is Route.KERNEL
+        assert _algebra_route(wide, portable + 1).route is not Route.KERNEL
     assert above.route is not Route.KERNEL and above.reason
     # a trained weight never takes the kernel; the backward layout excludes it too
     assert _algebra_route(layer, 1).route is not Route.KERNEL  # grad enabled, requires_grad

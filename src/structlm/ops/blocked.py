@@ -15,7 +15,8 @@ Five layouts, all doing exactly the MACs of the cost model in forward, ``dX`` an
   included, as a handful of rectangles ``W[out d0:d1, in b0:b1]`` (one GEMM each, as deep
   as the rectangle is wide, no batched diagonal GEMM), in forward, ``dX`` and ``dW``.
 * **fused-rows** (CPU, float32/float64, the weight not trained, at most
-  ``kernel_max_rows_per_type`` rows per type on average, i.e. ``1024 q`` rows, any types):
+  ``kernel_max_rows_per_type`` rows per type on average, i.e. ``1024 q`` rows, in float32
+  on a build with the AVX-512 loops, else ``kernel_portable_max_rows_per_type``, any types):
   one call of a compiled kernel (:mod:`.cpu_kernels`) that streams through exactly the
   blocks the rows' types use, in a panel-packed copy of the weight; the backward
   is diag-first's.

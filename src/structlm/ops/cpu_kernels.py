@@ -52,7 +52,11 @@ from structlm.ops import cpu_ops
 from structlm.ops.cpu_extension import extension
 from structlm.ops.partition import TypePartition
 from structlm.ops.plan import BlockPlan
+from structlm.ops.route_table import THRESHOLDS
 from structlm.settings import decode_copy_default
+
+#: one-type batches read the typed copies up to this many rows per type
+_TYPED_MAX_PER_TYPE = THRESHOLDS["kernel_portable_max_rows_per_type"].value
 
 __all__ = [
     "DECODE_COPIES",
@@ -222,9 +226,12 @@ def decode_copy_mode() -> str:
 
 
 def uses_typed_copy(part: TypePartition | None) -> bool:
-    """Whether rows with these types read the typed copies: all of one type and the
-    ``"typed"`` copy chosen (a dense layer, ``part=None``, always does)."""
-    return part is None or (decode_copy_mode() == "typed" and len(part.present) <= 1)
+    """Whether rows with these types read the typed copies: all of one type, at most
+    ``kernel_portable_max_rows_per_type × q`` rows (the typed loop streams the inputs once
+    per output row: a decode step's few rows) and the ``"typed"`` copy chosen (a dense
+    layer, ``part=None``, always does)."""
+    return part is None or (decode_copy_mode() == "typed" and len(part.present) <= 1
+                            and sum(part.counts) <= _TYPED_MAX_PER_TYPE * len(part.counts))
 
 
 def fused_rows_macs(plan: BlockPlan, part: TypePartition) -> int:

@@ -133,6 +133,7 @@ class Decision:
 
 DECODE_MAX_ROWS = THRESHOLDS["decode_max_rows"].value
 _KERNEL_PER_TYPE = THRESHOLDS["kernel_max_rows_per_type"].value
+_KERNEL_PORTABLE_PER_TYPE = THRESHOLDS["kernel_portable_max_rows_per_type"].value
 _GATHERED_PER_TYPE = THRESHOLDS["gathered_max_rows_per_type"].value
 _GATHERED_MIN_Q = THRESHOLDS["gathered_min_q"].value
 _OUTPUT_MAJOR_ROWS = THRESHOLDS["output_major_max_rows"].value
@@ -238,6 +239,13 @@ def dense_bound_calls_open() -> bool:
 def kernel_built() -> bool:
     """Whether the compiled CPU kernels are usable (builds them on the first call)."""
     return extension() is not None
+
+
+def paired_panels() -> bool:
+    """Whether the compiled kernels have the AVX-512 paired-panel and type-by-type loops
+    (float32): where many rows per type run at the GEMM rate."""
+    mod = extension()
+    return mod is not None and bool(getattr(mod, "paired_panels", False))
 
 
 def _triton_available(device: torch.device) -> bool:
@@ -426,8 +434,11 @@ _TRITON_DECODE = _d(Route.TRITON_DECODE,
 _TRITON_FUSED = _d(Route.TRITON_FUSED, "Triton, no measured dispatch entry for this shape")
 _TRITON_MEASURED = {r: _d(r, "Triton, the measured dispatch table's choice for this shape")
                     for r in (Route.TRITON_FUSED, Route.TRITON_TWO_STAGE)}
-_KERNEL = _d(Route.KERNEL, f"CPU kernel: at most kernel_max_rows_per_type="
-             f"{_KERNEL_PER_TYPE} rows per type, weight not trained")
+_KERNEL = _d(Route.KERNEL, "CPU kernel: at most kernel_portable_max_rows_per_type="
+             f"{_KERNEL_PORTABLE_PER_TYPE} rows per type, weight not trained")
+_KERNEL_PAIRED = _d(Route.KERNEL, f"CPU kernel: float32, AVX-512 build, at most "
+                    f"kernel_max_rows_per_type={_KERNEL_PER_TYPE} rows per type, weight not "
+                    "trained")
 _GATHERED = _d(Route.GATHERED, f"Q_q-shaped support, q >= gathered_min_q={_GATHERED_MIN_Q}, "
                f"equal rows per type <= gathered_max_rows_per_type={_GATHERED_PER_TYPE}")
 _OUTPUT_MAJOR = _d(Route.OUTPUT_MAJOR, "one type, at most output_major_max_rows="
@@ -460,8 +471,11 @@ def _algebra(c: AlgebraCall) -> Decision:
             return _FORCED[forced] if kernel or not c.kernel else _KERNEL_FORCED_FALLBACK
         if forced is not Route.GATHERED or gathered_applies(c.plan, part):
             return _FORCED[forced]
-    if kernel and m <= _KERNEL_PER_TYPE * c.plan.q:
+    if kernel and m <= _KERNEL_PORTABLE_PER_TYPE * c.plan.q:
         return _KERNEL
+    if (kernel and m <= _KERNEL_PER_TYPE * c.plan.q and c.x.dtype == torch.float32
+            and paired_panels()):
+        return _KERNEL_PAIRED
     if gathered_applies(c.plan, part):
         return _GATHERED
     if len(part.present) == 1 and m <= _OUTPUT_MAJOR_ROWS:

@@ -29,8 +29,10 @@ THRESHOLDS: dict[str, Threshold] = {
         "(structlm bench generate, benchmarks/results/generate_cpu_paper110m*.md); above it "
         "the per-projection routes decide"),
     "kernel_max_rows_per_type": Threshold(
-        1024, "the compiled kernel takes an algebra product up to this many rows per type "
-        "(1024 q rows in all: 2048 for Q2, 4096 for Q4 and Q2^2, 32768 for Q32)",
+        1024, "the compiled kernel takes a float32 algebra product up to this many rows per "
+        "type where the build has the AVX-512 paired-panel loops (1024 q rows in all: 2048 "
+        "for Q2, 4096 for Q4 and Q2^2, 32768 for Q32); elsewhere "
+        "kernel_portable_max_rows_per_type",
         "K = N = 4096, 2 threads, caches flushed, every type present, kernel vs the best "
         "PyTorch layout (python benchmarks/panel_kernel.py --threads 2 --layouts, "
         "benchmarks/results/panel_kernel/layouts_2threads_flushed_epyc.md, AMD EPYC VM): "
@@ -38,6 +40,14 @@ THRESHOLDS: dict[str, Threshold] = {
         "251.8 vs 296.0 ms, Q4 at 4096: 306.6 vs 362.0, Q32 at 2048: 27.1 vs 34.3, Q8 at "
         "8192: 333.7 vs 384.0); its rows go in blocks of 512 (cut at type boundaries), so "
         "the accumulators and inputs stay in L2 at any M; no larger batch was timed"),
+    "kernel_portable_max_rows_per_type": Threshold(
+        16, "the compiled kernel's limit in float64 or without AVX-512 (its rows accumulated "
+        "in memory, block by block), and the most rows per type a batch of one type reads "
+        "the typed copy with (its loop streams the inputs once per output row)",
+        "the earlier measurement of the block-by-block loop against the PyTorch layouts, "
+        "K = N = 4096, 2 threads, flushed (benchmarks/results/panel_kernel/"
+        "layouts_2threads_flushed.md): ahead at 16 q rows for every q, mostly at 32 q; no "
+        "float64 or AVX2-only run since"),
     "gathered_max_rows_per_type": Threshold(
         16, "the row-first gathered layout up to this many rows per type",
         "2 CPU threads, K = N = 4096, fp32: crossover at 8-32 rows per type "

@@ -4,6 +4,7 @@
 // structlm.ops.cpu_kernels.
 #include <torch/extension.h>
 
+#include "panel.h"
 #include "rows_kernel.h"
 
 #include <cmath>
@@ -124,6 +125,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("typed_rows_forward", &typed_rows_forward,
         "y = x W_eff(type)^T (+ bias) for a few rows of one type, from the typed copies");
   m.def("dense_rows_forward", &dense_rows_forward, "y = x W^T (+ bias) for a few rows");
+  // whether this build has the AVX-512 paired-panel and type-by-type loops (float32)
+  m.attr("paired_panels") = structlm::kPairedPanels;
   py::class_<TypedRowsBinding>(m, "TypedRowsBinding",
                                "a layer's few-row product of one type, bound once")
       .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t,

@@ -29,6 +29,7 @@
 
 #include "dot.h"
 #include "panel.h"
+#include "panel_rows.h"
 #include "rows_kernel.h"
 
 #include <algorithm>
@@ -52,8 +53,7 @@ constexpr int64_t kChunkRows = 64;  // output rows per accumulator pass (measure
 // 1.3x slower on 384-float rows and a few percent faster on 768-float ones.
 constexpr int64_t kFourRowsMinLength = 2048;
 using structlm::Support;
-
-#include "panel_rows.h"  // fused_rows_impl (in this anonymous namespace)
+using structlm::fused_rows_impl;
 
 // Row lengths of every type's copy: lengths[a * q + d] = the widths of the blocks (d, b)
 // type a reads (one branch-free pass over the use table: O(types q^2) multiply-adds, a

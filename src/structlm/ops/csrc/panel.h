@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 
 #include "dot.h"  // STRUCTLM_AVX2
 
@@ -36,14 +37,20 @@ constexpr int64_t kPrefetchMaxRows = 16;
 
 #ifndef STRUCTLM_AVX512
 // Never called without AVX-512 (kPairedPanels is false): declared so the paired branch
-// compiles everywhere.
+// compiles everywhere, and a trap should a caller's gate ever drift from kPairedPanels.
 inline void panel_pair_rows(const float* const*, const float*, const float*, int64_t,
-                            float* const*, float* const*, const float* = nullptr) {}
+                            float* const*, float* const*, const float* = nullptr) {
+  std::abort();
+}
 inline void panel_pair_rows_rest(const float* const*, int64_t, const float*, const float*,
-                                 int64_t, float* const*, float* const*) {}
+                                 int64_t, float* const*, float* const*) {
+  std::abort();
+}
 inline void panel_pair_segments(const float* const*, int64_t, const int64_t*,
                                 const int64_t*, const float* const*, int64_t,
-                                std::ptrdiff_t, float* const*, const float*) {}
+                                std::ptrdiff_t, float* const*, const float*) {
+  std::abort();
+}
 #endif
 
 // acc[u][j] += sum_k x[u][k] * pan[k * pw + j] for u < n_rows, j < pw.

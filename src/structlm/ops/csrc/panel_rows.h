@@ -1,15 +1,19 @@
-// The panel-packed kernel for rows of mixed types (fused_rows_forward): any number of rows
-// against the panel-packed copy of a weight (strips of kPanel output rows, each stored
-// transposed; see panel.h). Part of fused_rows.cpp's translation unit (included once,
-// inside its anonymous namespace).
+// The panel-packed kernel for rows of mixed types (fused_rows_forward in fused_rows.cpp):
+// any number of rows against the panel-packed copy of a weight (strips of kPanel output
+// rows, each stored transposed; see panel.h).
 #pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
 
 #include "panel.h"
 #include "rows_kernel.h"
 
-#include <algorithm>
-#include <type_traits>
-#include <vector>
+namespace structlm {
 
 // Rows per row block of the panel-packed kernel: 2 threads, K = N = 4096, M = 4096
 // cyclic, Q4-Q32 (AMD EPYC VM): 256 and 1024 within a few percent of 512 (Q32 60.1 /
@@ -41,7 +45,7 @@ struct ByType {
 // Rows [c0, c1) of the sorted order, type by type, against the strip pair at output row
 // n0 of group d: six rows at a time over all the type's segments (panel_pair_segments),
 // stored straight into y (+ bias). `pans`: room for q panel pointers.
-void pair_by_type(const float* x, const float* packed, const float* bias, const ByType& t,
+inline void pair_by_type(const float* x, const float* packed, const float* bias, const ByType& t,
                   int64_t c0, int64_t c1, int64_t d, int64_t n0, int64_t N, int64_t K,
                   const float** pans, float* y) {
   const int64_t gap = kPanel * K;
@@ -70,9 +74,11 @@ void pair_by_type(const float* x, const float* packed, const float* bias, const 
 // of pw rows from output row n0 is the (K, pw) matrix W[n0 : n0 + pw, :]^T, row-major, at
 // element n0 * K; block (d, b)'s panel of it is its rows in_off[b] .. in_off[b + 1], at
 // n0 * K + in_off[b] * pw. A thread takes strips of every output group and reads each
-// strip front to back (one forward stream), the blocks' parts that some row uses; per
-// panel, those rows go four (eight with AVX-512) at a time against it, the strip's outputs
-// in registers.
+// strip front to back (one forward stream), the blocks' parts that some row uses. Row
+// blocks with many rows per type go type by type (pair_by_type: all of a type's blocks of
+// a strip pair in one register-accumulated call per six rows); the others block by block:
+// per panel, the rows that read it six at a time against a strip pair (AVX-512) or four
+// (eight with AVX-512) against one strip, accumulated in memory between blocks.
 template <typename T>
 void fused_rows_impl(const T* x, const T* packed, const int64_t* types, const Support& s,
                      int64_t n_types, const T* bias, int64_t M, int64_t N, int64_t K, T* y) {
@@ -85,30 +91,6 @@ void fused_rows_impl(const T* x, const T* packed, const int64_t* types, const Su
   {
     std::vector<int64_t> cursor(type_start.begin(), type_start.end() - 1);
     for (int64_t m = 0; m < M; ++m) order[cursor[types[m]]++] = m;
-  }
-  // Each block (d, b)'s users in ascending row order (users[user_begin[d q + b] ..]), for
-  // the block-by-block calls: a call's six rows then lie next to each other in memory
-  // (sorted by type, with cyclic types one type's rows lie q rows apart, in the same cache
-  // sets: Q8 at M = 32, 4096^2 ~20% slower). Built from each present type's block list,
-  // O(types q^2 + rows x blocks per type); a q^2 M table cost Q32 at M = 2048 16 MB and
-  // ~5 ms serial per call. Each row still accumulates its blocks in ascending b.
-  std::vector<int64_t> user_begin(q * q + 1, 0), users;
-  {
-    std::vector<std::vector<int64_t>> blocks_of(n_types);
-    for (int64_t a = 0; a < n_types; ++a) {
-      const int64_t rows_a = type_start[a + 1] - type_start[a];
-      for (int64_t db = 0; rows_a > 0 && db < q * q; ++db) {
-        if (!s.uses[a * q * q + db]) continue;
-        blocks_of[a].push_back(db);
-        user_begin[db + 1] += rows_a;
-      }
-    }
-    for (int64_t db = 0; db < q * q; ++db) user_begin[db + 1] += user_begin[db];
-    users.resize(user_begin[q * q]);
-    std::vector<int64_t> cursor(user_begin.begin(), user_begin.end() - 1);
-    for (int64_t m = 0; m < M; ++m) {
-      for (const int64_t db : blocks_of[types[m]]) users[cursor[db]++] = m;
-    }
   }
   // Row blocks of the sorted order, at most kRowBlock rows each, cut at a type boundary
   // where one lies in the block's second half (a type's blocks are then read once per
@@ -141,15 +123,41 @@ void fused_rows_impl(const T* x, const T* packed, const int64_t* types, const Su
     by_type[ci] = cuts[ci + 1] - cuts[ci] >= kSegmentRowsPerType * present;
     any_by_type = any_by_type || by_type[ci];
   }
-  // row m's place in its row block's accumulators and which row block holds it: with one
-  // row block, m itself (rows in ascending order: the block-by-block calls' accumulators
-  // adjacent, measured faster at M = 32), else its position in the sorted order less the
-  // block's first
-  std::vector<int64_t> slot(M), block_of(M, 0);
-  for (size_t ci = 0; ci + 1 < cuts.size(); ++ci) {
-    for (int64_t i = cuts[ci]; i < cuts[ci + 1]; ++i) {
-      slot[order[i]] = cuts.size() == 2 ? order[i] : i - cuts[ci];
-      block_of[order[i]] = static_cast<int64_t>(ci);
+  // For the block-by-block calls: each row block's users of each block (d, b), at
+  // users[user_begin[(ci q + d) q + b] ..], and row m's place in its row block's
+  // accumulators (slot). With one row block the rows go in ascending order and slot[m] = m:
+  // a call's six rows then lie next to each other in memory (sorted by type, with cyclic
+  // types one type's rows lie q rows apart, in the same cache sets: Q8 at M = 32, 4096^2
+  // ~20% slower); with several, in the sorted order and slot = the position less the row
+  // block's first. Built from each present type's block list in O(types q^2 + rows x
+  // blocks per type); a q^2 M table of row lists cost Q32 at M = 2048 16 MB and ~5 ms
+  // serial per call. Each row still accumulates its blocks in ascending b.
+  const int64_t n_blocks = static_cast<int64_t>(cuts.size()) - 1;
+  std::vector<int64_t> user_begin(n_blocks * q * q + 1, 0), users, slot(M);
+  {
+    std::vector<std::vector<int64_t>> blocks_of(n_types);
+    for (int64_t a = 0; a < n_types; ++a) {
+      for (int64_t db = 0; type_start[a + 1] > type_start[a] && db < q * q; ++db) {
+        if (s.uses[a * q * q + db]) blocks_of[a].push_back(db);
+      }
+    }
+    // the rows of row block ci in the order its calls take them
+    auto row_at = [&](int64_t ci, int64_t i) { return n_blocks == 1 ? i : order[i]; };
+    for (int64_t ci = 0; ci < n_blocks; ++ci) {
+      for (int64_t i = cuts[ci]; i < cuts[ci + 1]; ++i) {
+        const int64_t m = row_at(ci, i);
+        slot[m] = i - cuts[ci];
+        for (const int64_t db : blocks_of[types[m]]) ++user_begin[ci * q * q + db + 1];
+      }
+    }
+    for (int64_t j = 0; j < n_blocks * q * q; ++j) user_begin[j + 1] += user_begin[j];
+    users.resize(user_begin[n_blocks * q * q]);
+    std::vector<int64_t> cursor(user_begin.begin(), user_begin.end() - 1);
+    for (int64_t ci = 0; ci < n_blocks; ++ci) {
+      for (int64_t i = cuts[ci]; i < cuts[ci + 1]; ++i) {
+        const int64_t m = row_at(ci, i);
+        for (const int64_t db : blocks_of[types[m]]) users[cursor[ci * q * q + db]++] = m;
+      }
     }
   }
   // each (type, output group)'s input segments: its blocks' input columns, adjacent blocks
@@ -197,7 +205,6 @@ void fused_rows_impl(const T* x, const T* packed, const int64_t* types, const Su
     const int64_t acc_rows = std::min(M, kRowBlock);
     std::vector<T> acc(acc_rows * kPanel), acc2(acc_rows * kPanel);
     std::vector<const float*> pans(any_by_type ? q : 0);  // a type's segments' panels
-    std::vector<int64_t> mine(cuts.size() > 2 ? M : 0);     // a block's users in a row block
     for (int64_t t = t0; t < t1; ++t) {
      for (size_t ci = 0; ci + 1 < cuts.size(); ++ci) {
       const int64_t c0 = cuts[ci], c1 = cuts[ci + 1];
@@ -229,16 +236,9 @@ void fused_rows_impl(const T* x, const T* packed, const int64_t* types, const Su
           if (pair) std::fill(acc2.begin(), acc2.begin() + (c1 - c0) * kPanel, T(0));
           for (int64_t b = 0; b < q; ++b) {
             {
-              const int64_t* rows = users.data() + user_begin[d * q + b];
-              int64_t count = user_begin[d * q + b + 1] - user_begin[d * q + b];
-              if (cuts.size() > 2) {  // several row blocks: this one's users
-                int64_t n_mine = 0;
-                for (int64_t j = 0; j < count; ++j) {
-                  if (block_of[rows[j]] == static_cast<int64_t>(ci)) mine[n_mine++] = rows[j];
-                }
-                rows = mine.data();
-                count = n_mine;
-              }
+              const int64_t cb = (static_cast<int64_t>(ci) * q + d) * q + b;
+              const int64_t* rows = users.data() + user_begin[cb];
+              const int64_t count = user_begin[cb + 1] - user_begin[cb];
               if (count == 0) continue;
               int64_t k = 0;
               if constexpr (std::is_same_v<T, float>) {
@@ -297,3 +297,5 @@ void fused_rows_impl(const T* x, const T* packed, const int64_t* types, const Su
     }
   });
 }
+
+}  // namespace structlm
