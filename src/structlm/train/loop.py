@@ -475,8 +475,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, stop_after: int | None, prog
                                                              y.flatten())
                 if not torch.isfinite(loss):
                     raise RunError(
-                        f"non-finite training loss ({float(loss)}) at step {step + 1}; the "
-                        f"last finite one was {last_loss} at step {step}: the run diverged "
+                        f"non-finite training loss ({float(loss.detach())}) at step {step + 1}; "
+                        f"the last finite one was {last_loss} at step {step}: the run diverged "
                         f"(lr={cfg.lr}, weight_decay={cfg.weight_decay}, grad_clip="
                         f"{cfg.grad_clip}); lower lr, raise warmup_steps or clip gradients, "
                         "then resume from the last checkpoint or start over with --restart")
