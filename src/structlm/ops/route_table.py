@@ -37,8 +37,8 @@ THRESHOLDS: dict[str, Threshold] = {
         "PyTorch layout (python benchmarks/panel_kernel.py --threads 2 --layouts, "
         "benchmarks/results/panel_kernel/layouts_2threads_flushed_epyc.md, AMD EPYC VM): "
         "ahead at every size timed, 16 to 1024 rows per type up to 8192 rows (Q2 at 2048: "
-        "251.8 vs 296.0 ms, Q4 at 4096: 306.6 vs 362.0, Q32 at 2048: 27.1 vs 34.3, Q8 at "
-        "8192: 333.7 vs 384.0); its rows go in blocks of 512 (cut at type boundaries), so "
+        "232.6 vs 266.4 ms, Q4 at 4096: 267.0 vs 341.5, Q32 at 2048: 24.8 vs 39.2, Q8 at "
+        "8192: 296.7 vs 387.3); its rows go in blocks of 512 (cut at type boundaries), so "
         "the accumulators and inputs stay in L2 at any M; no larger batch was timed"),
     "kernel_portable_max_rows_per_type": Threshold(
         16, "the compiled kernel's limit in float64 or without AVX-512 (its rows accumulated "

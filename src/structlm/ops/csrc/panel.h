@@ -48,7 +48,7 @@ inline void panel_pair_rows_rest(const float* const*, int64_t, const float*, con
 }
 inline void panel_pair_segments(const float* const*, int64_t, const int64_t*,
                                 const int64_t*, const float* const*, int64_t,
-                                std::ptrdiff_t, float* const*, const float*) {
+                                std::ptrdiff_t, float* const*, const float*, int = 2) {
   std::abort();
 }
 #endif
@@ -305,53 +305,61 @@ inline void panel_pair_rows_few(const float* const* __restrict x, const float* _
   }
 }
 
-// R rows (1 to 6) against two full panels over n_seg input segments -- segment s is
-// inputs x[r] + off[s] .. + width[s], its panels at pan[s] and pan[s] + gap -- with the
-// accumulators in registers from zero to the end: stored once, plus the bias where given,
-// straight into the rows' outputs (y[r] .. y[r] + 2 kPanel). No accumulator memory to
-// fill, reload per block or copy out: the many-rows layout of fused_rows_impl.
-template <int R>
+// R rows (1 to 6) against S full panels (2 or 4: one or two strip pairs) over n_seg input
+// segments -- segment s is inputs x[r] + off[s] .. + width[s], its panels at pan[s] + j gap
+// for j < S -- with the R x S accumulators in registers from zero to the end (24 of the 32
+// zmm at S = 4): stored once, plus the bias where given, straight into the rows' outputs
+// (y[r] .. y[r] + S kPanel). No accumulator memory to fill, reload per block or copy out:
+// the many-rows layout of fused_rows_impl.
+template <int R, int S>
 inline void panel_pair_segments_rows(const float* const* __restrict x, const int64_t* off,
                                      const int64_t* width, const float* const* pan,
                                      int64_t n_seg, std::ptrdiff_t gap,
                                      float* const* __restrict y, const float* bias) {
-  static_assert(R >= 1 && R <= 6, "one to six rows");
-  __m512 a[R], c[R];
+  static_assert(R >= 1 && R <= 6 && (S == 2 || S == 4), "one to six rows, 2 or 4 strips");
+  __m512 a[S][R];
+#pragma GCC unroll 4
+  for (int j = 0; j < S; ++j) {
 #pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) a[r] = c[r] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) a[j][r] = _mm512_setzero_ps();
+  }
   for (int64_t sg = 0; sg < n_seg; ++sg) {
     const float* __restrict p0 = pan[sg];
-    const float* __restrict p1 = p0 + gap;
     const float* xr[R];
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) xr[r] = x[r] + off[sg];
     for (int64_t k = 0, w = width[sg]; k < w; ++k) {
-      const __m512 w0 = _mm512_loadu_ps(p0 + k * kPanel);
-      const __m512 w1 = _mm512_loadu_ps(p1 + k * kPanel);
+      __m512 wv[S];
+#pragma GCC unroll 4
+      for (int j = 0; j < S; ++j) wv[j] = _mm512_loadu_ps(p0 + j * gap + k * kPanel);
 #pragma GCC unroll 6
       for (int r = 0; r < R; ++r) {
         const __m512 xb = _mm512_set1_ps(xr[r][k]);
-        a[r] = _mm512_fmadd_ps(xb, w0, a[r]);
-        c[r] = _mm512_fmadd_ps(xb, w1, c[r]);
+#pragma GCC unroll 4
+        for (int j = 0; j < S; ++j) a[j][r] = _mm512_fmadd_ps(xb, wv[j], a[j][r]);
       }
     }
   }
-  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  const __m512 b1 = bias ? _mm512_loadu_ps(bias + kPanel) : _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int j = 0; j < S; ++j) {
+    const __m512 bj = bias ? _mm512_loadu_ps(bias + j * kPanel) : _mm512_setzero_ps();
 #pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(y[r], _mm512_add_ps(a[r], b0));
-    _mm512_storeu_ps(y[r] + kPanel, _mm512_add_ps(c[r], b1));
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(y[r] + j * kPanel, _mm512_add_ps(a[j][r], bj));
   }
 }
 
-// panel_pair_segments_rows for n_rows in [1, 6].
+// panel_pair_segments_rows for n_rows in [1, 6] and `strips` 2 or 4 (two strip pairs).
 inline void panel_pair_segments(const float* const* x, int64_t n_rows, const int64_t* off,
                                 const int64_t* width, const float* const* pan, int64_t n_seg,
-                                std::ptrdiff_t gap, float* const* y, const float* bias) {
-#define STRUCTLM_SEGMENTS_CASE(R)                                                  \
-  case R:                                                                          \
-    panel_pair_segments_rows<R>(x, off, width, pan, n_seg, gap, y, bias); \
+                                std::ptrdiff_t gap, float* const* y, const float* bias,
+                                int strips = 2) {
+#define STRUCTLM_SEGMENTS_CASE(R)                                                         \
+  case R:                                                                                 \
+    if (strips == 4) {                                                                    \
+      panel_pair_segments_rows<R, 4>(x, off, width, pan, n_seg, gap, y, bias);            \
+    } else {                                                                              \
+      panel_pair_segments_rows<R, 2>(x, off, width, pan, n_seg, gap, y, bias);            \
+    }                                                                                     \
     break;
   switch (n_rows) {
     STRUCTLM_SEGMENTS_CASE(1)
