@@ -46,9 +46,9 @@ inline void panel_pair_rows_rest(const float* const*, int64_t, const float*, con
                                  int64_t, float* const*, float* const*) {
   std::abort();
 }
-inline void panel_pair_segments(const float* const*, int64_t, const int64_t*,
-                                const int64_t*, const float* const*, int64_t,
-                                std::ptrdiff_t, float* const*, const float*, int = 2) {
+inline void panel_segments(const float* const*, int64_t, const int64_t*, const int64_t*,
+                           const float* const*, int64_t, std::ptrdiff_t, float* const*,
+                           const float*, int) {
   std::abort();
 }
 #endif
@@ -312,10 +312,10 @@ inline void panel_pair_rows_few(const float* const* __restrict x, const float* _
 // (y[r] .. y[r] + S kPanel). No accumulator memory to fill, reload per block or copy out:
 // the many-rows layout of fused_rows_impl.
 template <int R, int S>
-inline void panel_pair_segments_rows(const float* const* __restrict x, const int64_t* off,
-                                     const int64_t* width, const float* const* pan,
-                                     int64_t n_seg, std::ptrdiff_t gap,
-                                     float* const* __restrict y, const float* bias) {
+inline void panel_segments_rows(const float* const* __restrict x, const int64_t* off,
+                                const int64_t* width, const float* const* pan, int64_t n_seg,
+                                std::ptrdiff_t gap, float* const* __restrict y,
+                                const float* bias) {
   static_assert(R >= 1 && R <= 6 && (S == 2 || S == 4), "one to six rows, 2 or 4 strips");
   __m512 a[S][R];
 #pragma GCC unroll 4
@@ -348,18 +348,17 @@ inline void panel_pair_segments_rows(const float* const* __restrict x, const int
   }
 }
 
-// panel_pair_segments_rows for n_rows in [1, 6] and `strips` 2 or 4 (two strip pairs).
-inline void panel_pair_segments(const float* const* x, int64_t n_rows, const int64_t* off,
-                                const int64_t* width, const float* const* pan, int64_t n_seg,
-                                std::ptrdiff_t gap, float* const* y, const float* bias,
-                                int strips = 2) {
-#define STRUCTLM_SEGMENTS_CASE(R)                                                         \
-  case R:                                                                                 \
-    if (strips == 4) {                                                                    \
-      panel_pair_segments_rows<R, 4>(x, off, width, pan, n_seg, gap, y, bias);            \
-    } else {                                                                              \
-      panel_pair_segments_rows<R, 2>(x, off, width, pan, n_seg, gap, y, bias);            \
-    }                                                                                     \
+// panel_segments_rows for n_rows in [1, 6] and `strips` 2 or 4 (two strip pairs).
+inline void panel_segments(const float* const* x, int64_t n_rows, const int64_t* off,
+                           const int64_t* width, const float* const* pan, int64_t n_seg,
+                           std::ptrdiff_t gap, float* const* y, const float* bias, int strips) {
+#define STRUCTLM_SEGMENTS_CASE(R)                                          \
+  case R:                                                                  \
+    if (strips == 4) {                                                     \
+      panel_segments_rows<R, 4>(x, off, width, pan, n_seg, gap, y, bias); \
+    } else {                                                               \
+      panel_segments_rows<R, 2>(x, off, width, pan, n_seg, gap, y, bias); \
+    }                                                                      \
     break;
   switch (n_rows) {
     STRUCTLM_SEGMENTS_CASE(1)

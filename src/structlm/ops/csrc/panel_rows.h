@@ -42,13 +42,13 @@ struct ByType {
   int64_t q;
 };
 
-// Rows [c0, c1) of the sorted order, type by type, against the `strips` strips (a pair, or
-// two pairs) from output row n0 of group d: six rows at a time over all the type's
-// segments (panel_pair_segments), stored straight into y (+ bias). `pans`: room for q
-// panel pointers.
-inline void pair_by_type(const float* x, const float* packed, const float* bias, const ByType& t,
-                  int64_t c0, int64_t c1, int64_t d, int64_t n0, int64_t N, int64_t K,
-                  const float** pans, float* y, int strips = 2) {
+// Rows [c0, c1) of the sorted order, type by type, against `strips` full strips (a pair,
+// or two pairs) from output row n0 of group d: six rows at a time over all the type's
+// segments (panel_segments), stored straight into y (+ bias). `pans`: room for q panel
+// pointers.
+inline void strips_by_type(const float* x, const float* packed, const float* bias,
+                           const ByType& t, int64_t c0, int64_t c1, int64_t d, int64_t n0,
+                           int64_t N, int64_t K, int strips, const float** pans, float* y) {
   const int64_t gap = kPanel * K;
   for (int64_t a = 0; a < t.n_types; ++a) {
     const int64_t r0 = std::max(t.type_start[a], c0), r1 = std::min(t.type_start[a + 1], c1);
@@ -56,16 +56,15 @@ inline void pair_by_type(const float* x, const float* packed, const float* bias,
     const int64_t sb = t.seg_begin[a * t.q + d], n_seg = t.seg_begin[a * t.q + d + 1] - sb;
     for (int64_t i = 0; i < n_seg; ++i) pans[i] = packed + n0 * K + t.seg_off[sb + i] * kPanel;
     for (int64_t i = r0, n = 0; i < r1; i += n) {
-      n = std::min<int64_t>(structlm::kPairRows, r1 - i);
-
-      const float* xs[structlm::kPairRows];
-      float* ys[structlm::kPairRows];
+      n = std::min<int64_t>(kPairRows, r1 - i);
+      const float* xs[kPairRows];
+      float* ys[kPairRows];
       for (int64_t r = 0; r < n; ++r) {
         xs[r] = x + t.order[i + r] * K;
         ys[r] = y + t.order[i + r] * N + n0;
       }
-      structlm::panel_pair_segments(xs, n, t.seg_off + sb, t.seg_width + sb, pans, n_seg,
-                                    gap, ys, bias ? bias + n0 : nullptr, strips);
+      panel_segments(xs, n, t.seg_off + sb, t.seg_width + sb, pans, n_seg, gap, ys,
+                     bias ? bias + n0 : nullptr, strips);
     }
   }
 }
@@ -76,8 +75,8 @@ inline void pair_by_type(const float* x, const float* packed, const float* bias,
 // element n0 * K; block (d, b)'s panel of it is its rows in_off[b] .. in_off[b + 1], at
 // n0 * K + in_off[b] * pw. A thread takes strips of every output group and reads each
 // strip front to back (one forward stream), the blocks' parts that some row uses. Row
-// blocks with many rows per type go type by type (pair_by_type: all of a type's blocks of
-// a strip pair in one register-accumulated call per six rows); the others block by block:
+// blocks with many rows per type go type by type (strips_by_type: all of a type's blocks
+// of two or four strips in one register-accumulated call per six rows); the others block by block:
 // per panel, the rows that read it six at a time against a strip pair (AVX-512) or four
 // (eight with AVX-512) against one strip, accumulated in memory between blocks.
 template <typename T>
@@ -109,13 +108,13 @@ void fused_rows_impl(const T* x, const T* packed, const int64_t* types, const Su
     cuts.push_back(e);
   }
   // Row blocks with at least kSegmentRowsPerType rows per type present go type by type:
-  // each type's rows against all its blocks of a strip pair in one call per six rows
-  // (panel_pair_segments: the blocks as input segments, accumulators in registers, stored
+  // each type's rows against all its blocks of two or four strips in one call per six rows
+  // (panel_segments: the blocks as input segments, accumulators in registers, stored
   // once into y). Fewer rows per type go block by block, each block's panel once for all
   // the rows that read it (accumulated in acc), as few-row calls want.
   std::vector<uint8_t> by_type(cuts.size() - 1, 0);
   bool any_by_type = false;
-  for (size_t ci = 0; structlm::kPairedPanels && std::is_same_v<T, float> &&
+  for (size_t ci = 0; kPairedPanels && std::is_same_v<T, float> &&
                       ci + 1 < cuts.size(); ++ci) {
     int64_t present = 0;
     for (int64_t a = 0; a < n_types; ++a) {
@@ -187,65 +186,60 @@ void fused_rows_impl(const T* x, const T* packed, const int64_t* types, const Su
                         int64_t pw, T* acc) {
     const int64_t width = s.in_off[b + 1] - s.in_off[b];
     const T* pan = packed + n0 * K + s.in_off[b] * pw;
-    for (int64_t k = k0; k < k1; k += structlm::kPanelRowsPerCall) {
-      const int64_t n_rows = std::min<int64_t>(structlm::kPanelRowsPerCall, k1 - k);
-      const T* xs[structlm::kPanelRowsPerCall];
-      T* as[structlm::kPanelRowsPerCall];
+    for (int64_t k = k0; k < k1; k += kPanelRowsPerCall) {
+      const int64_t n_rows = std::min<int64_t>(kPanelRowsPerCall, k1 - k);
+      const T* xs[kPanelRowsPerCall];
+      T* as[kPanelRowsPerCall];
       for (int64_t r = 0; r < n_rows; ++r) {
         xs[r] = x + rows[k + r] * K + s.in_off[b];
         as[r] = acc + slot[rows[k + r]] * kPanel;
       }
       if (pw == kPanel) {
-        structlm::panel_rows<T>(xs, n_rows, pan, width, as);
+        panel_rows<T>(xs, n_rows, pan, width, as);
       } else {
-        structlm::panel_rows_generic<T>(xs, n_rows, pan, width, pw, as);
+        panel_rows_generic<T>(xs, n_rows, pan, width, pw, as);
       }
     }
   };
+  const ByType tables{order.data(), type_start.data(), n_types, seg_off.data(),
+                      seg_width.data(), seg_begin.data(), q};
   at::parallel_for(0, n_threads, 1, [&](int64_t t0, int64_t t1) {
     const int64_t acc_rows = std::min(M, kRowBlock);
     std::vector<T> acc(acc_rows * kPanel), acc2(acc_rows * kPanel);
     std::vector<const float*> pans(any_by_type ? q : 0);  // a type's segments' panels
     for (int64_t t = t0; t < t1; ++t) {
-     for (size_t ci = 0; ci + 1 < cuts.size(); ++ci) {
-      const int64_t c0 = cuts[ci], c1 = cuts[ci + 1];
-      for (int64_t d = 0; d < q; ++d) {
-        const int64_t rows_d = s.out_off[d + 1] - s.out_off[d];
-        const int64_t panels_d = (rows_d + kPanel - 1) / kPanel;
-        // thread t's panels of group d: every row of a group uses the same blocks, so
-        // the threads get equal work whatever the types
-        const int64_t p_end = (t + 1) * panels_d / n_threads;
-        int64_t p = t * panels_d / n_threads;
-        if constexpr (std::is_same_v<T, float>) {
-          // by type: the thread's full strip pairs of the group, one pair at a time
-          const ByType tables{order.data(), type_start.data(), n_types, seg_off.data(),
-                              seg_width.data(), seg_begin.data(), q};
-          // two strip pairs per call where four strips remain (each input broadcast once
-          // for four weight vectors: A/B alternated twice, M = 2048, 4096^2, AMD EPYC VM:
-          // Q32 27.5 / 26.8 -> 25.0 / 24.3 ms, Q16 43.6 / 43.3 -> 40.8 / 41.2, Q4 1-2%
-          // faster, the dense loop level), then one pair
-          for (; by_type[ci] && p + 3 < p_end &&
-                 s.out_off[d + 1] - s.out_off[d] - p * kPanel >= 4 * kPanel; p += 4) {
-            pair_by_type(x, packed, bias, tables, c0, c1, d, s.out_off[d] + p * kPanel, N, K,
-                         pans.data(), y, 4);
+      for (size_t ci = 0; ci + 1 < cuts.size(); ++ci) {
+        const int64_t c0 = cuts[ci], c1 = cuts[ci + 1];
+        for (int64_t d = 0; d < q; ++d) {
+          const int64_t rows_d = s.out_off[d + 1] - s.out_off[d];
+          const int64_t panels_d = (rows_d + kPanel - 1) / kPanel;
+          // thread t's panels of group d: every row of a group uses the same blocks, so
+          // the threads get equal work whatever the types
+          const int64_t p_end = (t + 1) * panels_d / n_threads;
+          int64_t p = t * panels_d / n_threads;
+          if constexpr (std::is_same_v<T, float>) {
+            // by type: two strip pairs per call where four full strips remain (each input
+            // broadcast once for four weight vectors: A/B alternated twice, M = 2048,
+            // 4096^2, AMD EPYC VM: Q32 27.5 / 26.8 -> 25.0 / 24.3 ms, Q16 43.6 / 43.3 ->
+            // 40.8 / 41.2, Q4 1-2% faster, the dense loop level), then one pair
+            for (const int strips : {4, 2}) {
+              for (; by_type[ci] && p + strips <= p_end && rows_d - p * kPanel >= strips * kPanel;
+                   p += strips) {
+                strips_by_type(x, packed, bias, tables, c0, c1, d, s.out_off[d] + p * kPanel,
+                               N, K, strips, pans.data(), y);
+              }
+            }
           }
-          for (; by_type[ci] && p + 1 < p_end &&
-                 s.out_off[d + 1] - s.out_off[d] - p * kPanel >= 2 * kPanel; p += 2) {
-            pair_by_type(x, packed, bias, tables, c0, c1, d, s.out_off[d] + p * kPanel, N, K,
-                         pans.data(), y);
-          }
-        }
-        while (p < p_end) {
-          const int64_t n0 = s.out_off[d] + p * kPanel;
-          const int64_t pw = std::min(kPanel, s.out_off[d + 1] - n0);
-          // two full strips at once where the pair kernel applies (each input broadcast
-          // once for both strips' weight vectors)
-          const bool pair = structlm::kPairedPanels && std::is_same_v<T, float> &&
-                            p + 1 < p_end && s.out_off[d + 1] - n0 >= 2 * kPanel;
-          std::fill(acc.begin(), acc.begin() + (c1 - c0) * kPanel, T(0));
-          if (pair) std::fill(acc2.begin(), acc2.begin() + (c1 - c0) * kPanel, T(0));
-          for (int64_t b = 0; b < q; ++b) {
-            {
+          while (p < p_end) {
+            const int64_t n0 = s.out_off[d] + p * kPanel;
+            const int64_t pw = std::min(kPanel, s.out_off[d + 1] - n0);
+            // two full strips at once where the pair kernel applies (each input broadcast
+            // once for both strips' weight vectors)
+            const bool pair = kPairedPanels && std::is_same_v<T, float> && p + 1 < p_end &&
+                              s.out_off[d + 1] - n0 >= 2 * kPanel;
+            std::fill(acc.begin(), acc.begin() + (c1 - c0) * kPanel, T(0));
+            if (pair) std::fill(acc2.begin(), acc2.begin() + (c1 - c0) * kPanel, T(0));
+            for (int64_t b = 0; b < q; ++b) {
               const int64_t cb = (static_cast<int64_t>(ci) * q + d) * q + b;
               const int64_t* rows = users.data() + user_begin[cb];
               const int64_t count = user_begin[cb + 1] - user_begin[cb];
@@ -258,27 +252,26 @@ void fused_rows_impl(const T* x, const T* packed, const int64_t* types, const Su
                   const float* pan1 = pan0 + kPanel * K;
                   // a dense weight at few rows: the first call prefetches the next pair's
                   // panels (see kPrefetchMaxRows)
-                  const bool prefetch = q == 1 && count <= structlm::kPrefetchMaxRows &&
-                                        p + 3 < p_end && s.out_off[d + 1] - n0 >= 4 * kPanel;
+                  const bool prefetch = q == 1 && count <= kPrefetchMaxRows && p + 3 < p_end &&
+                                        s.out_off[d + 1] - n0 >= 4 * kPanel;
                   const float* next = prefetch ? pan0 + 2 * kPanel * K : nullptr;  // 2 strips
                   // six rows at a time, then the last one to five also against both
                   // strips (panel_pair_rows_rest: each input broadcast once for both; see
                   // the A/B in docs/benchmarks.md, M = 32)
                   for (int64_t n = 0; k < count; k += n) {
-                    n = std::min<int64_t>(structlm::kPairRows, count - k);
-                    const float* xs[structlm::kPairRows];
-                    float* as0[structlm::kPairRows];
-                    float* as1[structlm::kPairRows];
+                    n = std::min<int64_t>(kPairRows, count - k);
+                    const float* xs[kPairRows];
+                    float* as0[kPairRows];
+                    float* as1[kPairRows];
                     for (int64_t r = 0; r < n; ++r) {
                       xs[r] = x + rows[k + r] * K + s.in_off[b];
                       as0[r] = acc.data() + slot[rows[k + r]] * kPanel;
                       as1[r] = acc2.data() + slot[rows[k + r]] * kPanel;
                     }
-                    if (n == structlm::kPairRows) {
-                      structlm::panel_pair_rows(xs, pan0, pan1, width, as0, as1,
-                                                k == 0 ? next : nullptr);
+                    if (n == kPairRows) {
+                      panel_pair_rows(xs, pan0, pan1, width, as0, as1, k == 0 ? next : nullptr);
                     } else {
-                      structlm::panel_pair_rows_rest(xs, n, pan0, pan1, width, as0, as1);
+                      panel_pair_rows_rest(xs, n, pan0, pan1, width, as0, as1);
                     }
                   }
                 }
@@ -286,24 +279,23 @@ void fused_rows_impl(const T* x, const T* packed, const int64_t* types, const Su
               strip_rows(rows, k, count, b, n0, pw, acc.data());
               if (pair) strip_rows(rows, k, count, b, n0 + kPanel, kPanel, acc2.data());
             }
-          }
-          for (int64_t i = c0; i < c1; ++i) {
-            const int64_t m = order[i];
-            const T* a1 = acc.data() + slot[m] * kPanel;
-            for (int64_t j = 0; j < pw; ++j) {
-              y[m * N + n0 + j] = a1[j] + (bias ? bias[n0 + j] : T(0));
+            for (int64_t i = c0; i < c1; ++i) {
+              const int64_t m = order[i];
+              const T* a1 = acc.data() + slot[m] * kPanel;
+              for (int64_t j = 0; j < pw; ++j) {
+                y[m * N + n0 + j] = a1[j] + (bias ? bias[n0 + j] : T(0));
+              }
+              if (!pair) continue;
+              const T* a2 = acc2.data() + slot[m] * kPanel;
+              for (int64_t j = 0; j < kPanel; ++j) {
+                const int64_t n = n0 + kPanel + j;
+                y[m * N + n] = a2[j] + (bias ? bias[n] : T(0));
+              }
             }
-            if (!pair) continue;
-            const T* a2 = acc2.data() + slot[m] * kPanel;
-            for (int64_t j = 0; j < kPanel; ++j) {
-              const int64_t n = n0 + kPanel + j;
-              y[m * N + n] = a2[j] + (bias ? bias[n] : T(0));
-            }
+            p += pair ? 2 : 1;
           }
-          p += pair ? 2 : 1;
         }
       }
-     }
     }
   });
 }
