@@ -151,3 +151,25 @@ def test_layer_bench_swiglu_rows_and_shape_checks(tmp_path: os.PathLike[str]) ->
         LayerBenchConfig(blocks=((8, 10),), algebras=("Q4",))
     with pytest.raises(ValueError, match=r"shapes \['97x64'\]"):
         LayerBenchConfig(shapes=((97, 64),), algebras=("Q2^2",))
+
+
+def test_layer_bench_dense_packed_arm_packs_each_copy_once(
+        tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above 32 rows the dense arm runs the packed kernel: its panel-packed copy is made
+    once per weight copy, not per call (a per-call ``.detach()`` would miss the cache,
+    which is keyed on the tensor object, and time the packing too)."""
+    from structlm.ops import cpu_kernels
+
+    if not cpu_kernels.fused_rows_available():
+        pytest.skip("the compiled kernel is not built here")
+    packs = []
+    real = cpu_kernels._strips
+    monkeypatch.setattr(cpu_kernels, "_strips",
+                        lambda *a, **kw: packs.append(1) or real(*a, **kw))
+    cfg = LayerBenchConfig(ms=(64,), shapes=((64, 32),), algebras=("Q2",),
+                           schedules=("cyclic",), modes=("fwd",), trials=5, threads=1,
+                           flush_max_m=0)
+    rows = run_layer_bench(cfg, os.path.join(tmp_path, "packed"), progress=False)
+    assert rows[0]["copies"] == 1 and rows[0]["layout"] == "fused-rows"
+    # one pack for the dense arm's copy, one for the algebra layer's (its kernel's)
+    assert len(packs) == 2, f"{len(packs)} packs over {cfg.trials} trials"
