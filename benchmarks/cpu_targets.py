@@ -239,18 +239,31 @@ def _m32_roofline(rows: list[Row]) -> Verdict:
                                                     for r in sel}))
     # one decimal, rounded down: a share just under 85% never prints as 85.0%
     text = ", ".join(f"{a} {math.floor(1000 * f) / 10:.1f}%" for a, f in fracs)
+    # the dense arm's own place: its flops at the GEMM rate measured in the run
+    rate = max(2 * _f(r, "dense_macs") / (_f(r, "dense_ms") * 1e-3) / 1e9
+               / _f(r, "gemm_peak_gflops") for r in sel)
     if above:
+        # which floor is wrong: an algebra arm reading above the stream measured beside
+        # the run (that floor was higher during the timings), or a dense arm below both
+        # of its own (neither the GEMM rate nor the stream: its time is not the limit)
+        fast = [f"{r['algebra']} at {_f(r, 'algebra_pct_of_stream'):.0f}%" for r in sel
+                if r["algebra"] in above and _f(r, "algebra_pct_of_stream") > 100]
+        why = []
+        if fast:
+            why.append(f"the algebra arm reads above the stream bandwidth measured beside "
+                       f"the run ({', '.join(fast)}): the machine's floor was higher during "
+                       "the timings than when it was measured")
+        if rate < 0.9 and max(_f(r, "dense_pct_of_stream") for r in sel) < 90:
+            why.append(f"the dense arm ({sel[0]['dense_path']}) runs at up to {rate:.0%} "
+                       f"of the GEMM rate and reads at {dense} of the stream, off its own "
+                       "floor")
         return Verdict(text, "not decidable",
-                       f"{', '.join(above)} above the roofline: the dense arm "
-                       f"({sel[0]['dense_path']}) reads at {dense} of the stream, off its "
-                       "own floor")
+                       f"{', '.join(above)} above the roofline: " + "; ".join(
+                           why or ["neither arm is off a floor measured in the run"]))
     unsteady = _unsteady_stream(sel)
     if unsteady:
         return Verdict(text, "not decidable", unsteady)
     low = [a for a, f in fracs if f < 0.85]
-    # the dense arm's own place: its flops at the GEMM rate measured in the run
-    rate = max(2 * _f(r, "dense_macs") / (_f(r, "dense_ms") * 1e-3) / 1e9
-               / _f(r, "gemm_peak_gflops") for r in sel)
     return Verdict(text, _status(not low),
                    (f"below 85%: {', '.join(low)}; " if low else "")
                    + f"the dense arm at up to {rate:.0%} of the GEMM rate and {dense} of the "

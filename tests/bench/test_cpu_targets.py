@@ -77,8 +77,18 @@ def test_rules_at_their_thresholds() -> None:
     assert v.status == "not decidable" and "noise" in v.detail
     m32 = [_layer_row("Q2", 32, 0.99, 1.0), _layer_row("Q4", 32, 0.85, 1.0)]
     assert ct._m32_roofline(m32).status == "met"
-    above = ct._m32_roofline([*m32, _layer_row("Q8", 32, 1.2, 1.0)])
-    assert above.status == "not decidable" and "Q8 above the roofline" in above.detail
+    # above the roofline with the dense arm at 95% of the GEMM rate: the algebra arm read
+    # faster than the stream measured beside the run, so that floor was wrong
+    above = ct._m32_roofline([*m32, _layer_row("Q8", 32, 1.2, 1.0, algebra_pct_of_stream="104")])
+    assert above.status == "not decidable"
+    assert above.detail == ("Q8 above the roofline: the algebra arm reads above the stream "
+                            "bandwidth measured beside the run (Q8 at 104%): the machine's "
+                            "floor was higher during the timings than when it was measured")
+    # a dense arm at 47% of the GEMM rate and of the stream: off its own floor
+    slow = [_layer_row("Q8", 32, 1.2, 1.0, algebra_pct_of_stream="70", dense_ms="11.1")]
+    v = ct._m32_roofline(slow)
+    assert v.status == "not decidable" and "off its own floor" in v.detail
+    assert "runs at up to 47% of the GEMM rate" in v.detail and "algebra arm" not in v.detail
     v = ct._m32_roofline([_layer_row("Q2", 32, 0.84, 1.0)])
     assert v.status == "missed" and v.measured == "Q2 84.0%"
     # 2 x 536870912 flops in 5.5 ms at a 204.9 GFLOP/s GEMM rate: 95%
