@@ -89,6 +89,9 @@ def test_rules_at_their_thresholds() -> None:
     v = ct._m32_roofline(slow)
     assert v.status == "not decidable" and "off its own floor" in v.detail
     assert "runs at up to 47% of the GEMM rate" in v.detail and "algebra arm" not in v.detail
+    # a row below 85% next to one above the roofline: missed whatever the true floor
+    v = ct._m32_roofline([*slow, _layer_row("Q4", 32, 0.8, 1.0, algebra_pct_of_stream="60")])
+    assert v.status == "missed" and v.detail.startswith("below 85% even so: Q4; Q8 above")
     v = ct._m32_roofline([_layer_row("Q2", 32, 0.84, 1.0)])
     assert v.status == "missed" and v.measured == "Q2 84.0%"
     # 2 x 536870912 flops in 5.5 ms at a 204.9 GFLOP/s GEMM rate: 95%
