@@ -75,3 +75,24 @@ def test_the_command_writes_the_report(tmp_path) -> None:
     assert f"{tmp_path}/results.json does not exist" in bad.stderr
     with pytest.raises(ValueError, match="structlm experiment share"):
         load_results(ANALYSIS, tmp_path)
+
+
+def test_after_fine_tuning_compares_the_methods_both_models_tuned() -> None:
+    """A model that fine-tuned fewer methods: the other model's winner rule runs over the
+    methods both fine-tuned, so a winner absent from one model's race cannot decide it."""
+    from structlm.experiments.share.transfer import finetuned_methods
+
+    a = load_results(ANALYSIS, EXPERIMENT)
+    assert {"svd", "basis-sharing", "shared"} <= finetuned_methods(a)
+    b = copy.deepcopy(a)
+    b.label = "two methods tuned"
+    for e in b.experiment["whole_model"]:
+        if e["method"] not in ("svd", "shared"):
+            e["finetuned"] = {}
+    assert finetuned_methods(b) == {"svd", "shared"}
+    rows = {r["finding"]: r for r in findings(a, b)}
+    row = rows["−20%, in-domain: after fine-tuning"]
+    # basis-sharing wins a's full race at -20%; over {svd, shared} both name the same best
+    assert row["a"].removesuffix(" *") == row["b"].removesuffix(" *")
+    assert row["a"].removesuffix(" *") in ("svd", "shared")
+    assert "basis-sharing" not in row["a_numbers"]

@@ -27,7 +27,8 @@ from typing import Any
 from structlm.atomic import atomic_write_text
 from structlm.experiments.share.report import verdict
 
-__all__ = ["ModelResults", "findings", "load_results", "write_transfer_report"]
+__all__ = ["ModelResults", "findings", "finetuned_methods", "load_results",
+           "write_transfer_report"]
 
 _TESTS = (("alignment", "1 alignment"), ("weight_subspaces", "2 weight subspaces"),
           ("functional_subspaces", "3 functional subspaces"))
@@ -85,9 +86,16 @@ def _test_rows(m: ModelResults) -> dict[str, tuple[str, str]]:
     return out
 
 
-def _compression_rows(m: ModelResults) -> dict[str, tuple[str, str]]:
+def finetuned_methods(m: ModelResults) -> set[str]:
+    """The whole-model methods with at least one fine-tuned result."""
+    return {e["method"] for e in m.experiment["whole_model"]
+            if any(e["finetuned"].get(t) for t in e["finetuned"])}
+
+
+def _compression_rows(m: ModelResults, tuned_methods: set[str] | None = None
+                      ) -> dict[str, tuple[str, str]]:
     """Per budget and text role: the best method before fine-tuning and the winner rule
-    after it."""
+    after it, the latter among ``tuned_methods`` (None: every fine-tuned method)."""
     res = m.experiment
     out: dict[str, tuple[str, str]] = {}
     for role, label in (("in_domain", "in-domain"), ("other_domain", "other-domain")):
@@ -101,7 +109,8 @@ def _compression_rows(m: ModelResults) -> dict[str, tuple[str, str]]:
                 best["method"], f"{best['analytic'][text]:.2f} (original "
                                 f"{res['ppl_original'][text]:.2f})")
             tuned = {e["method"]: e["finetuned"].get(text, {}) for e in at
-                     if e["finetuned"].get(text)}
+                     if e["finetuned"].get(text)
+                     and (tuned_methods is None or e["method"] in tuned_methods)}
             if tuned:
                 v = verdict(tuned)
                 best_t = min(tuned, key=lambda k: tuned[k]["mean"])
@@ -120,8 +129,11 @@ def _compression_rows(m: ModelResults) -> dict[str, tuple[str, str]]:
 def findings(a: ModelResults, b: ModelResults) -> list[dict[str, str]]:
     """Every finding of either model with both verdicts and whether it transfers."""
     rows = []
-    fa = {**_test_rows(a), **_compression_rows(a)}
-    fb = {**_test_rows(b), **_compression_rows(b)}
+    # after fine-tuning, each model's winner among the methods both fine-tuned: a winner
+    # over a candidate the other model never fine-tuned would compare different races
+    common = finetuned_methods(a) & finetuned_methods(b)
+    fa = {**_test_rows(a), **_compression_rows(a, common)}
+    fb = {**_test_rows(b), **_compression_rows(b, common)}
     for key in dict.fromkeys([*fa, *fb]):
         va, vb = fa.get(key), fb.get(key)
         if va is None or vb is None:
@@ -142,6 +154,7 @@ def write_transfer_report(a: ModelResults, b: ModelResults, out: str | Path) -> 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rows = findings(a, b)
+    common = finetuned_methods(a) & finetuned_methods(b)
     texts = {m.label: [_role(m.experiment, r) for r in ("in_domain", "other_domain")]
              for m in (a, b)}
     n = {s: sum(r["status"] == s for r in rows) for s in ("transfers", "does not transfer")}
@@ -154,8 +167,9 @@ def write_transfer_report(a: ModelResults, b: ModelResults, out: str | Path) -> 
                if m.analysis.get("model_note")), "",
              f"{n['transfers']} findings transfer, {n['does not transfer']} do not "
              f"({len(rows)} in all; the rest are not separated or not measured on both). "
-             "After fine-tuning, `*` marks a best mean that the winner rule does not "
-             "separate.", "",
+             "After fine-tuning, each model's winner rule runs over the methods both "
+             f"models fine-tuned ({', '.join(f'`{x}`' for x in sorted(common)) or 'none'}), "
+             "and `*` marks a best mean that the rule does not separate.", "",
              f"| finding | {a.label} | {b.label} | transfers? |", "|---|---|---|---|"]
     def cell(verdict_: str, numbers: str) -> str:
         return f"{verdict_} ({numbers})" if numbers else verdict_
