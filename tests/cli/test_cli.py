@@ -162,14 +162,22 @@ def test_layer_bench_dense_packed_arm_packs_each_copy_once(
 
     if not cpu_kernels.fused_rows_available():
         pytest.skip("the compiled kernel is not built here")
-    packs = []
+    dense_packs = []
     real = cpu_kernels._strips
-    monkeypatch.setattr(cpu_kernels, "_strips",
-                        lambda *a, **kw: packs.append(1) or real(*a, **kw))
-    cfg = LayerBenchConfig(ms=(64,), shapes=((64, 32),), algebras=("Q2",),
-                           schedules=("cyclic",), modes=("fwd",), trials=5, threads=1,
-                           flush_max_m=0)
-    rows = run_layer_bench(cfg, os.path.join(tmp_path, "packed"), progress=False)
-    assert rows[0]["copies"] == 1 and rows[0]["layout"] == "fused-rows"
-    # one pack for the dense arm's copy, one for the algebra layer's (its kernel's)
-    assert len(packs) == 2, f"{len(packs)} packs over {cfg.trials} trials"
+
+    def spy(w: object, out_offsets: tuple[int, ...]) -> object:
+        if len(out_offsets) == 2:  # one output group: a dense weight (Q2 has two)
+            dense_packs.append(1)
+        return real(w, out_offsets)
+
+    monkeypatch.setattr(cpu_kernels, "_strips", spy)
+    for trials, cold in ((3, "flush"), (9, "flush"), (3, "rotate")):
+        dense_packs.clear()
+        cfg = LayerBenchConfig(ms=(64,), shapes=((64, 32),), algebras=("Q2",),
+                               schedules=("cyclic",), modes=("fwd",), trials=trials,
+                               threads=1, flush_max_m=64, cold=cold, rotate_mib=1)
+        rows = run_layer_bench(cfg, os.path.join(tmp_path, f"p{trials}{cold}"),
+                               progress=False)
+        copies = rows[0]["copies"]
+        assert (copies > 1) == (cold == "rotate") and rows[0]["layout"] == "fused-rows"
+        assert len(dense_packs) == copies, f"{len(dense_packs)} packs, {copies} copies"

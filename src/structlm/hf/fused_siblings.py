@@ -137,7 +137,8 @@ def _algebra_siblings(mod: Any, modules: list[nn.Module], slots: Any,
     uses = torch.zeros(n_types, q * s, q * s, dtype=torch.uint8)
     for i, t in enumerate(tables):
         uses[:, i * q:(i + 1) * q, :q] = t[2]
-    # each type's copy: the siblings' copies of that type back to back
+    # each type's copy: the siblings' copies of that type back to back (from detached
+    # views, so the copies are freed once placed in the arena; see fused_stack._chain)
     per_type = [cpu_kernels.typed_weight(m.weight.detach(), p).split(
         cpu_kernels.typed_copy_sizes(p)) for m, p in zip(modules, plans, strict=True)]
     typed = torch.cat([c[a] for a in range(n_types) for c in per_type])

@@ -89,6 +89,9 @@ def _chain(mod: Any, module: nn.Module, slots: _Slots, arena: WeightArena) -> An
     bias = getattr(module, "bias", None)
     bias = None if bias is None else bias.detach().contiguous()
     if isinstance(module, AlgebraLinear):
+        # a detached view: the typed copy made from it is placed (copied) in the arena and
+        # then freed, not cached against the parameter, which would keep a second copy of
+        # every converted weight alive for the model's life
         w = module.weight.detach()
         tables = cpu_kernels.block_tables(module.plan)
         rows = mod.BoundRows(arena.place(cpu_kernels.typed_weight(w, module.plan)), *tables,

@@ -78,21 +78,28 @@ def test_the_command_writes_the_report(tmp_path) -> None:
 
 
 def test_after_fine_tuning_compares_the_methods_both_models_tuned() -> None:
-    """A model that fine-tuned fewer methods: the other model's winner rule runs over the
-    methods both fine-tuned, so a winner absent from one model's race cannot decide it."""
-    from structlm.experiments.share.transfer import finetuned_methods
-
+    """Each race (budget, text role) runs over the methods both models fine-tuned there: a
+    winner absent from one model's race cannot decide it, and fewer than two common
+    methods is no race."""
     a = load_results(ANALYSIS, EXPERIMENT)
-    assert {"svd", "basis-sharing", "shared"} <= finetuned_methods(a)
     b = copy.deepcopy(a)
-    b.label = "two methods tuned"
+    b.label = "fewer tuned"
     for e in b.experiment["whole_model"]:
         if e["method"] not in ("svd", "shared"):
             e["finetuned"] = {}
-    assert finetuned_methods(b) == {"svd", "shared"}
+        elif e["method"] == "shared" and e["reduction"] == 0.4:
+            e["finetuned"] = {}  # -40%: only svd tuned on both
     rows = {r["finding"]: r for r in findings(a, b)}
     row = rows["−20%, in-domain: after fine-tuning"]
-    # basis-sharing wins a's full race at -20%; over {svd, shared} both name the same best
+    # basis-sharing wins a's full race at -20%; over {shared, svd} both name one best
     assert row["a"].removesuffix(" *") == row["b"].removesuffix(" *")
     assert row["a"].removesuffix(" *") in ("svd", "shared")
+    assert row["a_numbers"].startswith("among shared, svd: ")
     assert "basis-sharing" not in row["a_numbers"]
+    lone = rows["−40%, in-domain: after fine-tuning"]
+    assert lone["status"] == "not measured on both" and lone["a"] == lone["b"] == "—"
+    for e in b.experiment["whole_model"]:
+        e["finetuned"] = {}  # nothing tuned on b: every such row still listed
+    rows = {r["finding"]: r for r in findings(a, b)}
+    after = [k for k in rows if k.endswith("after fine-tuning")]
+    assert len(after) == 8 and all(rows[k]["status"] == "not measured on both" for k in after)

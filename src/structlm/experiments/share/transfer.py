@@ -14,7 +14,10 @@ winner rule after it — and **does not transfer** when the verdicts differ. Aft
 fine-tuning, where either model names no winner (ranges overlap, or one seed), the row
 says whether the best means agree ("same best mean, not separated") or not ("other best
 mean, not separated") and claims neither. A finding one model lacks is "not measured on
-both".
+both". (Added 2026-12-05, after Qwen's SVD-LLM and Basis Sharing arms were fine-tuned and
+before its `shared` arms were: after fine-tuning, both models' winner rules run over the
+methods both fine-tuned at that budget on that text role, and a race with fewer than two
+such methods is "not measured on both".)
 """
 
 from __future__ import annotations
@@ -27,8 +30,7 @@ from typing import Any
 from structlm.atomic import atomic_write_text
 from structlm.experiments.share.report import verdict
 
-__all__ = ["ModelResults", "findings", "finetuned_methods", "load_results",
-           "write_transfer_report"]
+__all__ = ["ModelResults", "findings", "load_results", "write_transfer_report"]
 
 _TESTS = (("alignment", "1 alignment"), ("weight_subspaces", "2 weight subspaces"),
           ("functional_subspaces", "3 functional subspaces"))
@@ -86,18 +88,14 @@ def _test_rows(m: ModelResults) -> dict[str, tuple[str, str]]:
     return out
 
 
-def finetuned_methods(m: ModelResults) -> set[str]:
-    """The whole-model methods with at least one fine-tuned result."""
-    return {e["method"] for e in m.experiment["whole_model"]
-            if any(e["finetuned"].get(t) for t in e["finetuned"])}
-
-
-def _compression_rows(m: ModelResults, tuned_methods: set[str] | None = None
-                      ) -> dict[str, tuple[str, str]]:
-    """Per budget and text role: the best method before fine-tuning and the winner rule
-    after it, the latter among ``tuned_methods`` (None: every fine-tuned method)."""
+def _compression_rows(m: ModelResults) -> tuple[dict[str, tuple[str, str]],
+                                                 dict[str, dict[str, Any]]]:
+    """Per budget and text role: the best method before fine-tuning (finding -> verdict and
+    numbers) and the fine-tuned results the winner rule reads after it (finding -> method
+    -> seed statistics; decided in :func:`findings` over the methods both models tuned)."""
     res = m.experiment
     out: dict[str, tuple[str, str]] = {}
+    races: dict[str, dict[str, Any]] = {}
     for role, label in (("in_domain", "in-domain"), ("other_domain", "other-domain")):
         text = _role(res, role)
         if text is None:
@@ -108,32 +106,43 @@ def _compression_rows(m: ModelResults, tuned_methods: set[str] | None = None
             out[f"−{red:.0%}, {label}: best before fine-tuning"] = (
                 best["method"], f"{best['analytic'][text]:.2f} (original "
                                 f"{res['ppl_original'][text]:.2f})")
-            tuned = {e["method"]: e["finetuned"].get(text, {}) for e in at
-                     if e["finetuned"].get(text)
-                     and (tuned_methods is None or e["method"] in tuned_methods)}
+            tuned = {e["method"]: e["finetuned"][text] for e in at
+                     if e["finetuned"].get(text)}
             if tuned:
-                v = verdict(tuned)
-                best_t = min(tuned, key=lambda k: tuned[k]["mean"])
-                out[f"−{red:.0%}, {label}: after fine-tuning"] = (
-                    best_t + ("" if "wins" in v else " *"),
-                    f"{v}; {best_t} {tuned[best_t]['mean']:.2f}")
+                races[f"−{red:.0%}, {label}: after fine-tuning"] = tuned
         shared = next((e for e in res["whole_model"] if e["method"] == "shared"
                        and e["arms"][0].get("token_macs_ratio") is not None), None)
         if shared is not None and role == "in_domain":
             r = shared["arms"][0]["token_macs_ratio"]
             out[f"shared at −{shared['reduction']:.0%}: MACs per token vs the original"] = (
                 "more" if r > 1 else "fewer", f"{r:.2f}×")
-    return out
+    return out, races
+
+
+def _race(tuned: dict[str, Any], methods: list[str]) -> tuple[str, str]:
+    """The winner rule over ``methods`` of one model's fine-tuned results: the best
+    method (``*`` where the rule separates no winner) and the numbers behind it."""
+    among = {k: tuned[k] for k in methods}
+    v = verdict(among)
+    best = min(among, key=lambda k: among[k]["mean"])
+    return (best + ("" if "wins" in v else " *"),
+            f"among {', '.join(methods)}: {v}; {best} {among[best]['mean']:.2f}")
 
 
 def findings(a: ModelResults, b: ModelResults) -> list[dict[str, str]]:
     """Every finding of either model with both verdicts and whether it transfers."""
     rows = []
-    # after fine-tuning, each model's winner among the methods both fine-tuned: a winner
-    # over a candidate the other model never fine-tuned would compare different races
-    common = finetuned_methods(a) & finetuned_methods(b)
-    fa = {**_test_rows(a), **_compression_rows(a, common)}
-    fb = {**_test_rows(b), **_compression_rows(b, common)}
+    (ca, races_a), (cb, races_b) = _compression_rows(a), _compression_rows(b)
+    fa, fb = {**_test_rows(a), **ca}, {**_test_rows(b), **cb}
+    # after fine-tuning, each race over the methods both models fine-tuned at that budget
+    # on that text role: a winner over a method the other model never fine-tuned there
+    # would compare different races; fewer than two such methods is no race
+    for key in dict.fromkeys([*races_a, *races_b]):
+        common = sorted(set(races_a.get(key, {})) & set(races_b.get(key, {})))
+        if len(common) >= 2:
+            fa[key], fb[key] = _race(races_a[key], common), _race(races_b[key], common)
+        else:
+            fa.setdefault(key, None)  # keeps the row: "not measured on both"
     for key in dict.fromkeys([*fa, *fb]):
         va, vb = fa.get(key), fb.get(key)
         if va is None or vb is None:
@@ -154,7 +163,6 @@ def write_transfer_report(a: ModelResults, b: ModelResults, out: str | Path) -> 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rows = findings(a, b)
-    common = finetuned_methods(a) & finetuned_methods(b)
     texts = {m.label: [_role(m.experiment, r) for r in ("in_domain", "other_domain")]
              for m in (a, b)}
     n = {s: sum(r["status"] == s for r in rows) for s in ("transfers", "does not transfer")}
@@ -167,9 +175,9 @@ def write_transfer_report(a: ModelResults, b: ModelResults, out: str | Path) -> 
                if m.analysis.get("model_note")), "",
              f"{n['transfers']} findings transfer, {n['does not transfer']} do not "
              f"({len(rows)} in all; the rest are not separated or not measured on both). "
-             "After fine-tuning, each model's winner rule runs over the methods both "
-             f"models fine-tuned ({', '.join(f'`{x}`' for x in sorted(common)) or 'none'}), "
-             "and `*` marks a best mean that the rule does not separate.", "",
+             "After fine-tuning, each row's winner rule runs over the methods both models "
+             "fine-tuned at that budget on that text (named in the row), and `*` marks a best "
+             "mean that the rule does not separate.", "",
              f"| finding | {a.label} | {b.label} | transfers? |", "|---|---|---|---|"]
     def cell(verdict_: str, numbers: str) -> str:
         return f"{verdict_} ({numbers})" if numbers else verdict_
