@@ -135,7 +135,7 @@ def test_killed_finetune_resumes_to_the_same_result(tmp_path, monkeypatch) -> No
                  progress=False, state_path=state)
 
 
-def test_recorded_arm_deletes_its_finetune_state(tmp_path) -> None:
+def test_recorded_arm_deletes_or_keeps_its_finetune_state(tmp_path) -> None:
     from structlm.experiments.share.experiment import _ArmCache
 
     cache = _ArmCache(tmp_path / "arms.json", ExperimentConfig())
@@ -147,6 +147,15 @@ def test_recorded_arm_deletes_its_finetune_state(tmp_path) -> None:
         "ppl_finetuned": {"t": 1.5}}
     assert not state.exists() and key in _ArmCache(tmp_path / "arms.json",
                                                    ExperimentConfig()).done
+    assert not cache.state_path(key, final=True).exists()
+    # with keep_finetune_states the finished run's state moves aside, whole
+    kept = _ArmCache(tmp_path / "kept" / "arms.json", ExperimentConfig(keep_finetune_states=True))
+    state = kept.state_path(key)
+    state.parent.mkdir(parents=True)
+    state.write_bytes(b"final state")
+    kept._get(key, lambda: {"ppl_finetuned": {"t": 1.5}}, "arm", False)
+    assert not state.exists()
+    assert kept.state_path(key, final=True).read_bytes() == b"final state"
 
 
 def test_grad_clip_zero_means_no_clipping() -> None:

@@ -100,6 +100,12 @@ class ExperimentConfig:
     """The plateau rule compares the mean held-out perplexity of a run's last this many
     evaluations with the mean of the this many before (1: the last two evaluations; a
     noisy subset needs more to separate a plateau from noise)."""
+    keep_finetune_states: bool = False
+    """Keep each finished fine-tuning run's final state (trained tensors, optimiser, batch
+    generator, curve) in ``finetune-final/<hash of its key>.pt`` beside ``arms.json``
+    instead of deleting it when the arm is recorded, so a run can later be taken past its
+    step count without being redone (SmolLM2-135M: ~0.8 GB per run, Qwen2.5-Coder-0.5B:
+    ~2.6 GB). Not part of any arm's key."""
     beside: str | None = None
     """An earlier ``structlm experiment share`` folder on the same model and text whose
     whole-model fine-tuned numbers the report shows beside this run's (e.g. the committed

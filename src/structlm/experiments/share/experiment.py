@@ -28,6 +28,7 @@ import copy
 import dataclasses
 import hashlib
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -188,6 +189,7 @@ class _ArmCache:
                      "corpus": cfg.corpus, "second_corpus": cfg.second_corpus,
                      "protocol": "windows across documents"}
         self.done: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+        self.keep_states = cfg.keep_finetune_states
 
     def _key(self, prep: Prepared, ccfg: CompressionConfig, **extra: Any) -> str:
         draw = _calib_seed(prep)
@@ -196,9 +198,10 @@ class _ArmCache:
         return json.dumps({**self.base, "model": prep.loaded.model_id,
                            "compression": dataclasses.asdict(ccfg), **extra}, sort_keys=True)
 
-    def state_path(self, key: str) -> Path:
-        """Where the fine-tuning run of ``key`` keeps its resumable state."""
-        return self.path.parent / "finetune-state" / (
+    def state_path(self, key: str, final: bool = False) -> Path:
+        """Where the fine-tuning run of ``key`` keeps its resumable state (``final``: where
+        a finished run's state is kept with ``keep_finetune_states``)."""
+        return self.path.parent / ("finetune-final" if final else "finetune-state") / (
             hashlib.sha1(key.encode()).hexdigest()[:16] + ".pt")
 
     def _get(self, key: str, make: Any, label: str, progress: bool) -> dict[str, Any]:
@@ -207,7 +210,11 @@ class _ArmCache:
                 print(f"[arm] {label}", flush=True)
             self.done[key] = clean_json(make())
             atomic_write_text(self.path, json.dumps(self.done))
-            self.state_path(key).unlink(missing_ok=True)  # recorded: the state is spent
+            state = self.state_path(key)
+            if self.keep_states and state.exists():  # kept for a later continuation
+                self.state_path(key, final=True).parent.mkdir(exist_ok=True)
+                os.replace(state, self.state_path(key, final=True))
+            state.unlink(missing_ok=True)  # recorded: the state is spent
         return self.done[key]
 
     def analytic(self, prep: Prepared, ccfg: CompressionConfig,
