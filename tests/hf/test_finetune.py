@@ -135,6 +135,46 @@ def test_killed_finetune_resumes_to_the_same_result(tmp_path, monkeypatch) -> No
                  progress=False, state_path=state)
 
 
+def test_a_finished_run_continued_is_the_longer_run(tmp_path) -> None:
+    """A 4-step run's final state continued to 8 steps gives the 8-step run from the start
+    (same factors, same curve) where the rate is constant after warm-up; another schedule
+    (a cosine that depends on the length), another config or a shorter target is refused."""
+    ids = torch.randint(0, 89, (400,), generator=torch.Generator().manual_seed(5))
+    ft8 = FinetuneConfig(steps=8, lr=1e-2, warmup=1, min_lr_ratio=1.0, seq_len=16,
+                         batch_size=2, eval_every=2, eval_tokens=64, eval_window=32)
+    ft4 = dataclasses.replace(ft8, steps=4)
+    whole = _compressed("hybrid")
+    curve_whole = finetune(whole, ids, ids[:64], ft8, progress=False)
+    short = _compressed("hybrid")
+    final = tmp_path / "final4.pt"
+    finetune(short, ids, ids[:64], ft4, progress=False, state_path=final)
+    longer = _compressed("hybrid")
+    curve = finetune(longer, ids, ids[:64], ft8, progress=False,
+                     state_path=tmp_path / "run8.pt", continue_from=final)
+    assert [c["step"] for c in curve] == [c["step"] for c in curve_whole]
+    for a, b in zip(curve, curve_whole, strict=True):
+        for k in ("loss", "eval_ppl", "lr"):
+            assert (a[k] is None) == (b[k] is None)
+            if b[k] is not None:
+                assert a[k] == pytest.approx(b[k], rel=1e-6), (a["step"], k)
+    for (n, p), q in zip(longer.named_parameters(), whole.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+    assert torch.load(tmp_path / "run8.pt", weights_only=False)["step"] == 8
+    from structlm.hf.finetune import load_continuation
+
+    cosine = tmp_path / "cos4.pt"
+    finetune(_compressed("hybrid"), ids, ids[:64], dataclasses.replace(ft4, min_lr_ratio=0.1),
+             progress=False, state_path=cosine)
+    with pytest.raises(RuntimeError, match="schedule differs"):
+        load_continuation(cosine, dataclasses.replace(ft8, min_lr_ratio=0.1))
+    with pytest.raises(RuntimeError, match=r"other lr \(lr=0.01\)"):
+        load_continuation(final, dataclasses.replace(ft8, lr=2e-2))
+    with pytest.raises(RuntimeError, match="past the 3 steps"):
+        load_continuation(final, dataclasses.replace(ft8, steps=3))
+    with pytest.raises(FileNotFoundError):
+        load_continuation(tmp_path / "none.pt", ft8)
+
+
 def test_recorded_arm_deletes_or_keeps_its_finetune_state(tmp_path) -> None:
     from structlm.experiments.share.experiment import _ArmCache
 

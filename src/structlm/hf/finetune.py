@@ -10,7 +10,11 @@ intervals (same protocol as everywhere). A non-finite loss stops with an error.
 Resumable at any step: with ``state_path`` the trained tensors, the optimiser, the
 schedule, the batch generator and the curve are saved atomically every ``save_every``
 steps (and when training ends); a later call with the same path and the same config
-continues from the saved step and gives the same result as an uninterrupted run.
+continues from the saved step and gives the same result as an uninterrupted run. A
+finished run can also be *continued* to more steps (``continue_from``: its final state)
+where its config differs only in ``steps`` and the learning-rate schedule of the longer
+run is the same over the steps already taken (a constant rate after warm-up): the result
+is that of a run of the longer length from the start.
 
 Learning rates are *relative* by default (``lr_scaling="relative"``): each trained tensor
 gets ``lr × RMS(tensor at the start)``. Adam moves every element by about ``lr`` per step
@@ -38,8 +42,8 @@ from structlm.config import OneOf, Range, RunError, validated
 from structlm.hf.perplexity import perplexity
 from structlm.nn.factorized import LowRankLinear, OneSidedLinear, SharedBasisLinear
 
-__all__ = ["GRAD_CLIP_RANGE", "FinetuneConfig", "finetune", "load_state", "train_only",
-           "trainable_parameters"]
+__all__ = ["GRAD_CLIP_RANGE", "FinetuneConfig", "finetune", "load_continuation",
+           "load_state", "lr_factor", "train_only", "trainable_parameters"]
 
 
 #: Gradient clipping: 0 turns it off; a positive norm below 1e-6 would shrink every Adam
@@ -128,6 +132,43 @@ def load_state(path: Path, cfg: FinetuneConfig) -> dict[str, Any] | None:
     return state
 
 
+def lr_factor(cfg: FinetuneConfig, step: int) -> float:
+    """The learning-rate multiplier after ``step`` scheduler steps: linear warm-up, then
+    cosine to ``min_lr_ratio`` at ``cfg.steps``."""
+    if step < cfg.warmup:
+        return (step + 1) / cfg.warmup
+    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+def load_continuation(path: Path, cfg: FinetuneConfig) -> dict[str, Any]:
+    """The final state of a shorter run at ``path``, to continue to ``cfg.steps``: refused
+    (naming why) unless its config differs from ``cfg`` only in ``steps``, it stopped at
+    most at ``cfg.steps``, and both runs' schedules give the same rate at every step it
+    took (so the continued run is the longer run from the start)."""
+    if not path.exists():
+        raise FileNotFoundError(f"no fine-tuning state to continue from at {path}")
+    state = torch.load(path, weights_only=False)
+    saved, want = state.get("config", {}), dataclasses.asdict(cfg)
+    other = sorted(k for k in want if k != "steps" and saved.get(k) != want[k])
+    if other:
+        raise RuntimeError(f"fine-tuning state {path} was saved with other {', '.join(other)} "
+                           f"({', '.join(f'{k}={saved.get(k)!r}' for k in other)}); only "
+                           f"steps may differ when a run is continued")
+    done = int(state["step"])
+    if done > cfg.steps:
+        raise RuntimeError(f"fine-tuning state {path} is at step {done}, past the "
+                           f"{cfg.steps} steps asked for")
+    shorter = FinetuneConfig(**saved)
+    if any(lr_factor(shorter, s) != lr_factor(cfg, s) for s in range(done + 1)):
+        raise RuntimeError(f"fine-tuning state {path}: a {cfg.steps}-step run's learning-rate "
+                           f"schedule differs from the {shorter.steps}-step run's over its "
+                           f"{done} steps (min_lr_ratio={cfg.min_lr_ratio}: the cosine "
+                           f"depends on the length); only a constant rate after warm-up "
+                           f"(min_lr_ratio 1) can be continued")
+    return state
+
+
 def train_only(model: torch.nn.Module, params: list[torch.nn.Parameter]
                ) -> list[torch.nn.Parameter]:
     """Freeze every parameter of ``model`` except ``params`` (which must be its own)."""
@@ -147,8 +188,8 @@ def finetune(model: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.Te
              cfg: FinetuneConfig, progress: bool = True, state_path: Path | None = None,
              save_every: int = 10, params: list[torch.nn.Parameter] | None = None,
              prefix: list[int] | None = None,
-             objective: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None
-             ) -> list[dict[str, Any]]:
+             objective: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None,
+             continue_from: Path | None = None) -> list[dict[str, Any]]:
     """Train the per-layer factors (or ``params``, everything else frozen); returns the
     curve (step, loss, lr, eval ppl). ``prefix``: ids every training window starts with
     (the tokenizer's convention, :func:`structlm.hf.text.window_prefix`). ``objective``
@@ -158,7 +199,9 @@ def finetune(model: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.Te
 
     With ``state_path``, the run saves its state every ``save_every`` steps and resumes
     from it (see the module docstring); the file is left in place for the caller to
-    delete once the result is recorded."""
+    delete once the result is recorded. ``continue_from``: the final state of a shorter
+    run of this config (:func:`load_continuation`), read when ``state_path`` holds no
+    state yet; the continued run saves to ``state_path``."""
     if save_every < 1:
         raise ValueError(f"save_every must be >= 1, got {save_every}")
     params = trainable_parameters(model) if params is None else train_only(model, params)
@@ -178,13 +221,7 @@ def finetune(model: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.Te
         raise ValueError(f"lr_scaling must be 'relative' or 'absolute', got {cfg.lr_scaling!r}")
     opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
-    def factor(step: int) -> float:
-        if step < cfg.warmup:
-            return (step + 1) / cfg.warmup
-        t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(cfg, step))
     gen = torch.Generator().manual_seed(cfg.seed)
     device = next(model.parameters()).device
     curve: list[dict[str, Any]] = []
@@ -197,6 +234,8 @@ def finetune(model: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.Te
 
     start = 1
     state = load_state(Path(state_path), cfg) if state_path is not None else None
+    if state is None and continue_from is not None:
+        state = load_continuation(Path(continue_from), cfg)
     if state is not None:
         if len(state["params"]) != len(params) or any(
                 a.shape != b.shape for a, b in zip(state["params"], params, strict=True)):
