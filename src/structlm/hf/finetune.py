@@ -14,7 +14,9 @@ continues from the saved step and gives the same result as an uninterrupted run.
 finished run can also be *continued* to more steps (``continue_from``: its final state)
 where its config differs only in ``steps`` and the learning-rate schedule of the longer
 run is the same over the steps already taken (a constant rate after warm-up): the result
-is that of a run of the longer length from the start.
+is that of a run of the longer length from the start (the same factors and losses; the
+curve also keeps the shorter run's final evaluation where that step is not an evaluation
+step of the longer run).
 
 Learning rates are *relative* by default (``lr_scaling="relative"``): each trained tensor
 gets ``lr × RMS(tensor at the start)``. Adam moves every element by about ``lr`` per step
