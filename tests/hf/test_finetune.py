@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from structlm.config import read_yaml
+from structlm.config import ConfigError, read_yaml
 from structlm.experiments.share.experiment import ExperimentConfig
 from structlm.hf.adapters import get_adapter
 from structlm.hf.calibration import calibrate
@@ -136,41 +136,55 @@ def test_killed_finetune_resumes_to_the_same_result(tmp_path, monkeypatch) -> No
 
 
 def test_a_finished_run_continued_is_the_longer_run(tmp_path) -> None:
-    """A 4-step run's final state continued to 8 steps gives the 8-step run from the start
-    (same factors, same curve) where the rate is constant after warm-up; another schedule
-    (a cosine that depends on the length), another config or a shorter target is refused."""
+    """A 4-step run's final state continued to 8 steps takes 4 more steps and gives the
+    8-step run from the start (same factors, losses, rates and evaluations), through
+    warm-up into a cosine as long as the schedules agree over the steps taken; a schedule
+    that depends on the length over those steps, another config, or nothing left to do
+    is refused."""
+    from structlm.hf.finetune import load_continuation
+
     ids = torch.randint(0, 89, (400,), generator=torch.Generator().manual_seed(5))
-    ft8 = FinetuneConfig(steps=8, lr=1e-2, warmup=1, min_lr_ratio=1.0, seq_len=16,
-                         batch_size=2, eval_every=2, eval_tokens=64, eval_window=32)
+    steps_taken = []
+
+    def lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        steps_taken.append(1)
+        return model(input_ids=batch, labels=batch, use_cache=False).loss
+
+    # warm-up over 6 steps, then a cosine to 0.1: the 4 steps taken are all warm-up, the
+    # same in a 4- and an 8-step run; evaluations every 3 steps (4 is not one)
+    ft8 = FinetuneConfig(steps=8, lr=1e-2, warmup=6, min_lr_ratio=0.1, seq_len=16,
+                         batch_size=2, eval_every=3, eval_tokens=64, eval_window=32)
     ft4 = dataclasses.replace(ft8, steps=4)
     whole = _compressed("hybrid")
-    curve_whole = finetune(whole, ids, ids[:64], ft8, progress=False)
-    short = _compressed("hybrid")
+    curve_whole = finetune(whole, ids, ids[:64], ft8, progress=False, objective=lm_loss)
     final = tmp_path / "final4.pt"
-    finetune(short, ids, ids[:64], ft4, progress=False, state_path=final)
+    finetune(_compressed("hybrid"), ids, ids[:64], ft4, progress=False, state_path=final,
+             objective=lm_loss)
+    steps_taken.clear()
     longer = _compressed("hybrid")
-    curve = finetune(longer, ids, ids[:64], ft8, progress=False,
+    curve = finetune(longer, ids, ids[:64], ft8, progress=False, objective=lm_loss,
                      state_path=tmp_path / "run8.pt", continue_from=final)
+    assert len(steps_taken) == 4  # continued, not run again from step 0
     assert [c["step"] for c in curve] == [c["step"] for c in curve_whole]
     for a, b in zip(curve, curve_whole, strict=True):
         for k in ("loss", "eval_ppl", "lr"):
-            assert (a[k] is None) == (b[k] is None)
+            assert (a[k] is None) == (b[k] is None), (a["step"], k)
             if b[k] is not None:
                 assert a[k] == pytest.approx(b[k], rel=1e-6), (a["step"], k)
+    at4 = next(c for c in curve if c["step"] == 4)  # the 4-step run's closing evaluation
+    assert at4["eval_ppl"] is None and at4["eval_ppl_at_shorter_end"] > 0
     for (n, p), q in zip(longer.named_parameters(), whole.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
     assert torch.load(tmp_path / "run8.pt", weights_only=False)["step"] == 8
-    from structlm.hf.finetune import load_continuation
-
-    cosine = tmp_path / "cos4.pt"
-    finetune(_compressed("hybrid"), ids, ids[:64], dataclasses.replace(ft4, min_lr_ratio=0.1),
-             progress=False, state_path=cosine)
+    past = tmp_path / "past_warmup.pt"  # 5 steps past a 2-step warm-up: the cosine differs
+    finetune(_compressed("hybrid"), ids, ids[:64], dataclasses.replace(ft4, warmup=2),
+             progress=False, state_path=past)
     with pytest.raises(RuntimeError, match="schedule differs"):
-        load_continuation(cosine, dataclasses.replace(ft8, min_lr_ratio=0.1))
+        load_continuation(past, dataclasses.replace(ft8, warmup=2))
     with pytest.raises(RuntimeError, match=r"other lr \(lr=0.01\)"):
         load_continuation(final, dataclasses.replace(ft8, lr=2e-2))
-    with pytest.raises(RuntimeError, match="past the 3 steps"):
-        load_continuation(final, dataclasses.replace(ft8, steps=3))
+    with pytest.raises(RuntimeError, match="nothing to continue"):
+        load_continuation(final, ft4)
     with pytest.raises(FileNotFoundError):
         load_continuation(tmp_path / "none.pt", ft8)
 
@@ -189,13 +203,24 @@ def test_recorded_arm_deletes_or_keeps_its_finetune_state(tmp_path) -> None:
                                                    ExperimentConfig()).done
     assert not cache.state_path(key, final=True).exists()
     # with keep_finetune_states the finished run's state moves aside, whole
-    kept = _ArmCache(tmp_path / "kept" / "arms.json", ExperimentConfig(keep_finetune_states=True))
+    keeping = ExperimentConfig(keep_finetune_states=True, seed_regime=False,
+                               finetune=FinetuneConfig(steps=100, min_lr_ratio=1.0))
+    kept = _ArmCache(tmp_path / "kept" / "arms.json", keeping)
     state = kept.state_path(key)
     state.parent.mkdir(parents=True)
     state.write_bytes(b"final state")
     kept._get(key, lambda: {"ppl_finetuned": {"t": 1.5}}, "arm", False)
     assert not state.exists()
     assert kept.state_path(key, final=True).read_bytes() == b"final state"
+    # killed after arms.json was written, before the move: the next read settles it
+    state.write_bytes(b"left behind")
+    again = _ArmCache(tmp_path / "kept" / "arms.json", keeping)
+    again._get(key, lambda: pytest.fail("a recorded arm is not run again"), "arm", False)
+    assert not state.exists()
+    assert again.state_path(key, final=True).read_bytes() == b"left behind"
+    with pytest.raises(ConfigError, match=r"min_lr_ratio is 0\.1"):
+        ExperimentConfig(keep_finetune_states=True,
+                         finetune=FinetuneConfig(steps=100, min_lr_ratio=0.1))
 
 
 def test_grad_clip_zero_means_no_clipping() -> None:

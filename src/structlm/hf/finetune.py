@@ -14,9 +14,9 @@ continues from the saved step and gives the same result as an uninterrupted run.
 finished run can also be *continued* to more steps (``continue_from``: its final state)
 where its config differs only in ``steps`` and the learning-rate schedule of the longer
 run is the same over the steps already taken (a constant rate after warm-up): the result
-is that of a run of the longer length from the start (the same factors and losses; the
-curve also keeps the shorter run's final evaluation where that step is not an evaluation
-step of the longer run).
+is that of a run of the longer length from the start (the same factors, losses and
+evaluations; where the shorter run's closing evaluation falls on a step the longer run
+does not evaluate, its value moves to that step's ``eval_ppl_at_shorter_end``).
 
 Learning rates are *relative* by default (``lr_scaling="relative"``): each trained tensor
 gets ``lr × RMS(tensor at the start)``. Adam moves every element by about ``lr`` per step
@@ -145,22 +145,28 @@ def lr_factor(cfg: FinetuneConfig, step: int) -> float:
 
 def load_continuation(path: Path, cfg: FinetuneConfig) -> dict[str, Any]:
     """The final state of a shorter run at ``path``, to continue to ``cfg.steps``: refused
-    (naming why) unless its config differs from ``cfg`` only in ``steps``, it stopped at
-    most at ``cfg.steps``, and both runs' schedules give the same rate at every step it
+    (naming why) unless its config differs from ``cfg`` only in ``steps``, it stopped
+    before ``cfg.steps``, and both runs' schedules give the same rate at every step it
     took (so the continued run is the longer run from the start)."""
     if not path.exists():
         raise FileNotFoundError(f"no fine-tuning state to continue from at {path}")
-    state = torch.load(path, weights_only=False)
+    try:
+        state = torch.load(path, weights_only=False, map_location="cpu")
+    except Exception as e:
+        raise RuntimeError(f"fine-tuning state {path} cannot be read ({e})") from e
     saved, want = state.get("config", {}), dataclasses.asdict(cfg)
+    if set(saved) != set(want):
+        raise RuntimeError(f"fine-tuning state {path} was saved with config fields "
+                           f"{sorted(saved)}, this version has {sorted(want)}")
     other = sorted(k for k in want if k != "steps" and saved.get(k) != want[k])
     if other:
         raise RuntimeError(f"fine-tuning state {path} was saved with other {', '.join(other)} "
                            f"({', '.join(f'{k}={saved.get(k)!r}' for k in other)}); only "
                            f"steps may differ when a run is continued")
     done = int(state["step"])
-    if done > cfg.steps:
-        raise RuntimeError(f"fine-tuning state {path} is at step {done}, past the "
-                           f"{cfg.steps} steps asked for")
+    if done >= cfg.steps:
+        raise RuntimeError(f"fine-tuning state {path} is at step {done}: nothing to "
+                           f"continue to {cfg.steps} steps")
     shorter = FinetuneConfig(**saved)
     if any(lr_factor(shorter, s) != lr_factor(cfg, s) for s in range(done + 1)):
         raise RuntimeError(f"fine-tuning state {path}: a {cfg.steps}-step run's learning-rate "
@@ -236,12 +242,17 @@ def finetune(model: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.Te
 
     start = 1
     state = load_state(Path(state_path), cfg) if state_path is not None else None
+    source = state_path
     if state is None and continue_from is not None:
-        state = load_continuation(Path(continue_from), cfg)
+        state, source = load_continuation(Path(continue_from), cfg), continue_from
+        done = state["step"]
+        if done % cfg.eval_every:  # the shorter run's closing evaluation: not one of ours
+            last = state["curve"][-1]
+            last["eval_ppl_at_shorter_end"], last["eval_ppl"] = last["eval_ppl"], None
     if state is not None:
         if len(state["params"]) != len(params) or any(
                 a.shape != b.shape for a, b in zip(state["params"], params, strict=True)):
-            raise RuntimeError(f"fine-tuning state {state_path} holds tensors of other "
+            raise RuntimeError(f"fine-tuning state {source} holds tensors of other "
                                f"shapes than this model's trainable factors")
         with torch.no_grad():
             for p, saved in zip(params, state["params"], strict=True):

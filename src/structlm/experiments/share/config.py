@@ -117,6 +117,15 @@ class ExperimentConfig:
             if not isinstance(getattr(self, key), FinetuneConfig):
                 raise ConfigError(f"{key}: {getattr(self, key)!r} is not a mapping of "
                                   "FinetuneConfig keys")
+        if self.keep_finetune_states:  # kept to be continued: the schedule must allow it
+            for key in ("finetune", *(("seed_finetune",) if self.seed_regime else ())):
+                ft = getattr(self, key)
+                if ft.min_lr_ratio != 1.0 and ft.warmup < ft.steps:
+                    raise ConfigError(
+                        f"keep_finetune_states keeps finished runs' states to continue them, "
+                        f"which needs a constant rate after warm-up; {key}.min_lr_ratio is "
+                        f"{ft.min_lr_ratio} (a cosine that depends on the run's length): set "
+                        f"it to 1.0 or keep_finetune_states to false")
         if self.finetune_methods is not None:
             bad = [m for m in self.finetune_methods if m not in self.methods]
             if bad:

@@ -210,12 +210,19 @@ class _ArmCache:
                 print(f"[arm] {label}", flush=True)
             self.done[key] = clean_json(make())
             atomic_write_text(self.path, json.dumps(self.done))
-            state = self.state_path(key)
-            if self.keep_states and state.exists():  # kept for a later continuation
-                self.state_path(key, final=True).parent.mkdir(exist_ok=True)
-                os.replace(state, self.state_path(key, final=True))
-            state.unlink(missing_ok=True)  # recorded: the state is spent
+        self._settle_state(key)  # also after a kill between the write and the move
         return self.done[key]
+
+    def _settle_state(self, key: str) -> None:
+        """A recorded run's state: kept in ``finetune-final/`` (``keep_finetune_states``)
+        or deleted — the state is spent."""
+        state = self.state_path(key)
+        if not state.exists():
+            return
+        if self.keep_states:
+            self.state_path(key, final=True).parent.mkdir(exist_ok=True)
+            os.replace(state, self.state_path(key, final=True))
+        state.unlink(missing_ok=True)
 
     def analytic(self, prep: Prepared, ccfg: CompressionConfig,
                  progress: bool) -> dict[str, Any]:
