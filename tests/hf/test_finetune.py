@@ -218,6 +218,11 @@ def test_recorded_arm_deletes_or_keeps_its_finetune_state(tmp_path) -> None:
     again._get(key, lambda: pytest.fail("a recorded arm is not run again"), "arm", False)
     assert not state.exists()
     assert again.state_path(key, final=True).read_bytes() == b"left behind"
+    with pytest.raises(ConfigError, match=r"must exceed finetune\.steps=100"):
+        ExperimentConfig(seed_regime=False, continue_unplateaued_to=100,
+                         finetune=FinetuneConfig(steps=100, min_lr_ratio=1.0))
+    with pytest.raises(ConfigError, match="continue_unplateaued_to needs a constant rate"):
+        ExperimentConfig(continue_unplateaued_to=200, finetune=FinetuneConfig(steps=100))
     with pytest.raises(ConfigError, match=r"min_lr_ratio is 0\.1"):
         ExperimentConfig(keep_finetune_states=True,
                          finetune=FinetuneConfig(steps=100, min_lr_ratio=0.1))

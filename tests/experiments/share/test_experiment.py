@@ -327,3 +327,61 @@ def test_arm_copy_shares_parameters_and_catches_in_place_writes() -> None:
     arm3.to(torch.float64)
     with pytest.raises(AssertionError, match="changed by an arm"):
         check3()
+
+
+def test_unplateaued_runs_are_continued(tmp_path) -> None:
+    """A whole-model run still moving at its step count is taken to
+    ``continue_unplateaued_to`` from its kept final state (4 more steps, not 8 again), the
+    report uses and names the continued run, and a rerun recomputes nothing."""
+    import json
+
+    import structlm.experiments.share.experiment as exp_mod
+
+    src = _tiny_source(tmp_path)
+    ex = ExperimentConfig(model=str(src), calib_tokens=1024, eval_tokens=600,
+                          reductions=[0.4], multi_seed_reductions=[], seeds=[0],
+                          methods=["svd"], seed_regime=False, scope=False,
+                          budget_tolerance=0.05, keep_finetune_states=True,
+                          continue_unplateaued_to=8,
+                          finetune=FinetuneConfig(steps=4, eval_every=1, seq_len=64,
+                                                  batch_size=2, eval_tokens=128, lr=1e-2,
+                                                  warmup=1, min_lr_ratio=1.0))
+    started = []
+    real = exp_mod._tuned
+
+    def spy(prep, ccfg, ft, seed, progress, state_path=None, continue_from=None):
+        started.append((ft.steps, continue_from is not None))
+        return real(prep, ccfg, ft, seed, progress, state_path, continue_from)
+
+    import structlm.experiments.share.report as report_mod
+
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(exp_mod, "_tuned", spy)
+    # a tiny random model moves < 2% per step at a sane rate: any change counts as moving
+    monkey.setattr(report_mod, "PLATEAU_CHANGE", 1e-12)
+    try:
+        res = run_experiment(ex, tmp_path / "out", progress=False)
+    finally:
+        monkey.undo()
+    assert started == [(4, False), (8, True)]  # the 8-step run started from the 4-step state
+    assert res["continued"] == [{"method": "svd", "reduction": 0.4, "seed": 0,
+                                 "calib_seed": 0, "from_steps": 4, "to_steps": 8}]
+    arm = res["whole_model"][0]["arms"][0]
+    assert arm["finetune"]["steps"] == 8 and [c["step"] for c in arm["curve"]] == list(range(9))
+    done = json.loads((tmp_path / "out" / "arms.json").read_text())
+    steps = sorted(json.loads(k)["finetune"]["steps"] for k in done
+                   if json.loads(k).get("part") == "finetuned")
+    assert steps == [4, 8]  # both runs recorded, the shorter one unchanged
+    assert len(list((tmp_path / "out" / "finetune-final").glob("*.pt"))) == 2
+    assert "Continued from 4 to 8 steps" in (tmp_path / "out" / "report.md").read_text()
+
+    def _fail(*_a, **_k):
+        raise AssertionError("a finished arm was recomputed")
+
+    monkey.setattr(exp_mod, "_tuned", _fail)
+    monkey.setattr(report_mod, "PLATEAU_CHANGE", 1e-12)
+    try:
+        again = run_experiment(ex, tmp_path / "out", progress=False)
+    finally:
+        monkey.undo()
+    assert again["continued"] == res["continued"]

@@ -106,6 +106,12 @@ class ExperimentConfig:
     instead of deleting it when the arm is recorded, so a run can later be taken past its
     step count without being redone (SmolLM2-135M: ~0.8 GB per run, Qwen2.5-Coder-0.5B:
     ~2.6 GB). Not part of any arm's key."""
+    continue_unplateaued_to: Annotated[int | None, Range(ge=1)] = None
+    """Whole-model fine-tuning runs that have not plateaued at ``finetune.steps`` by the
+    plateau rule on the run alone (``plateau_window``) are continued to this many steps —
+    from the final state ``keep_finetune_states`` kept, or, where none was kept, from step
+    0 (the same run) — after every planned run; the report uses the continued runs and
+    lists them. Needs a constant rate after warm-up; ``None``: no continuation."""
     beside: str | None = None
     """An earlier ``structlm experiment share`` folder on the same model and text whose
     whole-model fine-tuned numbers the report shows beside this run's (e.g. the committed
@@ -126,6 +132,15 @@ class ExperimentConfig:
                         f"which needs a constant rate after warm-up; {key}.min_lr_ratio is "
                         f"{ft.min_lr_ratio} (a cosine that depends on the run's length): set "
                         f"it to 1.0 or keep_finetune_states to false")
+        if self.continue_unplateaued_to is not None:
+            ft = self.finetune
+            if self.continue_unplateaued_to <= ft.steps:
+                raise ConfigError(f"continue_unplateaued_to={self.continue_unplateaued_to} "
+                                  f"must exceed finetune.steps={ft.steps}")
+            if ft.min_lr_ratio != 1.0:
+                raise ConfigError(f"continue_unplateaued_to needs a constant rate after "
+                                  f"warm-up (finetune.min_lr_ratio 1.0), got "
+                                  f"{ft.min_lr_ratio}: a cosine depends on the run's length")
         if self.finetune_methods is not None:
             bad = [m for m in self.finetune_methods if m not in self.methods]
             if bad:

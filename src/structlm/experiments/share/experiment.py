@@ -160,16 +160,19 @@ def token_macs_ratio(prep: Prepared, ccfg: CompressionConfig, arm: dict[str, Any
 
 
 def _tuned(prep: Prepared, ccfg: CompressionConfig, ft: FinetuneConfig, seed: int,
-           progress: bool, state_path: Path | None = None) -> dict[str, Any]:
+           progress: bool, state_path: Path | None = None,
+           continue_from: Path | None = None) -> dict[str, Any]:
     """Compress a fresh copy, fine-tune it with ``seed`` (resuming from ``state_path``
-    if a killed run left one), evaluate."""
+    if a killed run left one, else continuing a shorter run's ``continue_from`` state if
+    given), evaluate."""
     t0 = time.time()
     model, _, check = _compress(prep, ccfg, progress)
     torch.manual_seed(seed)
     in_domain = next(iter(prep.eval_ids.values()))
     ftc = dataclasses.replace(ft, seed=seed)
     curve = finetune(model, prep.train_ids, spread_windows(in_domain, ft.eval_tokens), ftc,
-                     progress, state_path=state_path, prefix=prep.window_prefix)
+                     progress, state_path=state_path, prefix=prep.window_prefix,
+                     continue_from=continue_from)
     check()
     return {"seed": seed, "finetune": dataclasses.asdict(ftc), "curve": curve,
             "ppl_finetuned": _ppl(model, prep), "finetune_seconds": time.time() - t0}
@@ -248,6 +251,32 @@ class _ArmCache:
     def has_tuned(self, prep: Prepared, ccfg: CompressionConfig, ft: FinetuneConfig,
                   seed: int) -> bool:
         return self.tuned_key(prep, ccfg, ft, seed) in self.done
+
+    def continued(self, prep: Prepared, ccfg: CompressionConfig, ft: FinetuneConfig,
+                  seed: int, to_steps: int | None, window: int, progress: bool,
+                  run: bool) -> dict[str, Any] | None:
+        """The ``ft.steps`` run continued to ``to_steps`` where it has not plateaued by
+        the rule on the run alone (``None``: no continuation asked, the run is not done or
+        has plateaued, or the continuation is not done and ``run`` is False). It starts
+        from the run's kept final state, or from step 0 where none was kept."""
+        from structlm.experiments.share.report import run_plateaued
+
+        if to_steps is None or not self.has_tuned(prep, ccfg, ft, seed):
+            return None
+        short_key = self.tuned_key(prep, ccfg, ft, seed)
+        if run_plateaued(self.done[short_key], window) is not False:
+            return None
+        longer = dataclasses.replace(ft, steps=to_steps)
+        key = self.tuned_key(prep, ccfg, longer, seed)
+        if key not in self.done and not run:
+            return None
+        final = self.state_path(short_key, final=True)
+        label = (f"{ccfg.method} on {ccfg.types} at {ccfg.target_reduction}, fine-tuned, "
+                 f"seed {seed}, continued {ft.steps} -> {to_steps} steps")
+        return self._get(key, lambda: _tuned(prep, ccfg, longer, seed, progress,
+                                             self.state_path(key),
+                                             final if final.exists() else None),
+                         label, progress)
 
 
 def draw_seeds(seeds: list[int], draw: int, all_seeds: list[int]) -> list[int]:
@@ -353,8 +382,19 @@ def _assemble(cfg: ExperimentConfig, prep: Prepared, cache: _ArmCache, cells: li
         a = cache.analytic(p, c.ccfg, False)
         a = {**a, "token_macs_ratio": token_macs_ratio(p, c.ccfg, a),
              "calib_seed": _calib_seed(p)}
-        arms = [{**a, **cache.tuned(p, c.ccfg, c.ft, s, False)}
-                for s in c.seeds if cache.has_tuned(p, c.ccfg, c.ft, s)]
+        arms = []
+        for s in c.seeds:
+            if not cache.has_tuned(p, c.ccfg, c.ft, s):
+                continue
+            longer = (cache.continued(p, c.ccfg, c.ft, s, cfg.continue_unplateaued_to,
+                                      cfg.plateau_window, False, run=False)
+                      if c.section == "whole" else None)
+            if longer is not None:
+                out.setdefault("continued", []).append(
+                    {"method": c.ccfg.method, "reduction": c.ccfg.target_reduction,
+                     "seed": s, "calib_seed": _calib_seed(p), "from_steps": c.ft.steps,
+                     "to_steps": cfg.continue_unplateaued_to})
+            arms.append({**a, **(longer or cache.tuned(p, c.ccfg, c.ft, s, False))})
         if c.section == "whole" and c.prep is not None:  # another draw of an entry
             e = whole[(c.ccfg.method, c.ccfg.target_reduction)]
             e["analytic_by_draw"][str(_calib_seed(p))] = a["ppl_analytic"]
@@ -454,5 +494,16 @@ def _run_experiment_locked(cfg: ExperimentConfig, out: Path, t0: float, progress
         c = cells[i]
         if c.ft.steps > 0 and not cache.has_tuned(c.prep or prep, c.ccfg, c.ft, s):
             cache.tuned(c.prep or prep, c.ccfg, c.ft, s, progress)
+            write()
+    # then the whole-model runs still falling at their step count, taken further
+    for _, i, s in queue:
+        c = cells[i]
+        if (c.section == "whole" and c.ft.steps > 0 and cfg.continue_unplateaued_to
+                and cache.continued(c.prep or prep, c.ccfg, c.ft, s,
+                                    cfg.continue_unplateaued_to, cfg.plateau_window,
+                                    progress, run=False) is None
+                and cache.continued(c.prep or prep, c.ccfg, c.ft, s,
+                                    cfg.continue_unplateaued_to, cfg.plateau_window,
+                                    progress, run=True) is not None):
             write()
     return write(final=True)

@@ -40,7 +40,7 @@ from structlm.atomic import atomic_write_text
 from structlm.experiments.share.beside import beside_finetune_text, beside_label, beside_stats
 from structlm.share.compress import get_method
 
-__all__ = ["plateau_rows", "recovered", "verdict", "write_experiment_report"]
+__all__ = ["plateau_rows", "recovered", "run_plateaued", "verdict", "write_experiment_report"]
 
 PLATEAU_CHANGE = 0.02
 """The plateau rule: a last evaluation interval changing perplexity by less than this."""
@@ -214,6 +214,18 @@ def _evals(arm: dict[str, Any]) -> list[tuple[int, float]]:
             if c.get("eval_ppl") is not None]
 
 
+def run_plateaued(arm: dict[str, Any], window: int = 1) -> bool | None:
+    """The plateau rule on one run: the mean subset perplexity of its last ``window``
+    evaluations against the ``window`` before changed by less than PLATEAU_CHANGE
+    (``None``: fewer than ``2 window`` evaluations)."""
+    pts = _evals(arm)
+    if len(pts) < 2 * window:
+        return None
+    a = statistics.fmean(v for _, v in pts[-2 * window:-window])
+    b = statistics.fmean(v for _, v in pts[-window:])
+    return abs(b / a - 1) < PLATEAU_CHANGE
+
+
 def plateau_rows(res: dict[str, Any], window: int = 1) -> list[str]:
     """Had fine-tuning plateaued? Per fine-tuned setting: the subset perplexity over the
     last ``window`` evaluations and the ``window`` before (each a mean over them, then
@@ -367,6 +379,18 @@ def _text_lines(res: dict[str, Any]) -> list[str]:
             "calibration documents.", ""]
 
 
+def _continued_text(continued: list[dict[str, Any]]) -> str:
+    """The runs taken past their step count (``continue_unplateaued_to``), or ""."""
+    if not continued:
+        return ""
+    runs = ", ".join(f"`{c['method']}` −{c['reduction']:.0%} seed {c['seed']}"
+                     + (f" (draw {c['calib_seed']})" if c.get("calib_seed") else "")
+                     for c in continued)
+    return (f" Continued from {continued[0]['from_steps']} to {continued[0]['to_steps']} "
+            f"steps, not having plateaued by the rule on the run alone (their numbers, "
+            f"curves and plateau rows below are the continued runs'): {runs}.")
+
+
 def write_experiment_report(res: dict[str, Any], cfg: Any, out: Path,
                             plots: bool = True) -> None:
     """``report.md``, and the plots when ``plots``."""
@@ -398,6 +422,7 @@ def write_experiment_report(res: dict[str, Any], cfg: Any, out: Path,
                  "each, draw k with the fine-tuning seeds shifted by k × (max seed + 1); its "
                  "fine-tuned ranges span seeds × draws)."
                  if len(getattr(cfg, "calib_seeds", [0])) > 1 else "")
+              + _continued_text(res.get("continued") or [])
               + (f" Fine-tuned methods: {cfg.finetune_methods} (the others analytic only)."
                  if getattr(cfg, "finetune_methods", None) is not None else "")
               + (f" Per-method learning rates of the whole-model fine-tuning: "
