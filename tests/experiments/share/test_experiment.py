@@ -4,6 +4,7 @@ the full one: tests 4-9 arms, seeds, fine-tuning, report, plots)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -385,3 +386,16 @@ def test_unplateaued_runs_are_continued(tmp_path) -> None:
     finally:
         monkey.undo()
     assert again["continued"] == res["continued"]
+    assert again["finetuned_runs"] == {"done": 2, "planned": 2}  # the continuation counted
+    # no state kept: the continuation runs from step 0 (the same run, 8 steps)
+    started.clear()
+    monkey.setattr(exp_mod, "_tuned", spy)
+    monkey.setattr(report_mod, "PLATEAU_CHANGE", 1e-12)
+    try:
+        fresh = run_experiment(dataclasses.replace(ex, keep_finetune_states=False),
+                               tmp_path / "out2", progress=False)
+    finally:
+        monkey.undo()
+    assert started == [(4, False), (8, False)]
+    assert fresh["whole_model"][0]["arms"][0]["ppl_finetuned"] == pytest.approx(
+        res["whole_model"][0]["arms"][0]["ppl_finetuned"], rel=1e-5)

@@ -252,6 +252,18 @@ class _ArmCache:
                   seed: int) -> bool:
         return self.tuned_key(prep, ccfg, ft, seed) in self.done
 
+    def continuation_key(self, prep: Prepared, ccfg: CompressionConfig, ft: FinetuneConfig,
+                         seed: int, to_steps: int | None, window: int) -> str | None:
+        """The key of the continuation a finished run calls for (``None``: none asked,
+        the run is not done, or it has plateaued)."""
+        from structlm.experiments.share.report import run_plateaued
+
+        if to_steps is None or not self.has_tuned(prep, ccfg, ft, seed):
+            return None
+        if run_plateaued(self.done[self.tuned_key(prep, ccfg, ft, seed)], window) is not False:
+            return None
+        return self.tuned_key(prep, ccfg, dataclasses.replace(ft, steps=to_steps), seed)
+
     def continued(self, prep: Prepared, ccfg: CompressionConfig, ft: FinetuneConfig,
                   seed: int, to_steps: int | None, window: int, progress: bool,
                   run: bool) -> dict[str, Any] | None:
@@ -259,15 +271,11 @@ class _ArmCache:
         the rule on the run alone (``None``: no continuation asked, the run is not done or
         has plateaued, or the continuation is not done and ``run`` is False). It starts
         from the run's kept final state, or from step 0 where none was kept."""
-        from structlm.experiments.share.report import run_plateaued
-
-        if to_steps is None or not self.has_tuned(prep, ccfg, ft, seed):
+        key = self.continuation_key(prep, ccfg, ft, seed, to_steps, window)
+        if key is None:
             return None
         short_key = self.tuned_key(prep, ccfg, ft, seed)
-        if run_plateaued(self.done[short_key], window) is not False:
-            return None
         longer = dataclasses.replace(ft, steps=to_steps)
-        key = self.tuned_key(prep, ccfg, longer, seed)
         if key not in self.done and not run:
             return None
         final = self.state_path(short_key, final=True)
@@ -478,6 +486,11 @@ def _run_experiment_locked(cfg: ExperimentConfig, out: Path, t0: float, progress
         # distinct runs: the scope's "all" arms are whole-model arms already
         runs = {cache.tuned_key(c.prep or prep, c.ccfg, c.ft, s) for c in cells
                 for s in c.seeds}
+        # and the continuations the finished runs call for (planned once they are known)
+        runs |= {k for c in cells if c.section == "whole" for s in c.seeds
+                 if (k := cache.continuation_key(c.prep or prep, c.ccfg, c.ft, s,
+                                                 cfg.continue_unplateaued_to,
+                                                 cfg.plateau_window)) is not None}
         res["finetuned_runs"] = {"done": len(runs & cache.done.keys()),
                                  "planned": len(runs)}
         res["seconds"] = time.time() - t0

@@ -242,7 +242,10 @@ def plateau_rows(res: dict[str, Any], window: int = 1) -> list[str]:
         b = statistics.fmean(statistics.fmean(v for _, v in p[-window:]) for p in pts)
         where = regime if regime == "seed regime" else f"{regime} −{e['reduction']:.0%}"
         rule = "plateaued" if abs(b / a - 1) < PLATEAU_CHANGE else "still moving"
-        rows.append(f"| {where} | {e['method']} | {len(pts)} | {_steps(pts[0], window)} | "
+        steps = _steps(pts[0], window) + (" (runs of other lengths: each its own last "
+                                          "evaluations)" if len({p[-1][0] for p in pts}) > 1
+                                          else "")
+        rows.append(f"| {where} | {e['method']} | {len(pts)} | {steps} | "
                     f"{a:,.2f} | {b:,.2f} | {b / a - 1:+.1%} | "
                     f"{_lr_share(e, window)} | {rule} | {_above_best(pts)} |")
     return rows
