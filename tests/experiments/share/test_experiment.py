@@ -356,14 +356,18 @@ def test_unplateaued_runs_are_continued(tmp_path) -> None:
 
     import structlm.experiments.share.report as report_mod
 
-    monkey = pytest.MonkeyPatch()
-    monkey.setattr(exp_mod, "_tuned", spy)
-    # a tiny random model moves < 2% per step at a sane rate: any change counts as moving
-    monkey.setattr(report_mod, "PLATEAU_CHANGE", 1e-12)
-    try:
-        res = run_experiment(ex, tmp_path / "out", progress=False)
-    finally:
-        monkey.undo()
+    def run_with(tuned, cfg, out):
+        """The experiment with ``_tuned`` replaced; a tiny random model moves < 2% per
+        step at a sane rate, so any change counts as moving."""
+        monkey = pytest.MonkeyPatch()
+        monkey.setattr(exp_mod, "_tuned", tuned)
+        monkey.setattr(report_mod, "PLATEAU_CHANGE", 1e-12)
+        try:
+            return run_experiment(cfg, out, progress=False)
+        finally:
+            monkey.undo()
+
+    res = run_with(spy, ex, tmp_path / "out")
     assert started == [(4, False), (8, True)]  # the 8-step run started from the 4-step state
     assert res["continued"] == [{"method": "svd", "reduction": 0.4, "seed": 0,
                                  "calib_seed": 0, "from_steps": 4, "to_steps": 8}]
@@ -379,23 +383,12 @@ def test_unplateaued_runs_are_continued(tmp_path) -> None:
     def _fail(*_a, **_k):
         raise AssertionError("a finished arm was recomputed")
 
-    monkey.setattr(exp_mod, "_tuned", _fail)
-    monkey.setattr(report_mod, "PLATEAU_CHANGE", 1e-12)
-    try:
-        again = run_experiment(ex, tmp_path / "out", progress=False)
-    finally:
-        monkey.undo()
+    again = run_with(_fail, ex, tmp_path / "out")
     assert again["continued"] == res["continued"]
     assert again["finetuned_runs"] == {"done": 2, "planned": 2}  # the continuation counted
     # no state kept: the continuation runs from step 0 (the same run, 8 steps)
     started.clear()
-    monkey.setattr(exp_mod, "_tuned", spy)
-    monkey.setattr(report_mod, "PLATEAU_CHANGE", 1e-12)
-    try:
-        fresh = run_experiment(dataclasses.replace(ex, keep_finetune_states=False),
-                               tmp_path / "out2", progress=False)
-    finally:
-        monkey.undo()
+    fresh = run_with(spy, dataclasses.replace(ex, keep_finetune_states=False), tmp_path / "out2")
     assert started == [(4, False), (8, False)]
     assert fresh["whole_model"][0]["arms"][0]["ppl_finetuned"] == pytest.approx(
         res["whole_model"][0]["arms"][0]["ppl_finetuned"], rel=1e-5)
