@@ -220,6 +220,9 @@ def test_verdict_rule() -> None:
     assert verdict({"svd": a, "shared": b, "basis-sharing": c}).startswith(
         "ranges overlap: best mean svd, not separated from basis-sharing")
     assert verdict({"svd": {**a, "n": 1}, "shared": {**b, "n": 1}}).startswith("one seed")
+    assert verdict({"svd": a, "basis-sharing": b, "shared": {**c, "n": 1}}) == (
+        "**svd wins** (range below every other ranged); not in the rule (one run): "
+        "shared 11.00")
     assert recovered(10.0, 20.0, 10.0) == pytest.approx(1.0)
     assert recovered(10.0, 20.0, 20.0) == pytest.approx(0.0)
 

@@ -70,17 +70,21 @@ def recovered(orig: float, analytic: float, tuned: float) -> float:
 
 
 def verdict(stats: dict[str, dict[str, float]]) -> str:
-    """The pre-set winner rule over ``method → {mean, min, max, n}``."""
+    """The pre-set winner rule over ``method → {mean, min, max, n}``: among the methods
+    with at least two runs; a method with one run is named beside the verdict, outside
+    the rule (a partial report must not read as if it had been compared)."""
     multi = {m: s for m, s in stats.items() if s and s["n"] >= 2}
     if len(multi) < 2:
         best = min((m for m in stats if stats[m]), key=lambda m: stats[m]["mean"], default=None)
         return f"one seed: ordering only (best {best})" if best else "—"
     best = min(multi, key=lambda m: multi[m]["mean"])
     others = [m for m in multi if m != best]
+    single = [f"{m} {s['mean']:.2f}" for m, s in stats.items() if s and s["n"] < 2]
+    left = f"; not in the rule (one run): {', '.join(single)}" if single else ""
     if all(multi[best]["max"] < multi[m]["min"] for m in others):
-        return f"**{best} wins** (range below every other)"
+        return f"**{best} wins** (range below every other{' ranged' if single else ''}){left}"
     close = [m for m in others if multi[m]["min"] <= multi[best]["max"]]
-    return f"ranges overlap: best mean {best}, not separated from {', '.join(close)}"
+    return f"ranges overlap: best mean {best}, not separated from {', '.join(close)}{left}"
 
 
 def _whole_table(res: dict[str, Any], text: str) -> list[str]:
