@@ -192,7 +192,8 @@ def test_share_experiment_flags_are_refused_when_parsed(extra: list[str], tmp_pa
 
 @pytest.mark.parametrize(("extra", "message"), [
     (["--types", "bogus"], "types: "),
-    (["--seed-methods", "svd,shared"], "seed_methods: ['svd', 'shared'] must start with"),
+    (["--seed-methods", "svd-llm-w,shared"],
+     "seed_methods: ['svd-llm-w', 'shared'] must start with"),
     (["--methods", "pca"], "methods: unknown methods ['pca']")])
 def test_share_experiment_config_is_refused_when_built(extra: list[str], message: str,
                                                        tmp_path: Path, capsys: Any) -> None:

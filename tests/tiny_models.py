@@ -7,7 +7,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["FAMILY_OVERRIDES", "tiny_family", "tiny_gpt2", "tiny_llama", "tiny_structlm"]
+__all__ = ["FAMILY_OVERRIDES", "tiny_family", "tiny_gpt2", "tiny_llama", "tiny_structlm",
+           "validation_of"]
+
+
+def validation_of(ids: torch.Tensor) -> Any:
+    """``(n, w)`` ids as validation windows (what fine-tuning's curve accepts)."""
+    from structlm.hf.splits import Role, Windows
+
+    return Windows(ids, Role.VALIDATION, "validation:test")
 
 
 def tiny_llama(seed: int = 0, **overrides: Any) -> Any:

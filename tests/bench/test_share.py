@@ -216,7 +216,7 @@ def test_measure_rejects_short_streams(models) -> None:
 def test_cli_parses_bench_share() -> None:
     args = build_parser().parse_args(
         ["bench", "share", "--compressed", "d", "--batches", "1,4", "--prompt-len", "16",
-         "--decode-tokens", "5", "--trials", "3", "--method", "svd", "--types", "all"])
+         "--decode-tokens", "5", "--trials", "3", "--method", "svd-llm-w", "--types", "all"])
     given = args.flags.values(args)  # flags derived from ShareBenchConfig's fields
     assert args.model == "smollm2" and given["compressed"] == "d" and given["batches"] == (1, 4)
     assert (given["prompt_len"], given["decode_tokens"], given["trials"]) == (16, 5, 3)

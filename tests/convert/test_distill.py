@@ -15,7 +15,7 @@ from structlm import AlgebraConfig, conversion_info, convert_  # noqa: E402
 from structlm.convert import TypedAlgebraLinear  # noqa: E402
 from structlm.convert.distill import ModuleDistillation  # noqa: E402
 from structlm.hf.finetune import FinetuneConfig, finetune  # noqa: E402
-from tiny_models import tiny_llama  # noqa: E402
+from tiny_models import tiny_llama, validation_of  # noqa: E402
 
 
 def _setup():
@@ -48,11 +48,11 @@ def test_distillation_trains_the_converted_modules_toward_the_teacher() -> None:
               for p in m.parameters()]
     cfg = FinetuneConfig(steps=30, lr=0.05, warmup=2, batch_size=4, seq_len=32,
                          eval_every=30, eval_tokens=64, eval_window=32)
-    curve = finetune(student, train, held, cfg, progress=False, params=params,
+    curve = finetune(student, train, validation_of(held), cfg, progress=False, params=params,
                      objective=objective)
     assert float(objective(student, held).detach()) < 0.95 * before_loss  # random model:
     # each type's restricted product cannot follow an isotropic input much better
-    assert curve[-1]["eval_ppl"] is not None and curve[-1]["loss"] < curve[1]["loss"]
+    assert curve[-1]["val_ppl"] is not None and curve[-1]["loss"] < curve[1]["loss"]
     for n, p in student.named_parameters():
         if n in frozen:
             assert torch.equal(p, frozen[n]), n

@@ -88,7 +88,7 @@ def test_cli_calibrated_and_permuted_conversion(tiny_folder: str, tmp_path, caps
     assert "distilled" in capsys.readouterr().out
     rep = json.loads((out / REPORT).read_text())
     curve = rep["distill_curve"]
-    assert [c["step"] for c in curve] == [0, 1, 2, 3] and curve[-1]["eval_ppl"] > 0
+    assert [c["step"] for c in curve] == [0, 1, 2, 3] and curve[-1]["val_ppl"] > 0
     # the teacher took the permuted layout: the distillation starts from the calibrated
     # student's own error (a relative error below 1), not from a scrambled comparison
     assert 0 < curve[1]["loss"] < 1

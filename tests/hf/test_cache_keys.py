@@ -37,8 +37,8 @@ def _corpus(path, words: str) -> str:
 
 
 def _calibration(model: str, corpus: str) -> tuple[str, torch.Tensor]:
-    prep = prepare(model, corpus, eval_tokens=0, calib_tokens=256, seq_len=64, batch_size=2,
-                   progress=False)
+    prep = prepare(model, corpus, eval_tokens=0, val_tokens=0, calib_tokens=256, seq_len=64,
+                   batch_size=2, progress=False)
     assert prep.calibration is not None
     return prep.calibration.meta["path"], next(iter(prep.calibration.second_moments.values()))
 

@@ -16,10 +16,15 @@ from structlm.experiments.share.experiment import ExperimentConfig
 from structlm.hf.adapters import get_adapter
 from structlm.hf.calibration import calibrate
 from structlm.hf.finetune import FinetuneConfig, finetune, trainable_parameters
+from structlm.hf.splits import Windows
 from structlm.share.compress import CompressionConfig, SharedBasisLinear, compress_model
-from tiny_models import tiny_llama
+from tiny_models import tiny_llama, validation_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _val(ids: torch.Tensor) -> Windows:
+    return validation_of(ids[:64].view(2, 32))
 
 
 def _compressed(method: str) -> LlamaForCausalLM:
@@ -52,7 +57,7 @@ def test_finetune_trains_only_factors_with_scaled_rates(scaling: str, monkeypatc
     ids = torch.randint(0, 89, (400,), generator=torch.Generator().manual_seed(2))
     ft = FinetuneConfig(steps=3, lr=1e-2, lr_scaling=scaling, warmup=1, seq_len=16,
                         batch_size=2, eval_every=3, eval_tokens=64, eval_window=32)
-    curve = finetune(model, ids, ids[:64], ft, progress=False)
+    curve = finetune(model, ids, _val(ids), ft, progress=False)
     assert [c["step"] for c in curve] == [0, 1, 2, 3]
     assert curve[1]["lr"] == pytest.approx(1e-2)  # the nominal rate after warm-up
     for n, p in model.named_parameters():
@@ -98,7 +103,7 @@ def test_killed_finetune_resumes_to_the_same_result(tmp_path, monkeypatch) -> No
     ft = FinetuneConfig(steps=6, lr=1e-2, warmup=1, seq_len=16, batch_size=2, eval_every=3,
                         eval_tokens=64, eval_window=32)
     whole = _compressed("hybrid")
-    curve_whole = finetune(whole, ids, ids[:64], ft, progress=False)
+    curve_whole = finetune(whole, ids, _val(ids), ft, progress=False)
 
     killed = _compressed("hybrid")
     state = tmp_path / "state.pt"
@@ -113,12 +118,12 @@ def test_killed_finetune_resumes_to_the_same_result(tmp_path, monkeypatch) -> No
 
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_then_die)
     with pytest.raises(KeyboardInterrupt):
-        finetune(killed, ids, ids[:64], ft, progress=False, state_path=state, save_every=2)
+        finetune(killed, ids, _val(ids), ft, progress=False, state_path=state, save_every=2)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", real_clip)
     assert torch.load(state, weights_only=False)["step"] == 2
 
     resumed = _compressed("hybrid")  # a fresh process would rebuild the model the same way
-    curve_resumed = finetune(resumed, ids, ids[:64], ft, progress=False, state_path=state,
+    curve_resumed = finetune(resumed, ids, _val(ids), ft, progress=False, state_path=state,
                              save_every=2)
     assert [c["step"] for c in curve_resumed] == [c["step"] for c in curve_whole]
     for a, b in zip(curve_resumed, curve_whole, strict=True):
@@ -126,12 +131,12 @@ def test_killed_finetune_resumes_to_the_same_result(tmp_path, monkeypatch) -> No
             assert a["loss"] is None
         else:
             assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
-        if b["eval_ppl"] is not None:
-            assert a["eval_ppl"] == pytest.approx(b["eval_ppl"], rel=1e-6)
+        if b["val_ppl"] is not None:
+            assert a["val_ppl"] == pytest.approx(b["val_ppl"], rel=1e-6)
     for (n, p), q in zip(resumed.named_parameters(), whole.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
     with pytest.raises(RuntimeError, match="was saved with config"):
-        finetune(_compressed("hybrid"), ids, ids[:64], dataclasses.replace(ft, steps=7),
+        finetune(_compressed("hybrid"), ids, _val(ids), dataclasses.replace(ft, steps=7),
                  progress=False, state_path=state)
 
 
@@ -156,28 +161,28 @@ def test_a_finished_run_continued_is_the_longer_run(tmp_path) -> None:
                          batch_size=2, eval_every=3, eval_tokens=64, eval_window=32)
     ft4 = dataclasses.replace(ft8, steps=4)
     whole = _compressed("hybrid")
-    curve_whole = finetune(whole, ids, ids[:64], ft8, progress=False, objective=lm_loss)
+    curve_whole = finetune(whole, ids, _val(ids), ft8, progress=False, objective=lm_loss)
     final = tmp_path / "final4.pt"
-    finetune(_compressed("hybrid"), ids, ids[:64], ft4, progress=False, state_path=final,
+    finetune(_compressed("hybrid"), ids, _val(ids), ft4, progress=False, state_path=final,
              objective=lm_loss)
     steps_taken.clear()
     longer = _compressed("hybrid")
-    curve = finetune(longer, ids, ids[:64], ft8, progress=False, objective=lm_loss,
+    curve = finetune(longer, ids, _val(ids), ft8, progress=False, objective=lm_loss,
                      state_path=tmp_path / "run8.pt", continue_from=final)
     assert len(steps_taken) == 4  # continued, not run again from step 0
     assert [c["step"] for c in curve] == [c["step"] for c in curve_whole]
     for a, b in zip(curve, curve_whole, strict=True):
-        for k in ("loss", "eval_ppl", "lr"):
+        for k in ("loss", "val_ppl", "lr"):
             assert (a[k] is None) == (b[k] is None), (a["step"], k)
             if b[k] is not None:
                 assert a[k] == pytest.approx(b[k], rel=1e-6), (a["step"], k)
     at4 = next(c for c in curve if c["step"] == 4)  # the 4-step run's closing evaluation
-    assert at4["eval_ppl"] is None and at4["eval_ppl_at_shorter_end"] > 0
+    assert at4["val_ppl"] is None and at4["val_ppl_at_shorter_end"] > 0
     for (n, p), q in zip(longer.named_parameters(), whole.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
     assert torch.load(tmp_path / "run8.pt", weights_only=False)["step"] == 8
     past = tmp_path / "past_warmup.pt"  # 5 steps past a 2-step warm-up: the cosine differs
-    finetune(_compressed("hybrid"), ids, ids[:64], dataclasses.replace(ft4, warmup=2),
+    finetune(_compressed("hybrid"), ids, _val(ids), dataclasses.replace(ft4, warmup=2),
              progress=False, state_path=past)
     with pytest.raises(RuntimeError, match="schedule differs"):
         load_continuation(past, dataclasses.replace(ft8, warmup=2))
@@ -190,7 +195,7 @@ def test_a_finished_run_continued_is_the_longer_run(tmp_path) -> None:
 
 
 def test_recorded_arm_deletes_or_keeps_its_finetune_state(tmp_path) -> None:
-    from structlm.experiments.share.experiment import _ArmCache
+    from structlm.experiments.share.arms import ArmCache as _ArmCache
 
     cache = _ArmCache(tmp_path / "arms.json", ExperimentConfig())
     key = '{"part": "finetuned", "seed": 0}'
@@ -236,7 +241,7 @@ def test_grad_clip_zero_means_no_clipping() -> None:
     for clip in (0.0, 1e9):
         model = _compressed("svd")
         before = [p.detach().clone() for p in trainable_parameters(model)]
-        finetune(model, ids, ids[:64], FinetuneConfig(steps=2, lr=1e-2, warmup=1, seq_len=16,
+        finetune(model, ids, _val(ids), FinetuneConfig(steps=2, lr=1e-2, warmup=1, seq_len=16,
                                                       batch_size=2, eval_every=2,
                                                       eval_tokens=64, eval_window=32,
                                                       grad_clip=clip), progress=False)
@@ -248,3 +253,43 @@ def test_grad_clip_zero_means_no_clipping() -> None:
     with pytest.raises(ValueError,
                        match=r"grad_clip: -1\.0 is out of range: expected >= 1e-06, or 0"):
         FinetuneConfig(grad_clip=-1)
+
+
+def test_the_curve_refuses_test_windows_and_bare_tensors() -> None:
+    """No decision can read the test text: fine-tuning's curve (what the plateau rule,
+    the continuation, the rate probe and the best checkpoint read) takes validation
+    windows only."""
+    from structlm.hf.splits import Role, TestWindowsError
+
+    ids = torch.randint(0, 89, (400,), generator=torch.Generator().manual_seed(5))
+    ft = FinetuneConfig(steps=1, lr=1e-2, warmup=1, seq_len=16, batch_size=2, eval_every=1,
+                        eval_tokens=64, eval_window=32)
+    test = Windows(ids[:64].view(2, 32), Role.TEST, "in_domain:x")
+    with pytest.raises(TestWindowsError, match="got the test windows 'in_domain:x'"):
+        finetune(_compressed("svd-llm-w"), ids, test, ft, progress=False)
+    with pytest.raises(TestWindowsError, match="got Tensor"):
+        finetune(_compressed("svd-llm-w"), ids, ids[:64].view(2, 32), ft, progress=False)
+
+
+def test_keep_best_restores_the_best_validation_checkpoint(tmp_path) -> None:
+    """With ``keep_best`` the model ends at the evaluation with the lowest validation NLL
+    (here forced by a rate so high that training gets worse), and a resumed run keeps
+    the same best."""
+    from structlm.experiments.share.rate_probe import best_validation
+
+    ids = torch.randint(0, 89, (400,), generator=torch.Generator().manual_seed(6))
+    ft = FinetuneConfig(steps=6, lr=0.5, lr_scaling="absolute", warmup=1, seq_len=16,
+                        batch_size=2, eval_every=2, eval_tokens=64, eval_window=32,
+                        min_lr_ratio=1.0, keep_best=True)
+    model = _compressed("svd-llm-w")
+    curve = finetune(model, ids, _val(ids), ft, progress=False)
+    nll, step = best_validation(curve)
+    assert step < 6  # the last step is not the best at this rate
+    from structlm.hf.perplexity import perplexity
+
+    assert perplexity(model, _val(ids).ids, window=32, progress=False).nll == pytest.approx(
+        nll, rel=1e-6)
+    last = dataclasses.replace(ft, keep_best=False)
+    plain = _compressed("svd-llm-w")
+    finetune(plain, ids, _val(ids), last, progress=False)
+    assert perplexity(plain, _val(ids).ids, window=32, progress=False).nll > nll

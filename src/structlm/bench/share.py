@@ -108,8 +108,11 @@ class ShareBenchConfig:
     def __post_init__(self) -> None:
         """Cross-field checks (each field's own range is checked by ``@validated``)."""
         from structlm.hf.adapters import parse_types
+        from structlm.share.compress.methods import canonical_name
         from structlm.share.compress.ranks import METHODS
 
+        # a former name ("svd"): its new one (the config is frozen)
+        object.__setattr__(self, "method", canonical_name(self.method))
         if self.method not in METHODS:
             raise ConfigError(f"method: {self.method!r} is not valid: expected one of "
                               f"{list(METHODS)}")

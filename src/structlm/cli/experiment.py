@@ -45,7 +45,7 @@ def _cmd_share(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     cfg = share_experiment_config(args)
     res = run_experiment(cfg, args.out, analytic_only=args.analytic_only,
-                         add_runs=args.add_runs)
+                         add_runs=args.add_runs, probe_only=args.probe_only)
     print(f"{args.out.rstrip('/')}/report.md written ({res['seconds'] / 60:.1f} min)")
     return 0
 
@@ -125,6 +125,9 @@ def add_experiment_commands(sub: Any) -> None:
     sh.add_argument("--config", default=None, help="YAML with ExperimentConfig fields")
     sh.add_argument("--analytic-only", action="store_true",
                     help="stop after compressing and evaluating every arm (no fine-tuning)")
+    sh.add_argument("--probe-only", action="store_true",
+                    help="stop after the learning-rate probe (lr_probe_rates); split over "
+                         "processes by --methods, the whole-model runs then --add-runs them")
     sh.add_argument("--threads", type=positive_int, default=2)
     sh.add_argument("--out", default="share-experiment")
     sh.add_argument("--add-runs", nargs="+", default=[], metavar="DIR",

@@ -39,9 +39,9 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from structlm.convert.hooks import StopForward, hooked, run_until_stopped
 from structlm.convert.typed_linear import TypedAlgebraLinear
 from structlm.hf.adapters import MatrixType, get_adapter
+from structlm.hf.hooks import StopForward, hooked, run_until_stopped
 from structlm.nn.structure import invalidate_fast_paths
 
 __all__ = ["DEFAULT_RIDGE", "block_error", "calibrate_", "calibration_batches", "fit_blocks",

@@ -23,9 +23,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from structlm.convert.hooks import StopForward, hooked, run_until_stopped
 from structlm.convert.permute import _weight
 from structlm.convert.typed_linear import TypedAlgebraLinear
+from structlm.hf.hooks import StopForward, hooked, run_until_stopped
 
 __all__ = ["module_errors"]
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from structlm.convert.hooks import StopForward, hooked, run_until_stopped
+from structlm.hf.hooks import StopForward, hooked, run_until_stopped
 
 __all__ = ["ModuleDistillation", "dense_teacher"]
 

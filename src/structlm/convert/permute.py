@@ -35,8 +35,8 @@ from tqdm import tqdm
 
 from structlm.algebra import split_widths, support_of
 from structlm.convert.calibrate import calibration_batches, type_masks
-from structlm.convert.hooks import hooked
 from structlm.hf.adapters import MatrixType, get_adapter
+from structlm.hf.hooks import hooked
 
 __all__ = ["apply_ffn_orders_", "assignment_cost", "input_cost", "output_cost", "permute_ffn_"]
 

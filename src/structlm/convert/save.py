@@ -124,7 +124,7 @@ def convert_and_save(cfg: ConvertConfig, out: str | Path, progress: bool = True
                      ) -> dict[str, Any]:
     """Load ``cfg.model``, convert it, heal it if asked, save it to ``out``; returns the
     report written to ``out/structlm_convert.json``."""
-    from structlm.hf.pipeline import evaluate_all, prepare, spread_windows
+    from structlm.hf.pipeline import evaluate_all, prepare, validation_windows
 
     out = Path(out)
     _check_out(out, cfg.model)
@@ -161,14 +161,13 @@ def convert_and_save(cfg: ConvertConfig, out: str | Path, progress: bool = True
         report["converted"]["ppl"] = ppl()
     params = [p for m in model.modules() if isinstance(m, TypedAlgebraLinear)
               for p in m.parameters()]
-    in_domain = next(iter(prep.eval_ids.values()), prep.calib_ids)
     if dense is not None:
         teacher = dense_teacher(dense, model)  # the student's layout (same function)
         del dense
         dcfg = dataclasses.replace(cfg.distill, seed=cfg.seed)
         torch.manual_seed(cfg.seed)
         report["distill_curve"] = finetune(
-            model, prep.train_ids, spread_windows(in_domain, dcfg.eval_tokens), dcfg,
+            model, prep.train_ids, validation_windows(prep, dcfg.eval_tokens), dcfg,
             progress, state_path=_state_path(out, "distill"), params=params,
             prefix=prep.window_prefix,
             objective=ModuleDistillation(teacher, report["conversion"]["modules"]))
@@ -180,7 +179,7 @@ def convert_and_save(cfg: ConvertConfig, out: str | Path, progress: bool = True
         hcfg = dataclasses.replace(cfg.heal, seed=cfg.seed)
         torch.manual_seed(cfg.seed)
         report["heal_curve"] = finetune(model, prep.train_ids,
-                                        spread_windows(in_domain, hcfg.eval_tokens), hcfg,
+                                        validation_windows(prep, hcfg.eval_tokens), hcfg,
                                         progress, state_path=_state_path(out), params=params,
                                         prefix=prep.window_prefix)
         model.eval()

@@ -4,8 +4,10 @@ Everything is frozen except: the cores ``A_l`` of :class:`SharedBasisLinear` (pl
 residual factors ``B_l, C_l`` for the hybrid), both factors of :class:`LowRankLinear`
 (the free-factor control) and the coefficients ``D_l`` of :class:`OneSidedLinear`.
 AdamW, linear warm-up, cosine to ``min_lr_ratio``, gradient clipping; the LM loss on
-random windows of the calibration split; perplexity of the evaluation split at
-intervals (same protocol as everywhere). A non-finite loss stops with an error.
+random windows of the calibration text; perplexity of **validation** windows at intervals
+(same protocol as everywhere; :func:`structlm.hf.splits.require_validation` refuses test
+windows, so no decision taken from the curve can read the test text). A non-finite loss
+stops with an error.
 
 Resumable at any step: with ``state_path`` the trained tensors, the optimiser, the
 schedule, the batch generator and the curve are saved atomically every ``save_every``
@@ -16,7 +18,7 @@ where its config differs only in ``steps`` and the learning-rate schedule of the
 run is the same over the steps already taken (a constant rate after warm-up): the result
 is that of a run of the longer length from the start (the same factors, losses and
 evaluations; where the shorter run's closing evaluation falls on a step the longer run
-does not evaluate, its value moves to that step's ``eval_ppl_at_shorter_end``).
+does not evaluate, its value moves to that step's ``val_ppl_at_shorter_end``).
 
 Learning rates are *relative* by default (``lr_scaling="relative"``): each trained tensor
 gets ``lr × RMS(tensor at the start)``. Adam moves every element by about ``lr`` per step
@@ -42,6 +44,7 @@ from tqdm import tqdm
 
 from structlm.config import OneOf, Range, RunError, validated
 from structlm.hf.perplexity import perplexity
+from structlm.hf.splits import Windows, require_validation
 from structlm.nn.factorized import LowRankLinear, OneSidedLinear, SharedBasisLinear
 
 __all__ = ["GRAD_CLIP_RANGE", "FinetuneConfig", "finetune", "load_continuation",
@@ -79,11 +82,16 @@ class FinetuneConfig:
     eval_every: Annotated[int, Range(ge=1)] = 20
     """Steps between evaluations of the curve."""
     eval_tokens: Annotated[int, Range(ge=1)] = 2048
-    """In-domain tokens scored at each evaluation of the curve."""
+    """Validation tokens scored at each evaluation of the curve."""
     eval_window: Annotated[int, Range(ge=2)] = 512
     """Window of those evaluations."""
     seed: Annotated[int, Range(ge=0)] = 0
     """Seed of the batch order (the experiment sets it per arm)."""
+    keep_best: bool = False
+    """Early stopping on validation: keep the trained tensors of the evaluation with the
+    lowest validation NLL (the earliest on a tie) and restore them when training ends, so
+    the run's model is its best checkpoint on the validation text (every arm trains the
+    same ``steps``; only the checkpoint chosen differs)."""
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -107,14 +115,46 @@ def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 def _save_state(path: Path, cfg: FinetuneConfig, step: int, params: list[torch.nn.Parameter],
                 opt: torch.optim.Optimizer, sched: Any, gen: torch.Generator,
-                curve: list[dict[str, Any]]) -> None:
+                curve: list[dict[str, Any]], best: _Best) -> None:
     """Write the resumable state of a fine-tuning run atomically (temporary + replace)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
     torch.save({"config": dataclasses.asdict(cfg), "step": step,
                 "params": [p.detach().clone() for p in params], "opt": opt.state_dict(),
-                "sched": sched.state_dict(), "gen": gen.get_state(), "curve": curve}, tmp)
+                "sched": sched.state_dict(), "gen": gen.get_state(), "curve": curve,
+                "best": best.state()}, tmp)
     os.replace(tmp, path)
+
+
+class _Best:
+    """The best validation checkpoint so far (``keep_best``): its NLL, step and a copy of
+    the trained tensors."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.nll = math.inf
+        self.step: int | None = None
+        self.params: list[torch.Tensor] | None = None
+
+    def offer(self, step: int, nll: float, params: list[torch.nn.Parameter]) -> None:
+        if self.enabled and nll < self.nll:  # strictly lower: the earliest on a tie
+            self.nll, self.step = nll, step
+            self.params = [p.detach().clone() for p in params]
+
+    def state(self) -> dict[str, Any] | None:
+        if not self.enabled or self.params is None:
+            return None
+        return {"nll": self.nll, "step": self.step, "params": self.params}
+
+    def load(self, saved: dict[str, Any] | None) -> None:
+        if self.enabled and saved is not None:
+            self.nll, self.step, self.params = saved["nll"], saved["step"], saved["params"]
+
+    def restore(self, params: list[torch.nn.Parameter]) -> None:
+        if self.enabled and self.params is not None:
+            with torch.no_grad():
+                for p, saved in zip(params, self.params, strict=True):
+                    p.copy_(saved)
 
 
 def load_state(path: Path, cfg: FinetuneConfig) -> dict[str, Any] | None:
@@ -192,18 +232,20 @@ def train_only(model: torch.nn.Module, params: list[torch.nn.Parameter]
     return params
 
 
-def finetune(model: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.Tensor,
+def finetune(model: torch.nn.Module, train_ids: torch.Tensor, validation: Windows,
              cfg: FinetuneConfig, progress: bool = True, state_path: Path | None = None,
              save_every: int = 10, params: list[torch.nn.Parameter] | None = None,
              prefix: list[int] | None = None,
              objective: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None,
              continue_from: Path | None = None) -> list[dict[str, Any]]:
     """Train the per-layer factors (or ``params``, everything else frozen); returns the
-    curve (step, loss, lr, eval ppl). ``prefix``: ids every training window starts with
+    curve (step, loss, lr, validation NLL and perplexity). ``validation``: the validation
+    windows the curve scores (:class:`~structlm.hf.splits.Windows` of role ``validation``:
+    anything else is refused). ``prefix``: ids every training window starts with
     (the tokenizer's convention, :func:`structlm.hf.text.window_prefix`). ``objective``
     (model, batch ``(B, T)``) -> scalar loss replaces the language-model loss (e.g. a
     layer-wise distillation, :mod:`structlm.convert.distill`); the curve's evaluations
-    stay perplexities.
+    stay validation perplexities.
 
     With ``state_path``, the run saves its state every ``save_every`` steps and resumes
     from it (see the module docstring); the file is left in place for the caller to
@@ -212,6 +254,7 @@ def finetune(model: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.Te
     state yet; the continued run saves to ``state_path``."""
     if save_every < 1:
         raise ValueError(f"save_every must be >= 1, got {save_every}")
+    eval_ids = require_validation(validation, "fine-tuning's curve")
     params = trainable_parameters(model) if params is None else train_only(model, params)
     head = torch.tensor(list(prefix or []), dtype=torch.long)  # the tokenizer's prefix
     body = cfg.seq_len + 1 - head.numel()
@@ -233,12 +276,15 @@ def finetune(model: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.Te
     gen = torch.Generator().manual_seed(cfg.seed)
     device = next(model.parameters()).device
     curve: list[dict[str, Any]] = []
+    best = _Best(cfg.keep_best)
 
     def evaluate(step: int, loss: float | None) -> None:
         model.eval()
-        ppl = perplexity(model, eval_ids, window=cfg.eval_window, progress=False).ppl
+        res = perplexity(model, eval_ids, window=cfg.eval_window, progress=False)
         curve.append({"step": step, "loss": loss, "lr": cfg.lr * sched.get_last_lr()[0]
-                      / opt.param_groups[0]["initial_lr"], "eval_ppl": ppl})
+                      / opt.param_groups[0]["initial_lr"], "val_ppl": res.ppl,
+                      "val_nll": res.nll})
+        best.offer(step, res.nll, params)
 
     start = 1
     state = load_state(Path(state_path), cfg) if state_path is not None else None
@@ -246,9 +292,15 @@ def finetune(model: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.Te
     if state is None and continue_from is not None:
         state, source = load_continuation(Path(continue_from), cfg), continue_from
         done = state["step"]
+        if done % cfg.eval_every and cfg.keep_best:
+            raise RuntimeError(f"fine-tuning state {continue_from} stopped at step {done}, "
+                               f"not an evaluation step of the longer run (every "
+                               f"{cfg.eval_every}): with keep_best its best checkpoint may be "
+                               "one the longer run never evaluates; rerun from step 0")
         if done % cfg.eval_every:  # the shorter run's closing evaluation: not one of ours
             last = state["curve"][-1]
-            last["eval_ppl_at_shorter_end"], last["eval_ppl"] = last["eval_ppl"], None
+            last["val_ppl_at_shorter_end"], last["val_ppl"] = last.get("val_ppl"), None
+            last["val_nll"] = None
     if state is not None:
         if len(state["params"]) != len(params) or any(
                 a.shape != b.shape for a, b in zip(state["params"], params, strict=True)):
@@ -261,6 +313,7 @@ def finetune(model: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.Te
         sched.load_state_dict(state["sched"])
         gen.set_state(state["gen"])
         curve.extend(state["curve"])
+        best.load(state.get("best"))
         start = state["step"] + 1
     else:
         evaluate(0, None)
@@ -294,8 +347,9 @@ def finetune(model: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.Te
             evaluate(step, lv)
         else:
             curve.append({"step": step, "loss": lv, "lr": cfg.lr * sched.get_last_lr()[0]
-                          / opt.param_groups[0]["initial_lr"], "eval_ppl": None})
+                          / opt.param_groups[0]["initial_lr"], "val_ppl": None})
         if state_path is not None and (step % save_every == 0 or step == cfg.steps):
-            _save_state(Path(state_path), cfg, step, params, opt, sched, gen, curve)
+            _save_state(Path(state_path), cfg, step, params, opt, sched, gen, curve, best)
+    best.restore(params)  # keep_best: the best validation checkpoint, not the last step
     model.eval()
     return curve

@@ -12,7 +12,10 @@ Protocol (written into every result):
   each window re-reads ``window - stride`` tokens of context that are not scored again;
 * with ``bos=True`` the tokenizer's BOS token is put in front of every window (and the
   stream's first token is then scored too);
-* the negative log-likelihood is summed in float64; ``ppl = exp(sum / count)``;
+* the negative log-likelihood is summed in float64; ``ppl = exp(sum / count)``; every
+  window's own sum and token count are kept (``window_nll``, ``window_tokens``) with a
+  fingerprint of the windows scored, so that two models scored on the same windows are
+  compared paired by window (:mod:`structlm.stats`);
 * any non-finite logit raises :class:`NonFiniteLogitsError` naming the window — a
   batch is never skipped silently.
 
@@ -26,12 +29,14 @@ Qwen2.5); any other model is called whole.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch.nn import functional as F
 from tqdm import tqdm
+
+from structlm.stats import WindowScores, windows_fingerprint
 
 __all__ = ["NonFiniteLogitsError", "PerplexityResult", "next_token_logprobs", "perplexity"]
 
@@ -103,9 +108,24 @@ class PerplexityResult:
     window: int
     stride: int
     bos: bool
+    window_nll: list[float] = field(default_factory=list)
+    """Summed NLL of every window, in order (float64)."""
+    window_tokens: list[int] = field(default_factory=list)
+    """Scored tokens of every window."""
+    windows_sha1: str = ""
+    """:func:`structlm.stats.windows_fingerprint` of the scored windows (and BOS)."""
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Every field; the per-window scores in :class:`~structlm.stats.WindowScores`'
+        compact form (``window_tokens`` stored once when all windows score alike)."""
+        d = asdict(self)
+        d.update(self.scores().as_dict())
+        return d
+
+    def scores(self) -> WindowScores:
+        """The per-window scores, for :func:`structlm.stats.compare`."""
+        return WindowScores(tuple(self.window_nll), tuple(self.window_tokens),
+                            self.windows_sha1)
 
 
 def _windows(n: int, window: int, stride: int, first: int) -> list[tuple[int, int, int]]:
@@ -142,8 +162,7 @@ def perplexity(model: Any, tokens: torch.Tensor, window: int = 512, stride: int 
     n = tokens.numel()
     wins = _windows(n, span, stride, first=0 if bos_id is not None else 1)
     device = next(model.parameters()).device
-    total = torch.zeros((), dtype=torch.float64)
-    count = 0
+    per_window: dict[int, tuple[float, int]] = {}  # window start -> (NLL sum, tokens)
     groups: dict[int, list[tuple[int, int, int]]] = {}
     for w in wins:  # batch windows of equal length
         groups.setdefault(w[2] - w[0], []).append(w)
@@ -159,13 +178,18 @@ def perplexity(model: Any, tokens: torch.Tensor, window: int = 512, stride: int 
                 f"the window(s) starting at token {[s for s, _, _ in chunk]}")
             for j, (s, a, e) in enumerate(chunk):
                 pos = torch.arange(a - s, e - s) + extra  # input positions of targets
-                total -= logp[j, pos - 1].double().sum().cpu()
-                count += e - a
+                per_window[a] = (-float(logp[j, pos - 1].double().sum().cpu()), e - a)
             bar.update(len(chunk))
     bar.close()
-    nll = float(total) / count
+    nlls = [per_window[a][0] for _, a, _ in wins]
+    toks = [per_window[a][1] for _, a, _ in wins]
+    count = sum(toks)
+    nll = math.fsum(nlls) / count
+    layout = torch.tensor([[s, a, e] for s, a, e in wins] + [[window, stride, extra]])
     return PerplexityResult(math.exp(nll), nll, count, len(wins), window, stride,
-                            bos_id is not None)
+                            bos_id is not None, nlls, toks,
+                            _fingerprint(torch.cat([tokens.reshape(-1).cpu(),
+                                                    layout.reshape(-1)]), bos_id))
 
 
 @torch.no_grad()
@@ -177,8 +201,8 @@ def _perplexity_rows(model: Any, rows: torch.Tensor, bos_id: int | None, batch_s
     if n < 1 or w < 2:
         raise ValueError(f"windows must be (n >= 1, w >= 2), got {tuple(rows.shape)}")
     device = next(model.parameters()).device
-    total = torch.zeros((), dtype=torch.float64)
-    count = 0
+    nlls: list[float] = []
+    toks: list[int] = []
     bar = tqdm(total=n, desc="perplexity", unit="window", disable=not progress)
     for i in range(0, n, batch_size):
         ids = rows[i:i + batch_size]  # (b, w)
@@ -186,9 +210,17 @@ def _perplexity_rows(model: Any, rows: torch.Tensor, bos_id: int | None, batch_s
             ids = torch.cat([torch.full((ids.shape[0], 1), bos_id, dtype=ids.dtype), ids], 1)
         logp = next_token_logprobs(model, ids.to(device),  # (b, w'-1)
                                    f"windows {i}..{i + len(ids) - 1}")
-        total -= logp.double().sum().cpu()
-        count += logp.numel()
+        nlls += (-logp.double().sum(1).cpu()).tolist()  # (b,): one sum per window
+        toks += [logp.shape[1]] * logp.shape[0]
         bar.update(ids.shape[0])
     bar.close()
-    nll = float(total) / count
-    return PerplexityResult(math.exp(nll), nll, count, n, w, w - 1, bos_id is not None)
+    count = sum(toks)
+    nll = math.fsum(nlls) / count
+    return PerplexityResult(math.exp(nll), nll, count, n, w, w - 1, bos_id is not None,
+                            nlls, toks, _fingerprint(rows.cpu(), bos_id))
+
+
+def _fingerprint(ids: torch.Tensor, bos_id: int | None) -> str:
+    """The windows' content key (their ids and the BOS convention)."""
+    return windows_fingerprint(torch.cat([ids.reshape(-1).long(),
+                                          torch.tensor([-1 if bos_id is None else bos_id])]))

@@ -1,6 +1,7 @@
-"""Shared steps of the Part B commands: load a model, split its text, tokenise the
-evaluation streams, calibrate (cached), and evaluate perplexity on every stream with
-the one protocol."""
+"""Shared steps of the Part B commands: load a model, split its text three ways
+(calibration and fine-tuning text, validation text for every decision, test text for the
+verdicts: :mod:`structlm.hf.splits`), tokenise, calibrate (cached), and evaluate
+perplexity on every stream with the one protocol."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ from typing import Any
 
 import torch
 
+from structlm.data.corpora import Document
 from structlm.hf.adapters import ModelAdapter, get_adapter
 from structlm.hf.calibration import Calibration, load_or_calibrate
 from structlm.hf.fingerprint import model_fingerprint, tensor_fingerprint
 from structlm.hf.loading import LoadedModel, load_model
 from structlm.hf.perplexity import perplexity
+from structlm.hf.splits import Role, Windows, holdout_tail
 from structlm.hf.text import (
     CorpusSplit,
     sample_windows,
@@ -27,7 +30,11 @@ from structlm.hf.text import (
 )
 from structlm.settings import cache_dir
 
-__all__ = ["Prepared", "evaluate_all", "prepare", "spread_windows"]
+__all__ = ["VALIDATION_FRACTION", "Prepared", "evaluate_all", "prepare",
+           "validation_windows"]
+
+VALIDATION_FRACTION = 0.1
+"""The share of every calibration document held out at its end as validation text."""
 
 
 @dataclass
@@ -38,12 +45,18 @@ class Prepared:
     adapter: ModelAdapter
     split: CorpusSplit
     calib_ids: torch.Tensor
-    """Calibration windows ``(n, seq_len)`` drawn across all calibration documents."""
+    """Calibration windows ``(n, seq_len)`` drawn across the heads of all calibration
+    documents (their validation tails left out)."""
     train_ids: torch.Tensor
-    """Every calibration document's tokens as one stream (fine-tuning draws from it)."""
+    """The heads of every calibration document as one stream (fine-tuning draws from it;
+    the validation tails are not in it)."""
     eval_ids: dict[str, torch.Tensor] = field(default_factory=dict)
-    """``in_domain:<corpus>`` / ``other_domain:<corpus>`` → windows ``(n, seq_len)`` drawn
-    across all evaluation documents of that corpus."""
+    """The **test** windows: ``in_domain:<corpus>`` / ``other_domain:<corpus>`` → windows
+    ``(n, seq_len)`` drawn across all evaluation documents of that corpus; scored once per
+    finished arm, never read by a decision."""
+    validation: Windows | None = None
+    """Validation windows drawn across the calibration documents' tails (every decision
+    reads these: :func:`structlm.hf.splits.require_validation`)."""
     calibration: Calibration | None = None
     text: dict[str, Any] = field(default_factory=dict)
     """Exactly which text was used: per stream, the windows drawn from each document."""
@@ -75,14 +88,19 @@ def prepare(model: str, corpus: str, second_corpus: str = "", eval_fraction: flo
             calib_tokens: int = 32768, eval_tokens: int = 8192, seq_len: int = 512,
             batch_size: int = 4, seed: int = 0, layers: list[int] | None = None,
             calibrate: bool = True, progress: bool = True,
-            calib_seed: int | None = None) -> Prepared:
+            calib_seed: int | None = None, val_fraction: float = VALIDATION_FRACTION,
+            val_tokens: int = 8192) -> Prepared:
     """Load ``model``, split ``corpus`` by document, draw ``calib_tokens // seq_len``
     calibration windows across all calibration documents and enough evaluation windows
     to score ``eval_tokens`` tokens across all evaluation documents (in-domain and, if
     given, ``second_corpus``'s evaluation part), seeded by ``seed``; calibrate ``layers``
     (cached on disk, keyed on the model's weights and the exact calibration tokens).
     ``calib_seed`` (default ``seed``) draws the calibration windows alone: another draw
-    from the same calibration documents, the split and evaluation windows unchanged."""
+    from the same calibration documents, the split and evaluation windows unchanged.
+
+    The last ``val_fraction`` of every calibration document's tokens is held out: enough
+    validation windows to score ``val_tokens`` tokens are drawn across these tails (0: none),
+    and neither the calibration windows nor the fine-tuning stream read them."""
     loaded = load_model(model)
     if loaded.tokenizer is None:
         raise ValueError(f"model {model!r} has no tokenizer: text experiments need one")
@@ -93,13 +111,27 @@ def prepare(model: str, corpus: str, second_corpus: str = "", eval_fraction: flo
     if layers is not None:
         check_layers(layers, adapter.num_layers)
     split = split_corpus(corpus, eval_fraction, seed)
-    calib_tok = tokenize_documents(loaded.tokenizer, split.calibration)
+    calib_tok, tails = holdout_tail(tokenize_documents(loaded.tokenizer, split.calibration),
+                                    val_fraction)
     prefix = window_prefix(loaded.tokenizer)  # the tokenizer's own convention, per window
     calib = sample_windows(split.calibration, calib_tok, calib_tokens // seq_len, seq_len,
                            seed if calib_seed is None else calib_seed, prefix)
     prep = Prepared(loaded, adapter, split, calib.windows, torch.cat(calib_tok),
                     window_prefix=prefix)
-    prep.text["calibration:" + corpus] = calib.describe()
+    prep.text["calibration:" + corpus] = {**calib.describe(), "part": (
+        f"the first {1 - val_fraction:.0%} of each calibration document's tokens")}
+    if val_tokens:
+        tail_docs = [Document(f"{d.name} (last {val_fraction:.0%})", "")
+                     for d in split.calibration]
+        val = sample_windows(tail_docs, tails, windows_for_scored_tokens(val_tokens, seq_len),
+                             seq_len, seed + 2, prefix)
+        used = tuple(n for n, c in val.per_document.items() if c)
+        overlap = {d.name for d in split.calibration} & {d.name for d in split.evaluation}
+        assert not overlap, f"validation and test documents overlap: {sorted(overlap)}"
+        prep.validation = Windows(val.windows, Role.VALIDATION, "validation:" + corpus, used)
+        prep.text["validation:" + corpus] = {**val.describe(), "part": (
+            f"the last {val_fraction:.0%} of each calibration document's tokens (no "
+            "calibration window or fine-tuning batch reads them)")}
     if eval_tokens:
         n_eval = windows_for_scored_tokens(eval_tokens, seq_len)
         texts = [("in_domain:" + corpus, split.evaluation)]
@@ -138,10 +170,9 @@ def evaluate_all(model: Any, eval_ids: dict[str, torch.Tensor], window: int = 51
             for name, ids in eval_ids.items()}
 
 
-def spread_windows(windows: torch.Tensor, n_tokens: int) -> torch.Tensor:
-    """Evenly spaced rows of ``windows`` ``(n, w)`` (ordered by document, so they span
-    the documents) that score at least ``n_tokens`` tokens; all rows if there are fewer
-    (the fine-tuning curves' quick evaluations)."""
-    n = windows.shape[0]
-    m = min(n, windows_for_scored_tokens(n_tokens, windows.shape[1]))
-    return windows[torch.linspace(0, n - 1, m).round().long()]
+def validation_windows(prep: Prepared, n_tokens: int) -> Windows:
+    """Evenly spread validation windows scoring at least ``n_tokens`` tokens (all of them
+    if there are fewer): what a fine-tuning curve and its decisions read."""
+    if prep.validation is None:
+        raise ValueError("this preparation drew no validation windows (val_tokens=0)")
+    return prep.validation.spread(n_tokens)

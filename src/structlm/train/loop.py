@@ -87,6 +87,12 @@ class TrainConfig:
     val_fraction: Annotated[float, Range(gt=0, lt=1)] = 0.1
     """Fraction of the corpus's documents held out for validation (training evaluates on
     held-out documents)."""
+    test_split: bool = False
+    """Hold out test documents too: ``val_fraction`` of each corpus part's documents (at
+    least 2) are held out and dealt to validation and test, balanced by length
+    (:func:`~structlm.data.tokens.split_documents_three_way`). Training evaluates on
+    validation only; the test documents are for the verdicts of whoever scores the
+    finished model (``structlm experiment study``)."""
     data_seed: Annotated[int | None, Range(ge=0)] = None
     """Seed of the train/validation document split (``None``: ``seed``); runs that are
     compared across seeds keep one split."""
@@ -337,8 +343,9 @@ def _corrupt(path: Path, err: Exception) -> str:
 
 
 def _check_splits(data: Any, cfg: TrainConfig) -> None:
-    """Both splits hold at least one training window, before any step is taken."""
-    for split in ("train", "val"):
+    """Every split (train, validation, and test with ``test_split``) holds at least one
+    training window, before any step is taken."""
+    for split in ("train", "val", "test") if cfg.test_split else ("train", "val"):
         n = len(data.tokens(split))
         if n <= cfg.seq_len + 1:
             docs = len(data.meta.get(f"{split}_documents", []))
@@ -414,7 +421,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, stop_after: int | None, prog
         build_token_dataset(cfg.corpus, data_dir, cfg.val_fraction,
                             cfg.seed if cfg.data_seed is None else cfg.data_seed, cfg.heldout,
                             cfg.tokenizer, rebuild=not ckpt.exists(),
-                            why="the checkpoint being resumed was trained on the tokens there")
+                            why="the checkpoint being resumed was trained on the tokens there",
+                            test_split=cfg.test_split)
     if world > 1:
         dist.barrier()
     data = TokenDataset(Path(data_dir))

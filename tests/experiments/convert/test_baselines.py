@@ -37,7 +37,7 @@ def test_macs_of_dense_converted_and_factorised_llama() -> None:
     assert projection_parameters(model) == 3 * (attn + ffn)  # every weight kept
     low = tiny_llama()
     compress_model(get_adapter(low), _calibrated(low),
-                   CompressionConfig(method="svd", types="mlp", target_reduction=7 / 16))
+                   CompressionConfig(method="svd-llm-w", types="mlp", target_reduction=7 / 16))
     macs = projection_macs(low)
     assert macs == projection_parameters(low)  # low rank: MACs = parameters
     target = 3 * (attn + Fraction(9, 16) * ffn)  # ranks round down: at most one rank step

@@ -45,9 +45,9 @@ def test_reduced_convert_experiment(tmp_path) -> None:
     arms = res["arms"]
     names = [(a["target"], a["arm"]) for a in arms]
     best = "Q4 calibrated+permute+distill"
-    assert names == [("mlp", best), ("mlp", "prune to Q4 MACs"), ("mlp", "svd at Q4 MACs"),
+    assert names == [("mlp", best), ("mlp", "prune to Q4 MACs"), ("mlp", "svd-llm-w at Q4 MACs"),
                      ("mlp", "Q4 copy"), ("mlp", "dense (control)"),
-                     ("attn", best), ("attn", "svd at Q4 MACs"),
+                     ("attn", best), ("attn", "svd-llm-w at Q4 MACs"),
                      ("attn", "dense (control)")]
     orig = res["original"]["projection_macs"]
     attn, ffn = 2 * (64 * 64 * 2 + 32 * 64 * 2), 2 * 3 * 64 * 96
@@ -78,7 +78,11 @@ def test_reduced_convert_experiment(tmp_path) -> None:
         by[("mlp", "Q4 copy")]["trained_parameters"] == ffn
     report = (tmp_path / "out" / "report.md").read_text()
     assert f"Q4 budget, `in_domain:austen`: {best} " in report
-    assert "one seed: no verdict" in report
+    assert "no verdict: one run of" in report  # one seed: no run-to-run variance
+    assert "no verdict (unequal budgets" in report  # +distill trained more steps
+    for a in arms:  # every healed arm keeps its per-window test scores and its budget
+        assert len(a["eval_healed"]["in_domain:austen"]["window_nll"]) == 2
+        assert a["train_budget"]["heal_steps"] == 2
     assert "Q4 copy " in report and f" vs {best}" in report  # each start step vs the last
     assert (tmp_path / "out" / "ppl_vs_macs.png").stat().st_size > 1000
     assert (tmp_path / "out" / "healing_curves.png").stat().st_size > 1000
@@ -93,9 +97,9 @@ def test_reduced_convert_experiment(tmp_path) -> None:
     more = dataclasses.replace(ex, targets=["mlp"], seeds=[0, 1], seed_targets=["mlp"])
     res2 = run_convert_experiment(more, tmp_path / "out", progress=False)
     runs2 = [(a["arm"], a["seed"]) for a in res2["arms"]]
-    assert runs2 == [(best, 0), ("prune to Q4 MACs", 0), ("svd at Q4 MACs", 0),
+    assert runs2 == [(best, 0), ("prune to Q4 MACs", 0), ("svd-llm-w at Q4 MACs", 0),
                      ("Q4 copy", 0), ("dense (control)", 0), (best, 1), ("prune to Q4 MACs", 1),
-                     ("svd at Q4 MACs", 1), ("Q4 copy", 1)]
+                     ("svd-llm-w at Q4 MACs", 1), ("Q4 copy", 1)]
     assert res2["arms"][0]["seconds"] == by[("mlp", best)]["seconds"]  # reused
     report2 = (tmp_path / "out" / "report.md").read_text()
     assert "| dense (control) | 1 |" in report2 and f"| {best} | 2 |" in report2
@@ -104,7 +108,8 @@ def test_reduced_convert_experiment(tmp_path) -> None:
     assert f" [{lo:,.2f}–{hi:,.2f}] (" in report2  # the seeds' range beside the mean
     # the two equal-MAC baselines are compared with each other too, by the same rule
     assert "- Q4 budget, `in_domain:austen`: prune to Q4 MACs " in report2
-    assert " vs svd at Q4 MACs: " in report2
+    assert " vs svd-llm-w at Q4 MACs: " in report2
+    assert "nats, ppl ×" in report2  # two seeds each: intervals from structlm.stats
 
 
 def test_cli_builds_the_config(tmp_path) -> None:
@@ -162,11 +167,11 @@ def test_seed_targets_heal_only_their_arms_with_every_seed() -> None:
                                   distill=FinetuneConfig(steps=5))
     later = [a.name for a, s in planned_runs(cfg) if s == 1]
     assert later == ["Q2^2 calibrated+permute+distill", "prune to Q2^2 MACs",
-                     "svd at Q2^2 MACs", "Q4 calibrated+permute+distill", "prune to Q4 MACs",
-                     "svd at Q4 MACs"]
+                     "svd-llm-w at Q2^2 MACs", "Q4 calibrated+permute+distill",
+                     "prune to Q4 MACs", "svd-llm-w at Q4 MACs"]
     first = [a.name for a, s in planned_runs(cfg) if s == 0]
     assert first[:4] == ["Q2^2 calibrated+permute+distill", "prune to Q2^2 MACs",
-                         "svd at Q2^2 MACs", "Q2^2 copy"]  # the main arm and baselines first
+                         "svd-llm-w at Q2^2 MACs", "Q2^2 copy"]  # the main arm, baselines
     cfg = ConvertExperimentConfig(targets=["mlp", "attn"], attn_algebras=["Q4"])
     attn = [a.budget for a, _ in planned_runs(cfg) if a.target == "attn"]
     assert attn == ["Q4", "Q4", ""]  # the algebra arm, svd, the dense control

@@ -36,8 +36,8 @@ def test_reduced_experiment(tmp_path) -> None:
     src = _tiny_source(tmp_path)
     ex = ExperimentConfig(model=str(src), calib_tokens=1024, eval_tokens=600,
                           reductions=[0.3, 0.5], multi_seed_reductions=[0.5], seeds=[0, 1],
-                          methods=["shared", "svd", "basis-sharing"],
-                          seed_methods=["shared", "svd"], residual_rank=2,
+                          methods=["shared", "svd-llm-w", "basis-sharing"],
+                          seed_methods=["shared", "svd-llm-w"], residual_rank=2,
                           budget_tolerance=0.05, scope_reduction=0.5,
                           finetune=FinetuneConfig(steps=2, eval_every=2, seq_len=64,
                                                   batch_size=2, eval_tokens=128),
@@ -67,7 +67,7 @@ def test_reduced_experiment(tmp_path) -> None:
     for e in res["seed_regime"]["entries"]:
         assert all(a["finetune"]["steps"] == 3 for a in e["arms"])
     seed = res["seed_regime"]
-    assert seed["k"] == 16 and [e["method"] for e in seed["entries"]] == ["shared", "svd"]
+    assert seed["k"] == 16 and [e["method"] for e in seed["entries"]] == ["shared", "svd-llm-w"]
     shared_stored = seed["entries"][0]["arms"][0]["stored_parameters"]
     for e in seed["entries"][1:]:
         assert e["arms"][0]["stored_parameters"] <= shared_stored
@@ -78,7 +78,7 @@ def test_reduced_experiment(tmp_path) -> None:
     # MACs per token beside the storage: a per-layer SVD computes what it stores; the
     # shared basis is applied in every layer, so equal storage costs it more MACs
     by = {(e["reduction"], e["method"]): e["arms"][0] for e in whole}
-    svd = by[(0.3, "svd")]
+    svd = by[(0.3, "svd-llm-w")]
     assert svd["token_macs_ratio"] == pytest.approx(
         svd["stored_parameters"] / svd["original_parameters"])
     assert by[(0.3, "shared")]["token_macs_ratio"] > svd["token_macs_ratio"]
@@ -90,13 +90,13 @@ def test_reduced_experiment(tmp_path) -> None:
         assert f"## {text}" in report
     for row in ("### Whole-model compression", "### The seed's regime", "| −50% |",
                 "| 7 | shared on mlp", "| 9 | hybrid on all", "recovered on",
-                "| MACs / token |", "## Had fine-tuning plateaued?", "| seed regime | svd |",
+                "| MACs / token |", "## Had fine-tuning plateaued?", "| seed regime | svd-llm-w |",
                 "| whole model −50% | shared | 2 |"):
         assert row in report, row
     for png in ("ppl_vs_budget.png", "energy_vs_ppl.png", "finetune_curves.png"):
         assert (tmp_path / "out" / png).stat().st_size > 10_000
     # resume: a rerun into the same folder reuses every finished arm
-    import structlm.experiments.share.experiment as exp_mod
+    import structlm.experiments.share.arms as exp_mod
 
     def _fail(*_a, **_k):
         raise AssertionError("a finished arm was recomputed")
@@ -117,16 +117,16 @@ def test_calibration_draws_and_analytic_only_methods(tmp_path) -> None:
     src = _tiny_source(tmp_path)
     ex = ExperimentConfig(model=str(src), calib_tokens=1024, eval_tokens=600,
                           reductions=[0.5], multi_seed_reductions=[], seeds=[0],
-                          calib_seeds=[0, 7], methods=["shared", "svd"],
-                          finetune_methods=["svd"], finetune_lr={"svd": 3e-3},
+                          calib_seeds=[0, 7], methods=["shared", "svd-llm-w"],
+                          finetune_methods=["svd-llm-w"], finetune_lr={"svd-llm-w": 3e-3},
                           seed_regime=False, scope=False,
                           residual_rank=2, budget_tolerance=0.05,
                           finetune=FinetuneConfig(steps=2, eval_every=2, seq_len=64,
                                                   batch_size=2, eval_tokens=128))
     res = run_experiment(ex, tmp_path / "out", progress=False)
     by = {e["method"]: e for e in res["whole_model"]}
-    assert list(by) == ["shared", "svd"]  # one entry per method and budget, not per draw
-    svd, shared = by["svd"], by["shared"]
+    assert list(by) == ["shared", "svd-llm-w"]  # one entry per method and budget, not per draw
+    svd, shared = by["svd-llm-w"], by["shared"]
     # each draw fine-tunes with its own seed: both sources of variance in the range
     assert sorted((a["calib_seed"], a["seed"]) for a in svd["arms"]) == [(0, 0), (7, 1)]
     assert all(a["finetune"]["lr"] == 3e-3 for a in svd["arms"])  # its own rate
@@ -139,10 +139,11 @@ def test_calibration_draws_and_analytic_only_methods(tmp_path) -> None:
     assert res["finetuned_runs"] == {"done": 2, "planned": 2}
     report = (tmp_path / "out" / "report.md").read_text()
     assert "over 2 draws]" in report and "Calibration draws [0, 7]" in report
-    assert "Fine-tuned methods: ['svd']" in report
-    assert "Per-method learning rates of the whole-model fine-tuning: {'svd': 0.003}" in report
+    assert "Fine-tuned methods: ['svd-llm-w']" in report
+    assert ("Per-method learning rates of the whole-model fine-tuning: {'svd-llm-w': 0.003}"
+            in report)
     # another folder given this one's finished arms (add_runs) computes nothing
-    import structlm.experiments.share.experiment as exp_mod
+    import structlm.experiments.share.arms as exp_mod
 
     def _fail(*_a, **_k):
         raise AssertionError("an added arm was recomputed")
@@ -155,13 +156,13 @@ def test_calibration_draws_and_analytic_only_methods(tmp_path) -> None:
     assert merged["whole_model"] == res["whole_model"]
     _check_beside(ex, tmp_path, res)
     with pytest.raises(ValueError, match=r"finetune_methods: \['hybrid'\] are not among"):
-        ExperimentConfig(methods=["svd"], finetune_methods=["hybrid"])
+        ExperimentConfig(methods=["svd-llm-w"], finetune_methods=["hybrid"])
     with pytest.raises(ValueError, match=r"finetune_lr: unknown methods \['svdd'\]"):
-        ExperimentConfig(methods=["svd"], finetune_lr={"svdd": 1e-3})
+        ExperimentConfig(methods=["svd-llm-w"], finetune_lr={"svdd": 1e-3})
     # a known method left out of this run keeps its rate (one config split by --methods)
-    assert ExperimentConfig(methods=["svd"], finetune_lr={"hybrid": 1e-3}).finetune_lr
+    assert ExperimentConfig(methods=["svd-llm-w"], finetune_lr={"hybrid": 1e-3}).finetune_lr
     with pytest.raises(ValueError, match="finetune_lr"):
-        ExperimentConfig.from_dict({"methods": ["svd"], "finetune_lr": {"svd": -1.0}})
+        ExperimentConfig.from_dict({"methods": ["svd-llm-w"], "finetune_lr": {"svd-llm-w": -1.0}})
 
 
 def _check_beside(ex: ExperimentConfig, tmp_path, res: dict) -> None:
@@ -171,7 +172,7 @@ def _check_beside(ex: ExperimentConfig, tmp_path, res: dict) -> None:
     import json
     import shutil
 
-    import structlm.experiments.share.experiment as exp_mod
+    import structlm.experiments.share.arms as exp_mod
 
     with pytest.MonkeyPatch.context() as monkey:
         monkey.setattr(exp_mod, "_analytic", lambda *_a, **_k: pytest.fail("recomputed"))
@@ -181,12 +182,12 @@ def _check_beside(ex: ExperimentConfig, tmp_path, res: dict) -> None:
                                add_runs=[tmp_path / "out"])
     report = (tmp_path / "with_beside" / "report.md").read_text()
     svd = again["whole_model"][1]["finetuned"]["in_domain:austen"]
-    row = next(r for r in report.splitlines() if r.startswith("| 50% | svd |"))
+    row = next(r for r in report.splitlines() if r.startswith("| 50% | svd-llm-w |"))
     cell = f"{svd['mean']:.2f} ± {svd['std']:.2f}"
     assert row.count(cell) == 2  # this run's number and the same arm's in the beside run
     assert "fine-tuned in out (2 steps) |" in report
     assert f"Beside this run: the same arms of `{tmp_path / 'out'}`" in report
-    assert "fine-tuned in out (2 steps) (same rule) |" in report
+    assert "numbers only (they take part in no verdict)" in report
     # another text is refused before any arm runs
     other = tmp_path / "other_text"
     shutil.copytree(tmp_path / "out", other)
@@ -210,33 +211,66 @@ def _check_beside(ex: ExperimentConfig, tmp_path, res: dict) -> None:
         ExperimentConfig(beside=str(tmp_path))
 
 
-def test_verdict_rule() -> None:
-    from structlm.experiments.share.report import recovered, verdict
+def _scored_entry(method: str, shifts: list[float], base: list[float], budget: int = 600,
+                  reduction: float = 0.2) -> dict:
+    """A whole-model entry whose runs carry per-window test scores: per-token NLL
+    ``base[w] + shift`` on every window (one run per shift)."""
+    arms = []
+    for i, sh in enumerate(shifts):
+        nll = [100 * (b + sh + 0.001 * ((i * 7 + w) % 5)) for w, b in enumerate(base)]
+        ev = {"ppl": 1.0, "window_nll": nll, "window_tokens": 100, "windows_sha1": "w"}
+        arms.append({"ppl_finetuned": {"t": ev["ppl"]}, "eval_finetuned": {"t": ev},
+                     "budget": {"steps": budget}, "calib_seed": 0,
+                     "ppl_analytic": {"t": 2.0}, "eval_analytic": {"t": ev}})
+    return {"method": method, "reduction": reduction, "arms": arms,
+            "analytic": {"t": 2.0}, "analytic_arms": arms[:1]}
 
-    a = {"mean": 10, "min": 9.5, "max": 10.5, "n": 3}
-    b = {"mean": 12, "min": 11, "max": 13, "n": 3}
-    c = {"mean": 11, "min": 10.4, "max": 11.6, "n": 3}
-    assert verdict({"svd": a, "shared": b}).startswith("**svd wins**")
-    assert verdict({"svd": a, "shared": b, "basis-sharing": c}).startswith(
-        "ranges overlap: best mean svd, not separated from basis-sharing")
-    assert verdict({"svd": {**a, "n": 1}, "shared": {**b, "n": 1}}).startswith("one seed")
-    assert verdict({"svd": a, "basis-sharing": b, "shared": {**c, "n": 1}}) == (
-        "**svd wins** (range below every other ranged); not in the rule (one run): "
-        "shared 11.00")
+
+def test_verdicts_go_through_the_statistics_module() -> None:
+    """A clear, seed-consistent difference gives a winner with its interval; a difference
+    within the seeds' spread gives "no winner shown"; unequal budgets give no verdict;
+    runs recorded without per-window scores take part in no verdict."""
+    from structlm.experiments.share.report import recovered
+    from structlm.experiments.share.verdicts import ranking_text, tuned_arm
+
+    base = [3.0 + 0.3 * ((w * 13) % 7) / 7 for w in range(30)]
+    a = _scored_entry("svd-llm", [0.0, 0.01, -0.01], base)
+    b = _scored_entry("basis-sharing", [0.2, 0.21, 0.19], base)
+    text, ranking = ranking_text([tuned_arm(a, "t"), tuned_arm(b, "t")], ["svd-llm", "bs"])
+    assert text.startswith("**svd-llm −20% lowest**") and ranking is not None
+    assert ranking.pairs[0].lo < -0.19 < ranking.pairs[0].hi < 0
+    close = _scored_entry("basis-sharing", [0.02, -0.03, 0.0], base)
+    text, _ = ranking_text([tuned_arm(a, "t"), tuned_arm(close, "t")], ["svd-llm", "bs"])
+    assert text.startswith("no winner shown")
+    longer = _scored_entry("basis-sharing", [0.2, 0.21, 0.19], base, budget=1200)
+    text, ranking = ranking_text([tuned_arm(a, "t"), tuned_arm(longer, "t")],
+                                 ["svd-llm", "bs"])
+    assert text.startswith("no verdict: unequal budgets") and ranking is None
+    old = {"method": "svd", "reduction": 0.2, "arms": [{"ppl_finetuned": {"t": 40.0}}]}
+    assert "without per-window scores" in tuned_arm(old, "t")
     assert recovered(10.0, 20.0, 10.0) == pytest.approx(1.0)
     assert recovered(10.0, 20.0, 20.0) == pytest.approx(0.0)
 
 
 def test_no_verdict_before_fine_tuning() -> None:
-    """An arm not yet fine-tuned gets no test-5 verdict and no recovery share (a partial
-    report must not print "fails" for a run that has not happened)."""
-    from structlm.experiments.share.report import _pct, _test5
+    """Test 5 over runs: an arm not yet fine-tuned gets no verdict (a partial report must
+    not print "fails" for a run that has not happened); three runs that undo most of the
+    damage live, three that undo little fail."""
+    from structlm.experiments.share.report import _pct
+    from structlm.experiments.share.verdicts import recovery_verdict
 
-    assert _test5({}, float("nan")) == "not fine-tuned yet"
+    entry = {"analytic": {"t": 40.0}, "arms": [{"ppl_analytic": {"t": 40.0}}]}
+    assert recovery_verdict(entry, 10.0, "t") == "not fine-tuned yet"
     assert _pct(float("nan")) == "—"
-    tuned = {"mean": 20.0, "min": 20.0, "max": 20.0, "n": 1, "std": 0.0}
-    assert _test5(tuned, 0.7) == "lives" and _test5(tuned, 0.2) == "fails"
-    assert _test5(tuned, float("nan")) == "no damage to repair"
+
+    def runs(ppls: list[float]) -> dict:
+        return {"analytic": {"t": 40.0}, "arms": [{"ppl_analytic": {"t": 40.0},
+                                                   "ppl_finetuned": {"t": p}} for p in ppls]}
+
+    assert recovery_verdict(runs([12.0, 12.5, 11.8]), 10.0, "t").startswith("lives")
+    assert recovery_verdict(runs([35.0, 34.0, 36.0]), 10.0, "t").startswith("fails")
+    assert recovery_verdict(runs([12.0]), 10.0, "t").startswith("too few runs")
+    assert recovery_verdict(runs([12.0]), 40.0, "t") == "no damage to repair"
 
 
 def test_plateau_rule() -> None:
@@ -245,8 +279,8 @@ def test_plateau_rule() -> None:
     from structlm.experiments.share.report import plateau_rows
 
     def arm(last: float) -> dict:
-        curve = [{"step": 0, "eval_ppl": 90.0}, {"step": 1, "eval_ppl": None},
-                 {"step": 50, "eval_ppl": 50.0}, {"step": 100, "eval_ppl": last}]
+        curve = [{"step": 0, "val_ppl": 90.0}, {"step": 1, "val_ppl": None},
+                 {"step": 50, "val_ppl": 50.0}, {"step": 100, "val_ppl": last}]
         return {"curve": curve, "ppl_finetuned": {}}
 
     res = {"seed_regime": {"entries": [{"method": "svd", "reduction": 0.92,
@@ -278,7 +312,7 @@ def test_plateau_rule_window() -> None:
     from structlm.experiments.share.report import plateau_rows
 
     def res(vals: list[float]) -> dict:
-        curve = [{"step": 50 * i, "eval_ppl": v, "lr": 1.0} for i, v in enumerate(vals)]
+        curve = [{"step": 50 * i, "val_ppl": v, "lr": 1.0} for i, v in enumerate(vals)]
         return {"whole_model": [{"method": "svd", "reduction": 0.2,
                                  "arms": [{"curve": curve, "ppl_finetuned": {}}]}]}
 
@@ -297,7 +331,7 @@ def test_arm_copy_shares_parameters_and_catches_in_place_writes() -> None:
     replacing a module in it leaves the source alone, fine-tuning's freezing is undone
     by the arm's check, and an in-place write, a ``.data`` swap or a dtype change of a
     shared parameter is caught by it."""
-    from structlm.experiments.share.experiment import _parameter_sharing_copy
+    from structlm.experiments.share.arms import _parameter_sharing_copy
 
     torch.manual_seed(0)
     src = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=32,
@@ -339,12 +373,12 @@ def test_unplateaued_runs_are_continued(tmp_path) -> None:
     report uses and names the continued run, and a rerun recomputes nothing."""
     import json
 
-    import structlm.experiments.share.experiment as exp_mod
+    import structlm.experiments.share.arms as exp_mod
 
     src = _tiny_source(tmp_path)
     ex = ExperimentConfig(model=str(src), calib_tokens=1024, eval_tokens=600,
                           reductions=[0.4], multi_seed_reductions=[], seeds=[0],
-                          methods=["svd"], seed_regime=False, scope=False,
+                          methods=["svd-llm-w"], seed_regime=False, scope=False,
                           budget_tolerance=0.05, keep_finetune_states=True,
                           continue_unplateaued_to=8,
                           finetune=FinetuneConfig(steps=4, eval_every=1, seq_len=64,
@@ -353,9 +387,10 @@ def test_unplateaued_runs_are_continued(tmp_path) -> None:
     started = []
     real = exp_mod._tuned
 
-    def spy(prep, ccfg, ft, seed, progress, state_path=None, continue_from=None):
+    def spy(prep, ccfg, ft, seed, progress, state_path=None, continue_from=None,
+            score_test=True):
         started.append((ft.steps, continue_from is not None))
-        return real(prep, ccfg, ft, seed, progress, state_path, continue_from)
+        return real(prep, ccfg, ft, seed, progress, state_path, continue_from, score_test)
 
     import structlm.experiments.share.report as report_mod
 
@@ -372,7 +407,7 @@ def test_unplateaued_runs_are_continued(tmp_path) -> None:
 
     res = run_with(spy, ex, tmp_path / "out")
     assert started == [(4, False), (8, True)]  # the 8-step run started from the 4-step state
-    assert res["continued"] == [{"method": "svd", "reduction": 0.4, "seed": 0,
+    assert res["continued"] == [{"method": "svd-llm-w", "reduction": 0.4, "seed": 0,
                                  "calib_seed": 0, "from_steps": 4, "to_steps": 8}]
     arm = res["whole_model"][0]["arms"][0]
     assert arm["finetune"]["steps"] == 8 and [c["step"] for c in arm["curve"]] == list(range(9))
@@ -395,3 +430,117 @@ def test_unplateaued_runs_are_continued(tmp_path) -> None:
     assert started == [(4, False), (8, False)]
     assert fresh["whole_model"][0]["arms"][0]["ppl_finetuned"] == pytest.approx(
         res["whole_model"][0]["arms"][0]["ppl_finetuned"], rel=1e-5)
+
+
+def test_rate_probe_decides_on_validation_and_every_run_is_continued(tmp_path) -> None:
+    """The rate probe runs each method at every rate without scoring the test windows and
+    picks by validation; the whole-model runs use the chosen rate and keep their per-window
+    test scores; when one whole-model run has not plateaued, every one is continued (equal
+    budgets), and ``--probe-only`` stops after the probe."""
+    import json
+
+    import structlm.experiments.share.report as report_mod
+
+    src = _tiny_source(tmp_path)
+    ex = ExperimentConfig(model=str(src), calib_tokens=1024, eval_tokens=600,
+                          val_tokens=1024, reductions=[0.4], multi_seed_reductions=[],
+                          seeds=[0], methods=["svd-llm-w", "basis-sharing"],
+                          seed_regime=False, scope=False, budget_tolerance=0.05,
+                          lr_probe_rates=[1e-2, 1e-4], lr_probe_steps=2,
+                          keep_finetune_states=True, continue_unplateaued_to=4,
+                          finetune=FinetuneConfig(steps=2, eval_every=1, seq_len=64,
+                                                  batch_size=2, eval_tokens=256, lr=1e-3,
+                                                  warmup=1, min_lr_ratio=1.0, keep_best=True))
+    probe = run_experiment(ex, tmp_path / "probe", progress=False, probe_only=True)
+    assert set(probe["lr_probe"]["whole"]["methods"]) == {"svd-llm-w", "basis-sharing"}
+    assert all(e["arms"][0].get("ppl_finetuned") is None for e in probe["whole_model"])
+    with pytest.MonkeyPatch.context() as monkey:  # every 2-step run is "still moving"
+        monkey.setattr(report_mod, "run_plateaued",
+                       lambda r, *_a, **_k: r["budget"]["steps"] != 2)
+        res = run_experiment(ex, tmp_path / "out", progress=False,
+                             add_runs=[tmp_path / "probe"])
+    done = json.loads((tmp_path / "out" / "arms.json").read_text())
+    probes = [v for k, v in done.items() if json.loads(k).get("part") == "lr_probe"]
+    assert len(probes) == 4 and all("eval_finetuned" not in p for p in probes)
+    assert all(c.get("val_nll") is not None for p in probes for c in p["curve"]
+               if c["step"] % 1 == 0)
+    for e in res["whole_model"]:
+        chosen = res["lr_probe"]["whole"]["methods"][e["method"]]["rate"]
+        assert chosen in (1e-2, 1e-4) and e["lr"] == chosen
+        (arm,) = e["arms"]
+        assert arm["finetune"]["lr"] == chosen
+        assert arm["budget"] == {"steps": 4, "tokens": 4 * 2 * 64,
+                                 "checkpoint": "best validation"}  # both continued
+        for text in res["eval_texts"]:
+            ev = arm["eval_finetuned"][text]
+            assert len(ev["window_nll"]) == 2 and ev["windows_sha1"]
+    assert res["continue_whole"] is True and len(res["continued"]) == 2
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "## Learning-rate probe" in report and "| budget | before fine-tuning |" in report
+    with pytest.raises(ValueError, match="probe_only needs lr_probe_rates"):
+        run_experiment(dataclasses.replace(ex, lr_probe_rates=[]), tmp_path / "x",
+                       progress=False, probe_only=True)
+
+
+def test_one_unplateaued_run_continues_every_whole_model_run() -> None:
+    """The continuation decision is the experiment's: one whole-model run still moving
+    on validation sends every whole-model run on (never only the one that moved)."""
+    from types import SimpleNamespace
+
+    import structlm.experiments.share.report as report_mod
+    from structlm.experiments.share.experiment import continue_whole
+
+    ft = FinetuneConfig(steps=2, min_lr_ratio=1.0)
+    cells = [SimpleNamespace(section="whole", ft=ft, seeds=[0, 1], prep=None, ccfg=m)
+             for m in ("a", "b")]
+    runs = {(m, s): {"moving": (m, s) == ("b", 1)} for m in "ab" for s in (0, 1)}
+    cache = SimpleNamespace(
+        has_tuned=lambda p, c, f, s: (c, s) in runs,
+        tuned_key=lambda p, c, f, s: (c, s), done=runs)
+    cfg = ExperimentConfig(continue_unplateaued_to=4, finetune=ft, seed_regime=False)
+    with pytest.MonkeyPatch.context() as monkey:
+        monkey.setattr(report_mod, "run_plateaued", lambda r, *_a: not r["moving"])
+        assert continue_whole(cfg, None, cache, cells) is True
+        runs[("b", 1)]["moving"] = False
+        assert continue_whole(cfg, None, cache, cells) is False
+        del runs[("a", 0)]
+        assert continue_whole(cfg, None, cache, cells) is None  # not every run is done
+    assert continue_whole(dataclasses.replace(cfg, continue_unplateaued_to=None), None,
+                          cache, cells) is False
+
+
+def test_seed_control_is_the_seeds_own_test_6(tmp_path) -> None:
+    """Test 6 as the seed states it, beside the stronger control: the shared basis and
+    per-layer free factors from a random and a plain-SVD start, all at the shared basis's
+    storage, trained with plain AdamW at the absolute rate the probe chose on validation;
+    the whole-model regime can be left out."""
+    src = _tiny_source(tmp_path)
+    control = FinetuneConfig(steps=2, eval_every=1, seq_len=64, batch_size=2, eval_tokens=256,
+                             lr=1e-3, lr_scaling="absolute", warmup=1, min_lr_ratio=1.0,
+                             keep_best=True)
+    ex = ExperimentConfig(model=str(src), calib_tokens=1024, eval_tokens=600, val_tokens=1024,
+                          seeds=[0, 1], whole_model=False, scope=False,
+                          seed_methods=["shared", "svd-llm-w"],
+                          seed_control_methods=["shared", "lowrank-random", "lowrank-svd"],
+                          seed_control_finetune=control,
+                          seed_control_lr_probe_rates=[1e-3, 1e-2], lr_probe_steps=2,
+                          seed_finetune=FinetuneConfig(steps=2, eval_every=1, seq_len=64,
+                                                       batch_size=2, eval_tokens=256))
+    res = run_experiment(ex, tmp_path / "out", progress=False)
+    assert res["whole_model"] == []
+    entries = res["seed_control"]["entries"]
+    assert [e["method"] for e in entries] == ["shared", "lowrank-random", "lowrank-svd"]
+    stored = {e["arms"][0]["stored_parameters"] for e in entries[1:]}
+    assert len(stored) == 1 and stored.pop() <= entries[0]["arms"][0]["stored_parameters"]
+    for e in entries:
+        rate = res["lr_probe"]["seed-control"]["methods"][e["method"]]["rate"]
+        assert len(e["arms"]) == 2
+        assert all(a["finetune"]["lr_scaling"] == "absolute" and a["finetune"]["lr"] == rate
+                   for a in e["arms"])
+    rnd = entries[1]["arms"]  # each seed its own random start
+    assert rnd[0]["ppl_finetuned"] != rnd[1]["ppl_finetuned"]
+    assert [e["method"] for e in res["seed_regime"]["entries"]] == ["shared", "svd-llm-w"]
+    assert all(a["finetune"]["lr_scaling"] == "relative"
+               for e in res["seed_regime"]["entries"] for a in e["arms"])
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "Test 6 as the seed states it" in report and "seed-control" in report

@@ -21,6 +21,7 @@ from structlm.experiments.study.config import (
     load_study_config,
 )
 from structlm.experiments.study.run import run_study
+from structlm.stats import WindowScores
 from structlm.train.evaluate import split_loss, unigram_loss
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -114,13 +115,22 @@ def test_tiny_study_end_to_end_and_resume(tmp_path) -> None:
     report = run_study(cfg, progress=False)
     out = tmp_path / "study"
     text = report.read_text()
+    fingerprints = set()
     for arm in cfg.arms:
         assert f"| {arm.name} |" in text
         for k in arm.seeds:
             final = json.loads((out / "runs" / arm.name / f"seed{k}" / "final.json").read_text())
             assert final["val_tokens"] >= cfg.min_val_tokens
             assert min(final["type_tokens_per_window"]) > 0
+            # the test text, scored once per run: per-window sums, keyed on the windows
+            scores = WindowScores.from_dict(final["test"]["pooled"])
+            assert len(scores.nll) == -(-final["test"]["tokens"] // 32)  # windows of 32
+            assert scores.mean_nll == pytest.approx(final["test"]["mean_nll"], rel=1e-12)
+            assert final["validation"]["role"] == "validation" and final["protocol"] == 2
+            fingerprints.add(scores.windows)
+    assert len(fingerprints) == 1  # every run scored on the same test windows
     assert "equal FFN MACs" in text and "equal parameters" in text
+    assert "a − b, test NLL [95% interval]" in text
     assert "Generation throughput" in text
     rows = list(csv.DictReader((out / "runs.csv").open()))
     assert len(rows) == sum(len(a.seeds) for a in cfg.arms)
@@ -145,25 +155,33 @@ def test_one_writer_and_one_study_per_folder(tmp_path) -> None:
         with pytest.raises(RuntimeError, match="another process"):
             run_study(cfg, progress=False)
     (out / "study_config.json").write_text(json.dumps({**dataclasses.asdict(cfg),
-                                                       "corpus": "austen", "arms": []}))
+                                                       "corpus": "austen", "arms": [],
+                                                       "protocol": 2}))
     with pytest.raises(ValueError, match=r"other shared settings \(\['corpus'\]\)"):
         run_study(cfg, progress=False)
 
 
-def test_verdicts_follow_the_range_rule_and_wait_for_every_seed() -> None:
-    from structlm.experiments.study.report import _verdict
+def test_verdicts_come_from_stats_and_wait_for_every_seed() -> None:
+    from structlm.experiments.study.report import comparison_cells, pair_comparison
+    from structlm.stats import Arm
 
-    def arm(values: list[float], planned: int) -> dict:
-        return {"n": len(values), "planned": planned, "mean": sum(values) / len(values),
-                "min": min(values), "max": max(values)}
+    base = np.random.default_rng(0).normal(5.0, 0.3, 50)
 
-    assert _verdict(arm([5.0], 3), arm([6.0], 3), "a", "b").startswith("pending: 1/3 and 1/3")
-    assert _verdict(arm([5.0], 1), arm([6.0], 1), "a", "b") == (
-        "one seed each: no interval, no verdict (a lower)")
-    assert _verdict(arm([5.0, 5.1, 5.2], 3), arm([5.3, 5.4, 5.5], 3), "a", "b") == (
-        "**a lower** (ranges do not overlap)")
-    assert _verdict(arm([5.0, 5.4, 5.2], 3), arm([5.3, 5.6, 5.5], 3), "a", "b") == (
-        "ranges overlap: no difference shown")
+    def arm(name: str, offset: float, n: int, planned: int) -> dict:
+        runs = tuple(WindowScores(tuple(float(x) * 20 for x in base + offset + 0.01 * k
+                                        + 0.02 * np.random.default_rng(k).standard_normal(50)),
+                                  (20,) * 50, "w") for k in range(n))
+        return {"n": n, "planned": planned, "scores": Arm(name, runs, budget={"steps": 4})}
+
+    pending = pair_comparison(arm("a", 0.0, 1, 3), arm("b", 0.2, 3, 3))
+    assert pending.startswith("pending: 1/3 and 3/3")
+    assert comparison_cells(pending)[2] == pending
+    lower = comparison_cells(pair_comparison(arm("a", 0.0, 3, 3), arm("b", 0.2, 3, 3)))
+    assert lower[2] == "**a lower**" and lower[0].startswith("-0.2")
+    same = comparison_cells(pair_comparison(arm("a", 0.0, 3, 3), arm("b", 0.0, 3, 3)))
+    assert same[2] == "no difference shown" and same[0].startswith("+0.0000 [")
+    one = comparison_cells(pair_comparison(arm("a", 0.0, 1, 1), arm("b", 0.2, 1, 1)))
+    assert one[2].startswith("no verdict: one run of a, b")
 
 
 def test_iso_quality_interpolates_in_log_macs_and_bounds_outside_the_dense_range() -> None:

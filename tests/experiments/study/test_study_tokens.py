@@ -9,10 +9,12 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("transformers")
 
+from structlm.data.tokens import TokenDataset
 from structlm.experiments.study.config import (
     ArmSpec,
     LrSweep,
@@ -21,6 +23,8 @@ from structlm.experiments.study.config import (
     load_study_config,
 )
 from structlm.experiments.study.run import run_study
+from structlm.stats import WindowScores, windows_fingerprint
+from structlm.train.evaluate import split_windows
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = ROOT / "configs" / "study" / "tiny.yaml"
@@ -66,6 +70,25 @@ def test_shipped_token_study_plan() -> None:
     assert {r.lr for r in main if r.arm.name == "q2x2-varinit"} == {2e-3}  # from: q2x2
 
 
+def test_shipped_verdicts_plan() -> None:
+    """configs/study/cpu-verdicts.yaml: 3 seeds of every arm at both budgets, rates swept on
+    a seed of their own, one thread per run; the plan written in its header."""
+    cfg = load_study_config(str(ROOT / "configs" / "study" / "cpu-verdicts.yaml"))
+    assert [a.name for a in cfg.arms] == ["dense", "q2x2", "dense-macs-q2x2", "q2x2-wide"]
+    assert cfg.all_budgets() == (250, 1000) and cfg.train["threads"] == 1
+    assert all(a.seeds == (0, 1, 2) and cfg.arm_budgets(a) == (250, 1000) for a in cfg.arms)
+    sw = cfg.lr_sweep
+    assert sw is not None and not sw.reuse and sw.seed == 100 and sw.budget == 250
+    assert sw.rates == load_study_config(str(TOKENS)).lr_sweep.rates  # type: ignore[union-attr]
+    main = cfg.main_runs({"dense": 2e-3, "q2x2": 4e-3, "q2x2-wide": 4e-3})
+    assert {r.lr for r in main if r.arm.name == "dense-macs-q2x2"} == {2e-3}  # from: dense
+    assert not {cfg.run_config_of(r).out_dir for r in cfg.sweep_runs()} & {
+        cfg.run_config_of(r).out_dir for r in main}
+    assert len(cfg.sweep_runs()) + len(main) == 39
+    assert sum(r.steps for r in [*cfg.sweep_runs(), *main]) == 18_750
+    assert any("q2x2-varinit" in n and "not re-derived" in n for n in cfg.notes)
+
+
 @pytest.mark.parametrize(("change", "match"), [
     ({"lr_sweep": None}, "has lr: sweep but the study has no lr_sweep"),
     ({"lr_sweep": LrSweep(rates=(1e-3,), budget=5)}, r"lr_sweep.budget=5 is not among"),
@@ -103,6 +126,9 @@ def test_tiny_token_study_end_to_end_and_resume(tmp_path) -> None:
     assert chosen_rates(cfg)["dense"] == best
     runs = cfg.main_runs(chosen_rates(cfg))
     assert {r.lr for r in runs if r.arm.name in ("dense", "q2x2", "q2x2-varinit")} == {best}
+    data = TokenDataset(out / "data")
+    fingerprint = windows_fingerprint(np.concatenate(
+        [split_windows(t, 32) for t in data.test_parts().values()]))
     dense0 = next(r for r in runs if r.arm.name == "dense" and r.steps == 4 and r.seed == 0)
     assert cfg.run_config_of(dense0).out_dir.endswith(f"dense/steps4-lr{best:g}/seed0")
     for r in runs:
@@ -116,17 +142,30 @@ def test_tiny_token_study_end_to_end_and_resume(tmp_path) -> None:
         assert final["val_loss"] == pytest.approx(pooled, rel=1e-12)
         assert final["val_tokens"] >= cfg.min_val_tokens
         assert min(final["type_tokens_per_window"]) > 0
+        # test scores, per part and pooled, on the same windows for every run
+        test = final["test"]
+        assert test["role"] == "test" and set(test["parts"]) == {"bible", "shakespeare"}
+        pooled = WindowScores.from_dict(test["pooled"])
+        per = [WindowScores.from_dict(test["parts"][p]) for p in ("bible", "shakespeare")]
+        assert pooled.nll == per[0].nll + per[1].nll and pooled.windows == fingerprint
+        assert set(final["validation"]["documents"]).isdisjoint(test["documents"])
+    # a sweep run at a rate not chosen was never scored on the test text
+    for r in cfg.sweep_runs():
+        final = json.loads((Path(cfg.run_config_of(r).out_dir) / "final.json").read_text())
+        assert ("test" in final) == (r.lr == chosen_rates(cfg)[r.arm.name])
     wide = next(r for r in runs if r.arm.name == "q2x2-wide")
     assert json.loads((Path(cfg.run_config_of(wide).out_dir) / "final.json").read_text())[
         "ffn_width"] == 228  # 128 x 16/9 rounded to a multiple of 4
     for section in ("## Learning-rate sweep (4 steps, seed 0)", "## 4 steps: 512 training",
                     "## 6 steps: 768 training", "## Gaps across token budgets",
                     "equal FFN MACs, more parameters", "| initialisation | q2x2-varinit | q2x2",
-                    "| arm | bible | shakespeare | pooled |", "Rates taken from another arm"):
+                    "| arm | bible | shakespeare | pooled |", "Rates taken from another arm",
+                    "Test NLL per corpus part", "perplexity a / b"):
         assert section in text, section
     rows = list(csv.DictReader((out / "runs.csv").open()))
     assert len(rows) == len(runs)
-    assert {"val_loss_bible", "val_loss_shakespeare", "steps", "lr"} <= set(rows[0])
+    assert {"val_loss_bible", "val_loss_shakespeare", "steps", "lr", "test_nll",
+            "test_nll_bible", "test_nll_shakespeare"} <= set(rows[0])
     for png in ("curves.png", "loss_vs_macs.png", "loss_vs_tokens.png"):
         assert os.path.getsize(out / png) > 1000
     # a rerun trains nothing: every run's result stays as it was
@@ -154,11 +193,12 @@ def test_rates_may_be_added_to_a_running_sweep_but_not_dropped(tmp_path) -> None
         _check_same_study(out, other)
 
 
-def test_a_folder_started_before_the_new_fields_still_resumes(tmp_path) -> None:
-    """The committed CPU study's study_config.json predates budgets, lr_sweep and the arms'
-    lr / init / budgets: the same config accepts it (missing fields are their defaults)."""
+def test_a_folder_started_before_the_new_fields_is_refused_not_resumed(tmp_path) -> None:
+    """The committed CPU study's study_config.json predates budgets, lr_sweep and the test
+    split (protocol 1): the same config refuses it with a message that says why."""
     import shutil
 
+    from structlm.experiments.study.config import OldProtocolError
     from structlm.experiments.study.run import _check_same_study
 
     cfg = load_study_config(str(ROOT / "configs" / "study" / "cpu.yaml"),
@@ -167,5 +207,6 @@ def test_a_folder_started_before_the_new_fields_still_resumes(tmp_path) -> None:
     shutil.copy(ROOT / "benchmarks" / "results" / "study_cpu" / "study_config.json",
                 tmp_path / "old" / "study_config.json")
     old = json.loads((tmp_path / "old" / "study_config.json").read_text())
-    assert "budgets" not in old and "lr" not in old["arms"][0]  # written before them
-    _check_same_study(tmp_path / "old", cfg)
+    assert "budgets" not in old and "protocol" not in old  # written before them
+    with pytest.raises(OldProtocolError, match="cannot be resumed under protocol 2"):
+        _check_same_study(tmp_path / "old", cfg)

@@ -1,6 +1,7 @@
 """Compression methods on small random models with real calibration hooks: exactness at
 full rank, ranks bounded only by each method's own algebra (GQA shapes), honest
-accounting, Basis Sharing's grouping, rank rule and update step, save/load round trip."""
+accounting, Basis Sharing's grouping, rank rule and update step, save/load round trip
+(also of a folder that names a former method). ``svd-llm``'s update: test_svd_llm.py."""
 
 from __future__ import annotations
 
@@ -136,7 +137,7 @@ def test_shared_rectangular_ranks_recover_a_known_structure() -> None:
 def test_basis_sharing_group_size_one_equals_per_layer_svd_llm() -> None:
     """Group size 1 is SVD-LLM per layer and per linear module (gate and up on their own)."""
     models = {}
-    for name, cfg in {"svd": CompressionConfig(method="svd", types="all",
+    for name, cfg in {"svd": CompressionConfig(method="svd-llm-w", types="all",
                                                target_reduction=0.4),
                       "bs1": CompressionConfig(method="basis-sharing", types="all",
                                                target_reduction=0.4, group_size=1,
@@ -166,7 +167,7 @@ def test_basis_sharing_shares_within_groups_only_and_splits_gate_up() -> None:
     assert q[0].basis is q[1].basis and q[2].basis is q[3].basis
     assert q[1].basis is not q[2].basis and q[4].basis is not q[3].basis
     assert rep["types"]["q"]["group_sizes"] == [2, 2, 1]
-    assert rep["types"]["o"]["method"] == rep["types"]["mlp_out"]["method"] == "svd"
+    assert rep["types"]["o"]["method"] == rep["types"]["mlp_out"]["method"] == "svd-llm-w"
     mlp_in = ad.layers[0].module(MatrixType.MLP_IN)
     gate, up = mlp_in.parts
     assert gate.basis is not up.basis and rep["types"]["mlp_in"]["parts"] == 2
@@ -196,7 +197,7 @@ def test_plans_for_gqa_shapes() -> None:
     k = plans[MatrixType.K]
     assert k.shape == (16, 64) and k.groups == [list(range(6))]
     assert k.ranks is not None and k.ranks.k > 16  # beyond min(out, in)
-    assert plans[MatrixType.O].method == "svd"
+    assert plans[MatrixType.O].method == "svd-llm-w"
     seed = {p.type: p for p in plan_types(ad, CompressionConfig(method="shared", types="k"))}
     assert seed[MatrixType.K].ranks == TypeRanks(16, 16)  # k = d/4 = 16 on both sides
 
@@ -213,7 +214,9 @@ def test_config_errors_name_the_value() -> None:
                                          "'per_type'"):
         CompressionConfig(budget="pooled")
     with pytest.raises(ValueError, match="update is Basis Sharing's step"):
-        CompressionConfig(method="svd", update=True)
+        CompressionConfig(method="svd-llm-w", update=True)
+    with pytest.raises(ValueError, match="'svd-llm' always runs its own update"):
+        CompressionConfig(method="svd-llm", update=True)
     with pytest.raises(ValueError, match="group_size: 0 is out of range: expected >= 1"):
         CompressionConfig(method="basis-sharing", group_size=0)
     with pytest.raises(ValueError, match=r"ranks\['x'\]|unknown matrix type 'x'"):
@@ -259,6 +262,14 @@ def test_compress_model_save_load_round_trip(method: str, tmp_path) -> None:
     if method in ("shared", "hybrid"):
         bad = get_adapter(bm)
         assert bad.layers[0].module(MatrixType.Q).basis is bad.layers[2].module(MatrixType.Q).basis
+    if method == "svd-llm-w":  # a folder saved when the method was called "svd" still loads
+        text = manifest.read_text()
+        assert text.count('"svd-llm-w"') == 7  # the config and the six types
+        manifest.write_text(text.replace('"svd-llm-w"', '"svd"'))
+        with pytest.warns(DeprecationWarning, match="'svd' is deprecated"):
+            old = load_compressed(out)
+        torch.testing.assert_close(_logits(old.model), after, rtol=0, atol=0)
+        assert "compressed (svd-llm-w)" in old.note
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -273,7 +284,7 @@ def test_token_macs_count_what_a_one_token_call_multiplies(method: str) -> None:
     ids = _ids(8 * 32)
     cal = calibrate(ad, ids, seq_len=32, batch_size=2, progress=False)
     cfg = CompressionConfig(method=method, types="all", target_reduction=0.3, residual_rank=2)
-    rep = compress_model(ad, cal, cfg)
+    rep = compress_model(ad, cal, cfg, calib_tokens=ids)
     assert rep["types"]["k"]["shape"][0] < rep["types"]["q"]["shape"][0]  # GQA
     for t, d in rep["types"].items():
         mt = MatrixType(t)
@@ -295,7 +306,7 @@ def test_load_compressed_refuses_a_file_that_lacks_a_factor(tmp_path) -> None:
     ad = get_adapter(model)
     ids = _ids(4 * 32)
     cal = calibrate(ad, ids, seq_len=32, batch_size=2, progress=False)
-    rep = compress_model(ad, cal, CompressionConfig(method="svd", types="q",
+    rep = compress_model(ad, cal, CompressionConfig(method="svd-llm-w", types="q",
                                                     target_reduction=0.5))
     src = tmp_path / "source"
     tiny_llama(num_hidden_layers=3).save_pretrained(src)

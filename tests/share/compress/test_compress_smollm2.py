@@ -32,7 +32,7 @@ def test_compress_finetune_save_load_generate(tmp_path, capsys) -> None:
     orig, comp = res["ppl_original"][name]["ppl"], res["ppl_compressed"][name]["ppl"]
     assert comp > orig  # compression costs something, measured on the same tokens
     curve = res["finetune"]["curve"]
-    assert [r["step"] for r in curve] == [0, 1, 2] and curve[0]["eval_ppl"] > 0
+    assert [r["step"] for r in curve] == [0, 1, 2] and curve[0]["val_ppl"] > 0
     capsys.readouterr()
     rc = main(["eval", "ppl", str(out / "model"), "--corpus", "austen", "--tokens", "300",
                "--json"])

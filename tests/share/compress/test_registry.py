@@ -34,7 +34,7 @@ from structlm.share.compress import (
 from structlm.share.compress.factorize import RootCache, kept_energy, meta_tensor
 from tiny_models import tiny_llama
 
-BUILT_IN = ["shared", "hybrid", "svd", "basis-sharing", "onesided-all-layers"]
+BUILT_IN = ["shared", "hybrid", "svd-llm-w", "svd-llm", "basis-sharing", "onesided-all-layers"]
 L = 4
 
 
@@ -83,9 +83,11 @@ def test_built_in_methods_are_registered_in_order() -> None:
         assert isinstance(m, CompressionMethod) and m.name == name
     assert [n for n in BUILT_IN if get_method(n).supports_update] == ["basis-sharing",
                                                                        "onesided-all-layers"]
+    assert [n for n in BUILT_IN if get_method(n).always_updates] == ["svd-llm"]
     assert [n for n in BUILT_IN if get_method(n).two_sided] == ["shared", "hybrid"]
     assert [n for n in BUILT_IN if get_method(n).has_residual] == ["hybrid"]
-    assert [n for n in BUILT_IN if not get_method(n).shares_across_layers] == ["svd"]
+    assert [n for n in BUILT_IN if not get_method(n).shares_across_layers] == ["svd-llm-w",
+                                                                                "svd-llm"]
 
 
 def test_unknown_method_error_names_the_value_and_the_choices() -> None:
@@ -97,7 +99,13 @@ def test_unknown_method_error_names_the_value_and_the_choices() -> None:
     with pytest.raises(ValueError, match="'onesided' was renamed: use 'onesided-all-layers'"):
         get_method("onesided")
     with pytest.raises(ValueError, match="already registered"):
-        register_method(get_method("svd"))
+        register_method(get_method("svd-llm-w"))
+    with pytest.warns(DeprecationWarning, match="'svd' is deprecated"):
+        assert get_method("svd") is get_method("svd-llm-w")
+    alias = PlainSvd()
+    alias.name = "svd"  # a former name stays reserved for what it resolves to
+    with pytest.raises(ValueError, match="already registered"):
+        register_method(alias)
 
 
 @pytest.mark.parametrize("name", BUILT_IN)
@@ -136,7 +144,7 @@ def test_every_method_round_trips_through_the_protocol(name: str, tmp_path) -> N
         ph = method.placeholder((out, inn), tf.ranks, groups, parts)
         assert _shapes(ph) == _shapes(tf), t
         assert all(v.is_meta for e in ph.per_layer + ph.bases for v in e.values())
-    rep = compress_model(ad, cal, cfg)
+    rep = compress_model(ad, cal, cfg, calib_tokens=_ids())  # svd-llm's update reads them
     assert {t: d["stored_parameters"] for t, d in rep["types"].items()} == expected
     assert sum(p.numel() for p in model.parameters()) == rep["model_parameters_after"]
     for d in rep["types"].values():

@@ -29,6 +29,7 @@ from structlm.hf.adapters import MatrixType, get_adapter, parse_types
 from structlm.hf.finetune import trainable_parameters
 from structlm.hf.pipeline import Prepared
 from structlm.share.compress import CompressionConfig, compress_model
+from structlm.share.compress.methods import SVD_LLM_W_METHOD
 
 __all__ = ["BASELINES", "VARIANTS", "Arm", "change_model", "mac_ratio", "variant_parts"]
 
@@ -59,7 +60,7 @@ class Arm:
     @property
     def name(self) -> str:
         return {"algebra": f"{self.budget} {self.variant}",
-                "prune": f"prune to {self.budget} MACs", "svd": f"svd at {self.budget} MACs",
+                "prune": f"prune to {self.budget} MACs", "svd": f"svd-llm-w at {self.budget} MACs",
                 "dense": "dense (control)"}[self.kind]
 
     @property
@@ -115,7 +116,7 @@ def change_model(model: nn.Module, arm: Arm, prep: Prepared, schedule: str,
         prune_ffn_width_(model, prep.calibration, keep)
         return _site_parameters(model, "mlp"), None
     compress_model(get_adapter(model), prep.calibration,
-                   CompressionConfig(method="svd", types=arm.target,
+                   CompressionConfig(method=SVD_LLM_W_METHOD.name, types=arm.target,
                                      target_reduction=float(1 - ratio)),
                    calib_tokens=prep.calib_ids)
     return trainable_parameters(model), None

@@ -67,7 +67,7 @@ from structlm.folders import check_apart, run_folder_lock
 from structlm.hf.adapters import get_adapter, parse_types
 from structlm.hf.finetune import FinetuneConfig, finetune
 from structlm.hf.macs import projection_macs, projection_parameters
-from structlm.hf.pipeline import Prepared, evaluate_all, prepare, spread_windows
+from structlm.hf.pipeline import Prepared, evaluate_all, prepare, validation_windows
 from structlm.share.compress.io import source_chain
 
 __all__ = ["ConvertExperimentConfig", "planned_runs", "run_convert_experiment"]
@@ -249,9 +249,9 @@ def _run_arm(arm: Arm, seed: int, prep: Prepared, cfg: ConvertExperimentConfig,
     if conversion is not None:
         out["conversion"] = {k: conversion[k] for k in ("calibration", "permutation")
                              if k in conversion}
-    in_domain = next(iter(prep.eval_ids.values()))
     teacher = dense_teacher(prep.loaded.model, model) if conversion is not None else None
-    probe = in_domain[:DIAGNOSE_WINDOWS]  # held-out windows: where the error sits
+    assert prep.validation is not None
+    probe = prep.validation.ids[:DIAGNOSE_WINDOWS]  # where the error sits (never the test)
     if teacher is not None:
         out["module_errors_changed"] = module_errors(model, teacher, probe)
     if arm.distills:
@@ -259,7 +259,7 @@ def _run_arm(arm: Arm, seed: int, prep: Prepared, cfg: ConvertExperimentConfig,
         distill = dataclasses.replace(cfg.distill, seed=seed)
         torch.manual_seed(seed)
         out["distill_curve"] = finetune(
-            model, prep.train_ids, spread_windows(in_domain, distill.eval_tokens), distill,
+            model, prep.train_ids, validation_windows(prep, distill.eval_tokens), distill,
             progress, state_path=state_path.with_suffix(".distill.pt"), save_every=SAVE_EVERY,
             params=params, prefix=prep.window_prefix,
             objective=ModuleDistillation(teacher, conversion["modules"]))
@@ -267,11 +267,19 @@ def _run_arm(arm: Arm, seed: int, prep: Prepared, cfg: ConvertExperimentConfig,
         out["ppl_distilled"] = _ppl(model, prep)
     torch.manual_seed(seed)
     heal = dataclasses.replace(cfg.heal, seed=seed)
-    out["curve"] = finetune(model, prep.train_ids, spread_windows(in_domain, heal.eval_tokens),
+    out["curve"] = finetune(model, prep.train_ids, validation_windows(prep, heal.eval_tokens),
                             heal, progress, state_path=state_path, save_every=SAVE_EVERY,
                             params=params, prefix=prep.window_prefix)
     out["heal"] = dataclasses.asdict(heal)
-    out["ppl_healed"] = _ppl(model, prep)
+    out["eval_healed"] = evaluate_all(model, prep.eval_ids, progress=False)  # per window
+    out["ppl_healed"] = {k: v["ppl"] for k, v in out["eval_healed"].items()}
+    steps = heal.steps + (cfg.distill.steps if arm.distills else 0)
+    out["train_budget"] = {"heal_steps": heal.steps,
+                           "distill_steps": cfg.distill.steps if arm.distills else 0,
+                           "tokens": heal.steps * heal.batch_size * heal.seq_len
+                           + (cfg.distill.steps * cfg.distill.batch_size * cfg.distill.seq_len
+                              if arm.distills else 0),
+                           "total_steps": steps}
     if teacher is not None:
         out["module_errors_healed"] = module_errors(model, teacher, probe)
     out["seconds"] = time.time() - t0

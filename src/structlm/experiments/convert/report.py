@@ -12,13 +12,16 @@ from typing import Any
 from structlm.atomic import atomic_write_text
 from structlm.experiments.convert.breakdown import breakdown_lines, plot_breakdown
 from structlm.plotting import save_figure
+from structlm.stats import Arm, UnequalBudgetError, WindowScores, compare
 
 __all__ = ["plateau", "verdict", "write_convert_report"]
 
-RULE = ("Verdict rule (set before the runs): at one MAC budget and on one text, arm A is "
-        "better than arm B when A's healed perplexities over the seeds all lie below B's "
-        "(ranges [min, max] do not overlap); with one seed per arm the difference is "
-        "reported without a verdict.")
+RULE = ("Verdicts (structlm.stats): at one MAC budget and on one text, two arms' seeds "
+        "are compared paired by test window — the difference in mean NLL with a 95% "
+        "hierarchical-bootstrap interval over seeds, then windows; one arm is better only "
+        "when the interval excludes zero, otherwise no difference is shown. Arms trained "
+        "under different budgets (the `+distill` variants' extra steps) are not compared; "
+        "runs recorded without per-window scores take part in no verdict.")
 
 
 def _group(arms: list[dict[str, Any]]) -> dict[tuple[str, str, str], list[dict[str, Any]]]:
@@ -61,17 +64,33 @@ def _recovered(original: float, changed: float, healed: float) -> float | None:
     return (math.log(changed) - math.log(healed)) / damage
 
 
-def verdict(a: list[float], b: list[float], name_a: str, name_b: str) -> str:
-    """The pre-set rule on healed perplexities ``a`` and ``b`` (one per seed)."""
-    diff = statistics.fmean(a) / statistics.fmean(b) - 1
-    text = f"{name_a} {diff:+.1%} vs {name_b}"
-    if len(a) < 2 or len(b) < 2:
-        return text + " (one seed: no verdict)"
-    if max(a) < min(b):
-        return text + f": **{name_a} better**"
-    if max(b) < min(a):
-        return text + f": **{name_b} better**"
-    return text + ": ranges overlap (no difference shown)"
+def _arm_of(runs: list[dict[str, Any]], name: str, text: str) -> Arm | str:
+    """The healed runs of one arm on ``text`` as a :class:`~structlm.stats.Arm`, or why
+    there is none."""
+    if not all(WindowScores.has_scores((r.get("eval_healed") or {}).get(text)) for r in runs):
+        return "runs without per-window scores (recorded before they were kept)"
+    return Arm(name, tuple(WindowScores.from_dict(r["eval_healed"][text]) for r in runs),
+               budget=runs[0].get("train_budget") or {})
+
+
+def verdict(runs_a: list[dict[str, Any]], runs_b: list[dict[str, Any]], name_a: str,
+            name_b: str, text: str) -> str:
+    """The verdict between two arms' healed runs on ``text`` (:func:`structlm.stats.compare`
+    paired by window), with the mean perplexity ratio."""
+    ppl_a = statistics.fmean(r["ppl_healed"][text] for r in runs_a)
+    ppl_b = statistics.fmean(r["ppl_healed"][text] for r in runs_b)
+    head = f"{name_a} {ppl_a / ppl_b - 1:+.1%} vs {name_b}"
+    a, b = _arm_of(runs_a, name_a, text), _arm_of(runs_b, name_b, text)
+    if not isinstance(a, Arm) or not isinstance(b, Arm):
+        return f"{head}: no verdict ({a if isinstance(b, Arm) else b})"
+    try:
+        c = compare(a, b)
+    except UnequalBudgetError:
+        return (f"{head}: no verdict (unequal budgets: {dict(a.budget)} vs "
+                f"{dict(b.budget)})")
+    if c.decided:
+        return f"{head}: **{c.lower} better** ({c.interval_text()})"
+    return f"{head}: {c.verdict} ({c.interval_text()})"
 
 
 def _seeds_text(cfg: Any) -> str:
@@ -157,9 +176,8 @@ def write_convert_report(res: dict[str, Any], cfg: Any, out: Path,
         for alg in cfg.algebras:
             for t in texts:
                 for name_a, runs_a, name_b, runs_b in _pairs(groups, target, alg):
-                    lines.append(f"- {alg} budget, `{t}`: " + verdict(
-                        [r["ppl_healed"][t] for r in runs_a],
-                        [r["ppl_healed"][t] for r in runs_b], name_a, name_b))
+                    lines.append(f"- {alg} budget, `{t}`: "
+                                 + verdict(runs_a, runs_b, name_a, name_b, t))
         lines.append("")
     lines += ["![perplexity vs MACs](ppl_vs_macs.png)", ""]
     lines += _curve_lines(res.get("arms", []), getattr(cfg, "plateau_steps", 50),
@@ -173,8 +191,8 @@ def write_convert_report(res: dict[str, Any], cfg: Any, out: Path,
 
 
 def _evals(run: dict[str, Any]) -> list[tuple[int, float]]:
-    """``(step, in-domain perplexity)`` at every evaluation of a healing run."""
-    return [(c["step"], c["eval_ppl"]) for c in run["curve"] if c.get("eval_ppl") is not None]
+    """``(step, validation perplexity)`` at every evaluation of a healing run."""
+    return [(c["step"], c["val_ppl"]) for c in run["curve"] if c.get("val_ppl") is not None]
 
 
 def plateau(run: dict[str, Any], steps: int, change: float
@@ -212,8 +230,8 @@ def _curve_lines(arms: list[dict[str, Any]], steps: int, change: float) -> list[
     if not rows:
         return []
     return ["## Healing curves", "",
-            f"In-domain perplexity on the healing run's own evaluation windows (fewer "
-            f"tokens than the table's, so not comparable with it) at the last evaluation "
+            f"Validation perplexity (the held-out tails of the calibration documents, not "
+            f"the test windows of the table) at the last evaluation "
             f"and {steps} steps before it; flat = changed by less than {change:.0%} there "
             f"at a learning rate that had not decayed (lowest rate in that stretch / "
             f"peak >= 0.99).", "",

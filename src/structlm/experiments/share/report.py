@@ -2,26 +2,29 @@
 verdicts of the rules fixed in advance; plots of perplexity against the budget, of
 energy against perplexity, and of the fine-tuning curves.
 
-Rules (fixed before any run, applied per text whatever they say):
+Rules (applied per text whatever they say; every verdict through ``structlm.stats``):
 
-* **winner at a budget**: among the methods fine-tuned with ≥ 2 seeds (with several
-  calibration draws, a "seed" is a fine-tuning seed × draw pair, so the range spans both
-  sources of variance), the one with the lowest mean wins only if its whole seed range
-  lies below every other method's range;
-  otherwise "ranges overlap" (the best mean is named, no winner is called). With one
-  seed, or before fine-tuning (deterministic), only the ordering is reported;
-* **test 5** (fine-tuning repairs): lives if fine-tuning undoes ≥ 50% of the
-  log-perplexity damage, ``(log p_analytic − log p_tuned) / (log p_analytic − log p_orig)``;
-* **tests 7/9**: a compressed model is usable within 2× the original perplexity;
-* **plateau** (the seed regime's "long enough to converge"): a fine-tuning run has
-  plateaued if its last evaluation interval changed the held-out subset's perplexity
-  by less than 2% (mean over seeds); with ``plateau_window`` w > 1 (a config choice;
-  the long fine-tuning config chose 3 after its first run, whose two-point change read
-  -5.6% on a flat, noisy curve: docs/share.md), the mean of the last w evaluations
-  against the mean of the w before. Beside it (added after the first whole-model
-  run that diverged, hybrid at −30%; a flag, no arm is excluded by it): the seeds whose
-  last evaluation ends more than 2% above their own best evaluation — the run got worse
-  while training, so its fine-tuned number is not what the method can reach.
+* **winner at a budget** (after fine-tuning): the methods' runs (fine-tuning seeds, and
+  calibration draws as strata) are compared pairwise, paired by test window, with a 95%
+  hierarchical-bootstrap interval of the difference in mean NLL; a method wins only if its
+  interval against every other method lies below zero, otherwise "no winner shown" (every
+  pair's interval is printed). Arms trained under different budgets are not compared;
+* **before fine-tuning**: the analytic models (no seed) compared the same way over the
+  windows (first calibration draw);
+* **equal compute**: every pair of fine-tuned entries of different methods whose MACs per
+  token agree within 1%, compared the same way;
+* **test 5** (fine-tuning repairs): lives if the Student-t interval over runs of the share
+  of the log-perplexity damage undone, ``(log p_analytic − log p_tuned) / (log p_analytic −
+  log p_orig)``, lies above 50% (fails if below, otherwise undecided);
+* **tests 7/9**: a compressed model is usable within 2× the original perplexity (one
+  seed: its value, no verdict);
+* **plateau** (read on the *validation* curve, never the test windows): a run has
+  plateaued if the mean validation perplexity of its last ``plateau_window`` evaluations
+  differs from the mean of the ``plateau_window`` before by less than 2%. With
+  ``continue_unplateaued_to``, when any whole-model run has not plateaued, every
+  whole-model run is continued (equal budgets). With ``finetune.keep_best`` each run's
+  model is its best validation checkpoint. Beside it (a flag, no arm is excluded by it):
+  the runs whose last evaluation ends more than 2% above their own best.
 
 Budgets are stored parameters (the papers' convention); the MACs / token column gives
 the decoder projections' multiply-adds per token over the original's, at one row in the
@@ -38,9 +41,18 @@ from typing import Any
 
 from structlm.atomic import atomic_write_text
 from structlm.experiments.share.beside import beside_finetune_text, beside_label, beside_stats
+from structlm.experiments.share.verdicts import (
+    PAIR_HEADER,
+    analytic_arm,
+    equal_compute_pairs,
+    pair_rows,
+    ranking_text,
+    recovery_verdict,
+    tuned_arm,
+)
 from structlm.share.compress import get_method
 
-__all__ = ["plateau_rows", "recovered", "run_plateaued", "verdict", "write_experiment_report"]
+__all__ = ["plateau_rows", "recovered", "run_plateaued", "write_experiment_report"]
 
 PLATEAU_CHANGE = 0.02
 """The plateau rule: a last evaluation interval changing perplexity by less than this."""
@@ -67,24 +79,6 @@ def recovered(orig: float, analytic: float, tuned: float) -> float:
     compression did no damage)."""
     gap = math.log(analytic) - math.log(orig)
     return (math.log(analytic) - math.log(tuned)) / gap if gap > 1e-9 else float("nan")
-
-
-def verdict(stats: dict[str, dict[str, float]]) -> str:
-    """The pre-set winner rule over ``method → {mean, min, max, n}``: among the methods
-    with at least two runs; a method with one run is named beside the verdict, outside
-    the rule (a partial report must not read as if it had been compared)."""
-    multi = {m: s for m, s in stats.items() if s and s["n"] >= 2}
-    if len(multi) < 2:
-        best = min((m for m in stats if stats[m]), key=lambda m: stats[m]["mean"], default=None)
-        return f"one seed: ordering only (best {best})" if best else "—"
-    best = min(multi, key=lambda m: multi[m]["mean"])
-    others = [m for m in multi if m != best]
-    single = [f"{m} {s['mean']:.2f}" for m, s in stats.items() if s and s["n"] < 2]
-    left = f"; not in the rule (one run): {', '.join(single)}" if single else ""
-    if all(multi[best]["max"] < multi[m]["min"] for m in others):
-        return f"**{best} wins** (range below every other{' ranged' if single else ''}){left}"
-    close = [m for m in others if multi[m]["min"] <= multi[best]["max"]]
-    return f"ranges overlap: best mean {best}, not separated from {', '.join(close)}{left}"
 
 
 def _whole_table(res: dict[str, Any], text: str) -> list[str]:
@@ -140,57 +134,71 @@ def _rec(res: dict[str, Any], e: dict[str, Any], text: str) -> float:
     return recovered(res["ppl_original"][text], e["analytic"][text], ft["mean"])
 
 
-def _verdicts(entries: list[dict[str, Any]], text: str,
-              bes: dict[str, Any] | None = None) -> list[str]:
-    """Per budget: the best analytic arm, the rule's verdict after fine-tuning and, with
-    a ``beside`` run, that run's verdict on the same methods."""
-    rows = ["| budget | best before fine-tuning | after fine-tuning (pre-set rule) |"
-            + (f" {beside_label(bes)} (same rule) |" if bes else ""),
-            "|---|---|---|" + ("---|" if bes else "")]
+def _verdicts(entries: list[dict[str, Any]], text: str) -> list[str]:
+    """Per budget: the verdict before fine-tuning (analytic models, paired over windows)
+    and after (the runs, paired by window), then every pair's interval."""
+    rows = ["| budget | before fine-tuning | after fine-tuning |", "|---|---|---|"]
+    pairs = []
     for red in sorted({e["reduction"] for e in entries}):
         at = [e for e in entries if e["reduction"] == red]
-        analytic = min(at, key=lambda e: e["analytic"][text])
-        tuned = {e["method"]: e["finetuned"].get(text, {}) for e in at}
-        old = {e["method"]: beside_stats(bes, e["method"], red, text) for e in at}
-        rows.append(f"| −{red:.0%} | {analytic['method']} "
-                    f"({_f(analytic['analytic'][text])}) | {verdict(tuned)} |"
-                    + (f" {verdict(old)} |" if bes else ""))
+        names = [e["method"] for e in at]
+        before, _ = ranking_text([analytic_arm(e, text) for e in at], names)
+        after, ranking = ranking_text([tuned_arm(e, text) for e in at], names)
+        rows.append(f"| −{red:.0%} | {before} | {after} |")
+        if ranking is not None:
+            pairs += list(ranking.pairs)
+    if pairs:
+        rows += ["", "Every pair after fine-tuning (Δ = first − second; a verdict only where "
+                 "the interval excludes zero):", "", *PAIR_HEADER, *pair_rows(pairs)]
     return rows
 
 
-def _seed_section(res: dict[str, Any], text: str) -> list[str]:
-    sr = res.get("seed_regime")
+def _equal_compute(entries: list[dict[str, Any]], text: str) -> list[str]:
+    """The equal-compute pairs (MACs per token within 1%), fine-tuned."""
+    found = equal_compute_pairs(entries, text)
+    if not found:
+        return []
+    lines = ["**Equal compute** (MACs per token within 1%; fine-tuned):", ""]
+    done = [c for _, _, c in found if not isinstance(c, str)]
+    for x, y, c in found:
+        if isinstance(c, str):
+            lines.append(f"- −{x['reduction']:.0%} {x['method']} vs −{y['reduction']:.0%} "
+                         f"{y['method']}: {c}")
+    if done:
+        lines += ["", *PAIR_HEADER, *pair_rows(done)]
+    return [*lines, ""]
+
+
+def _seed_section(res: dict[str, Any], text: str, key: str = "seed_regime") -> list[str]:
+    """The seed regime (``seed_regime``: the stronger control, relative rates) or the
+    seed's own test-6 control (``seed_control``: plain AdamW at an absolute rate)."""
+    sr = res.get(key)
     if not sr:
         return []
     orig = res["ppl_original"][text]
-    lines = [f"### The seed's regime: {sr['types']} only, shared at k = {sr['k']} "
+    title = ("The seed's regime" if key == "seed_regime" else
+             "Test 6 as the seed states it: per-layer free factors from a random and a "
+             "plain-SVD start, every arm trained with plain AdamW at an absolute rate")
+    lines = [f"### {title}: {sr['types']} only, shared at k = {sr['k']} "
              f"(removes {sr['reduction_of_shared']:.1%} of it); the others at the storage "
              "that leaves (the closest each can reach without exceeding it)", "",
              "| method | stored / original | MACs / token | energy kept | analytic ppl | "
              "fine-tuned ppl | recovered | test 5 |", "|---|---|---|---|---|---|---|---|"]
-    stats = {}
     for e in sr["entries"]:
         a0 = e["arms"][0]
         ft = e["finetuned"].get(text, {})
         rec = _rec(res, e, text)
-        stats[e["method"]] = ft
         energy = sum(a0["energy_kept"].values()) / len(a0["energy_kept"])
         lines.append(f"| {e['method']} | {a0['stored_parameters'] / a0['original_parameters']:.4f}"
                      f" | {_macs(a0)} | {energy:.3f} | "
                      f"{_f(e['analytic'][text])} | {_ft(ft)} | {_pct(rec)} | "
-                     f"{_test5(ft, rec)} |")
-    lines += ["", f"Original {_f(orig)}. Test 6 (same budget, fine-tuned): {verdict(stats)}.",
-              ""]
+                     f"{recovery_verdict(e, orig, text)} |")
+    test6, ranking = ranking_text([tuned_arm(e, text) for e in sr["entries"]],
+                                  [e["method"] for e in sr["entries"]])
+    lines += ["", f"Original {_f(orig)}. Test 6 (same budget, fine-tuned): {test6}.", ""]
+    if ranking is not None:
+        lines += [*PAIR_HEADER, *pair_rows(list(ranking.pairs)), ""]
     return lines
-
-
-def _test5(ft: dict[str, float], rec: float) -> str:
-    """Test 5's verdict, only once the arm is fine-tuned."""
-    if not ft:
-        return "not fine-tuned yet"
-    if not math.isfinite(rec):
-        return "no damage to repair"
-    return "lives" if rec >= 0.5 else "fails"
 
 
 def _scope_rows(res: dict[str, Any], text: str) -> list[str]:
@@ -213,15 +221,17 @@ def _scope_rows(res: dict[str, Any], text: str) -> list[str]:
 
 
 def _evals(arm: dict[str, Any]) -> list[tuple[int, float]]:
-    """``(step, held-out subset perplexity)`` at every evaluation of a fine-tuning run."""
-    return [(c["step"], c["eval_ppl"]) for c in arm.get("curve") or []
-            if c.get("eval_ppl") is not None]
+    """``(step, validation perplexity)`` at every evaluation of a fine-tuning run (none
+    for a curve recorded on test windows before validation text existed: it decides
+    nothing)."""
+    return [(c["step"], c["val_ppl"]) for c in arm.get("curve") or []
+            if c.get("val_ppl") is not None]
 
 
 def run_plateaued(arm: dict[str, Any], window: int = 1) -> bool | None:
-    """The plateau rule on one run: the mean subset perplexity of its last ``window``
+    """The plateau rule on one run: the mean validation perplexity of its last ``window``
     evaluations against the ``window`` before changed by less than PLATEAU_CHANGE
-    (``None``: fewer than ``2 window`` evaluations)."""
+    (``None``: fewer than ``2 window`` evaluations on the validation text)."""
     pts = _evals(arm)
     if len(pts) < 2 * window:
         return None
@@ -235,6 +245,7 @@ def plateau_rows(res: dict[str, Any], window: int = 1) -> list[str]:
     last ``window`` evaluations and the ``window`` before (each a mean over them, then
     over the seeds done), the change, the plateau rule."""
     groups = [("seed regime", e) for e in (res.get("seed_regime") or {}).get("entries", [])]
+    groups += [("seed control", e) for e in (res.get("seed_control") or {}).get("entries", [])]
     groups += [("whole model", e) for e in res["whole_model"]]
     rows = []
     for regime, e in groups:
@@ -244,7 +255,7 @@ def plateau_rows(res: dict[str, Any], window: int = 1) -> list[str]:
         a = statistics.fmean(statistics.fmean(v for _, v in p[-2 * window:-window])
                              for p in pts)
         b = statistics.fmean(statistics.fmean(v for _, v in p[-window:]) for p in pts)
-        where = regime if regime == "seed regime" else f"{regime} −{e['reduction']:.0%}"
+        where = regime if regime.startswith("seed") else f"{regime} −{e['reduction']:.0%}"
         rule = "plateaued" if abs(b / a - 1) < PLATEAU_CHANGE else "still moving"
         steps = _steps(pts[0], window) + (" (runs of other lengths: each its own last "
                                           "evaluations)" if len({p[-1][0] for p in pts}) > 1
@@ -268,7 +279,7 @@ def _lr_share(e: dict[str, Any], window: int = 1) -> str:
     arm = next((a for a in e["arms"] if a.get("curve")), None)
     if arm is None:
         return "—"
-    ev = [c["step"] for c in arm["curve"] if c.get("eval_ppl") is not None]
+    ev = [c["step"] for c in arm["curve"] if c.get("val_ppl") is not None]
     lrs = [c["lr"] for c in arm["curve"] if c.get("lr") is not None
            and len(ev) >= 2 * window and ev[-2 * window] < c["step"] <= ev[-1]]
     peak = max((c["lr"] for c in arm["curve"] if c.get("lr") is not None), default=0.0)
@@ -291,8 +302,8 @@ def _plateau_lines(res: dict[str, Any], text: str, window: int = 1) -> list[str]
                 f"the mean of the last {window} evaluations against the mean of the "
                 f"{window} before")
     return ["## Had fine-tuning plateaued?", "",
-            f"Perplexity on the fine-tuning run's own held-out subset ({text}; fewer tokens "
-            f"than the tables', so not comparable with them): {compared}, "
+            f"Perplexity on the validation windows (the held-out tails of the {text} "
+            f"calibration documents; not the test windows of the tables): {compared}, "
             f"mean over seeds; the rule: a change under {PLATEAU_CHANGE:.0%} is a plateau. "
             f"*Ended above best*: seeds whose last evaluation is more than "
             f"{PLATEAU_CHANGE:.0%} above their own best (training made them worse: unstable).",
@@ -352,9 +363,12 @@ def _plots(res: dict[str, Any], out: Path) -> None:
     fig.savefig(out / "energy_vs_ppl.png", dpi=110)
     plt.close(fig)
 
-    groups = [("whole model", res["whole_model"])]
-    if res.get("seed_regime"):
-        groups.append(("seed regime", res["seed_regime"]["entries"]))
+    groups = [(title, entries) for title, entries in (
+        ("whole model", res["whole_model"]),
+        ("seed regime", (res.get("seed_regime") or {}).get("entries")),
+        ("seed control", (res.get("seed_control") or {}).get("entries"))) if entries]
+    if not groups:
+        return
     fig, axes = plt.subplots(1, len(groups), figsize=(6.5 * len(groups), 4.5), squeeze=False)
     for ax, (title, entries) in zip(axes[0], groups, strict=True):
         for j, e in enumerate(entries):
@@ -366,7 +380,7 @@ def _plots(res: dict[str, Any], out: Path) -> None:
                         lw=0.7, color=f"C{j % 10}", label=lbl)
         ax.set_yscale("log")
         ax.set_xlabel("fine-tuning step")
-        ax.set_ylabel(f"held-out perplexity ({texts[0]}, subset)")
+        ax.set_ylabel("validation perplexity")
         ax.set_title(f"{title}: every seed")
         ax.legend(fontsize=5, ncol=2)
     fig.tight_layout()
@@ -396,6 +410,32 @@ def _continued_text(continued: list[dict[str, Any]]) -> str:
     return (f" Continued from {continued[0]['from_steps']} to {continued[0]['to_steps']} "
             f"steps, not having plateaued by the rule on the run alone (their numbers, "
             f"curves and plateau rows below are the continued runs'): {runs}.")
+
+
+def _probe_lines(probes: dict[str, Any]) -> list[str]:
+    """The learning-rate probes: each method's best validation perplexity per rate and the
+    rate chosen (on the validation text only)."""
+    lines = []
+    for section, probe in probes.items():
+        rates = probe["rates"]
+        lines += [f"## Learning-rate probe: {section} ({probe['setting']}, seed "
+                  f"{probe['seed']}, {probe['steps']} steps, {probe['lr_scaling']} rates, best "
+                  "validation checkpoint)", "",
+                  "Each method's rate is the one whose best *validation* perplexity is lowest "
+                  "(the test windows are not scored in the probe).", "",
+                  "| method | " + " | ".join(f"lr {r:g}" for r in rates) + " | chosen |",
+                  "|---|" + "---:|" * len(rates) + "---|"]
+        for m, d in probe["methods"].items():
+            if "rate" not in d:
+                lines.append(f"| {m} | " + " | ".join("—" for _ in rates)
+                             + f" | {d['done']} of {d['planned']} runs done |")
+                continue
+            cells = [f"{math.exp(d['best_val_nll'][str(r)]):.2f} (step "
+                     f"{d['best_step'][str(r)]})" for r in rates]
+            edge = " (at the grid's edge)" if d["at_edge"] else ""
+            lines.append(f"| {m} | {' | '.join(cells)} | {d['rate']:g}{edge} |")
+        lines.append("")
+    return lines
 
 
 def write_experiment_report(res: dict[str, Any], cfg: Any, out: Path,
@@ -439,12 +479,16 @@ def write_experiment_report(res: dict[str, Any], cfg: Any, out: Path,
     if res.get("beside"):
         lines += [f"Beside this run: the same arms of `{res['beside']['folder']}` (the same "
                   f"model and evaluation text, checked), fine-tuned "
-                  f"{beside_finetune_text(res['beside'])}.", ""]
+                  f"{beside_finetune_text(res['beside'])}: numbers only (they take part in "
+                  "no verdict).", ""]
+    lines += _probe_lines(res.get("lr_probe") or {})
     lines += _text_lines(res)
     for text in res["eval_texts"]:
         lines += [f"## {text}", "", *_seed_section(res, text),
+                  *_seed_section(res, text, "seed_control"),
                   "### Whole-model compression", "", *_whole_table(res, text), "",
-                  *_verdicts(res["whole_model"], text, res.get("beside")), ""]
+                  *_verdicts(res["whole_model"], text), "",
+                  *_equal_compute(res["whole_model"], text)]
         if res["scope"]:
             lines += ["### Tests 7 and 9: where sharing works (one seed, equal per-type "
                       "reduction)", "", "| test | arm | ratio | MACs / token | analytic | "

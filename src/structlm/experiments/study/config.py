@@ -20,23 +20,42 @@ same tokens. The checks run at load:
 * learning rates resolve (``sweep`` needs an ``lr_sweep``, ``from:`` a known arm, no
   cycles) and the sweep's budget is one of the budgets;
 * the FFN carries at least half of the non-embedding forward MACs per token.
+
+The protocol (:data:`PROTOCOL`): the text is split three ways by document (train,
+validation, test; every corpus part has validation and test documents); every decision —
+the learning-rate sweep's choice (:func:`choose_rate`) — reads the validation record of a
+run's ``final.json`` and refuses anything else; the test text is scored once per finished
+run, and only the report's verdicts read it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, Any
 
 from structlm.config import ConfigError, Distinct, NonEmpty, OneOf, Range, validated
+from structlm.hf.splits import Role, TestWindowsError
 from structlm.models.presets import PRESETS
 from structlm.train.loop import TrainConfig
 
-__all__ = ["ArmSpec", "LrSweep", "Run", "StudyConfig", "chosen_rates", "load_study_config",
-           "run_summary"]
+__all__ = ["PROTOCOL", "ArmSpec", "LrSweep", "OldProtocolError", "Run", "StudyConfig",
+           "choose_rate", "chosen_rates", "load_study_config", "run_summary",
+           "validation_record"]
+
+PROTOCOL = 2
+"""The study protocol a folder was run under (``study_config.json``'s ``protocol``).
+1 (no key): train / validation split, the sweep and the verdicts both on validation, seed
+ranges. 2: train / validation / test split, decisions on validation, verdicts on the test
+text through :mod:`structlm.stats`."""
+
+
+class OldProtocolError(ValueError):
+    """A study folder (or a run's ``final.json``) written under an older protocol."""
 
 _SHARED_TRAIN_FIELDS = ("seq_len", "batch_size", "grad_accum", "max_steps", "lr",
                         "warmup_steps", "min_lr_ratio", "weight_decay", "beta1", "beta2",
@@ -98,12 +117,18 @@ class ArmSpec:
 class LrSweep:
     """A learning-rate sweep: every arm with ``lr: sweep`` trains at each rate for one
     budget and one seed; the rate with the lowest whole-split validation loss is its
-    rate for every budget and seed (the sweep run at that rate is reused as that run)."""
+    rate for every budget and seed (:func:`choose_rate`)."""
 
     rates: Annotated[tuple[Annotated[float, Range(gt=0)], ...], NonEmpty(), Distinct()]
     budget: Annotated[int, Range(ge=1)]
     """Training steps of the sweep runs: one of the study's ``budgets``."""
     seed: Annotated[int, Range(ge=0)] = 0
+    reuse: bool = True
+    """``True``: the sweep's seed is one of each swept arm's seeds, and the sweep run at
+    the chosen rate is reused as the arm's run at that budget and seed. ``False``: the
+    seed is none of them, so every run of the verdicts is a fresh draw — the chosen run
+    was picked for its low validation loss, and the luck of its seed (initialisation,
+    batch order) that helped it there helps it on the test text too."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +163,9 @@ class StudyConfig:
     """Training lengths in steps (tokens = steps x batch x seq_len); empty: the one
     ``train.max_steps``."""
     lr_sweep: LrSweep | None = None
+    notes: tuple[str, ...] = ()
+    """Lines the report prints under "Scope" (e.g. a question left out and why); they may
+    change while the study runs."""
 
     def __post_init__(self) -> None:
         """Cross-field checks (each field's own range is checked by ``@validated``)."""
@@ -229,7 +257,7 @@ class StudyConfig:
                            algebra=arm.algebra, type_schedule=arm.type_schedule,
                            model_overrides=overrides, corpus=self.corpus,
                            tokenizer=self.tokenizer, data_seed=self.data_seed, seed=seed,
-                           **train)
+                           test_split=True, **train)
 
     def run_config_of(self, run: Run) -> TrainConfig:
         """The :class:`TrainConfig` of ``run``."""
@@ -323,9 +351,15 @@ class StudyConfig:
                 if a.lr == "sweep" and self.lr_sweep.budget not in self.arm_budgets(a):
                     raise ValueError(f"arm {a.name!r} is swept at {self.lr_sweep.budget} "
                                      f"steps but runs only at {list(self.arm_budgets(a))}")
-                if a.lr == "sweep" and self.lr_sweep.seed not in a.seeds:
+                if a.lr == "sweep" and self.lr_sweep.reuse and self.lr_sweep.seed not in a.seeds:
                     raise ValueError(f"arm {a.name!r}: the sweep's seed {self.lr_sweep.seed} "
-                                     f"is not among its seeds {list(a.seeds)}")
+                                     f"is not among its seeds {list(a.seeds)} (reuse: true "
+                                     "reuses the chosen rate's sweep run as that seed's run)")
+                if a.lr == "sweep" and not self.lr_sweep.reuse and self.lr_sweep.seed in a.seeds:
+                    raise ValueError(f"arm {a.name!r}: the sweep's seed {self.lr_sweep.seed} "
+                                     f"is one of its seeds {list(a.seeds)}, but reuse: false "
+                                     "keeps the sweep's runs out of the verdicts: give the "
+                                     "sweep a seed of its own")
 
     def _check_budgets(self) -> None:
         from structlm.models.cost import model_cost, parameter_count
@@ -400,13 +434,47 @@ def run_summary(cfg: StudyConfig, arm: ArmSpec | Run, seed: int | None = None
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def validation_record(summary: Mapping[str, Any], where: str = "a run") -> dict[str, Any]:
+    """The validation record of a finished run's ``final.json`` (``role: validation``,
+    ``loss``, ``tokens``, ``windows``, ``parts``): what decisions read. A ``final.json``
+    without one was written under protocol 1: :class:`OldProtocolError`."""
+    rec = summary.get("validation")
+    if not isinstance(rec, Mapping):
+        raise OldProtocolError(f"{where}: its final.json has no validation record (written "
+                               f"under study protocol 1, before the test split): it takes "
+                               f"part in no protocol-{PROTOCOL} decision")
+    return dict(rec)
+
+
+def choose_rate(records: Mapping[float, Mapping[str, Any]],
+                who: str = "the learning-rate sweep") -> float:
+    """The rate whose validation loss is lowest (ties: the smaller rate). Every record must
+    be a validation record (``role: validation``, from :func:`validation_record`); a test
+    record, per-window test scores, or a record of unknown role raises
+    :class:`~structlm.hf.splits.TestWindowsError`: the choice never reads the test text."""
+    if not records:
+        raise ValueError(f"{who}: no finished run to choose from")
+    for lr, rec in records.items():
+        role = rec.get("role") if isinstance(rec, Mapping) else None
+        if role != Role.VALIDATION.value:
+            raise TestWindowsError(f"{who} decides from validation records only, got "
+                                   f"{'the ' + str(role) if role else 'a record of unknown'} "
+                                   f"role at lr {lr:g}: decisions never read the test text")
+    return min((float(rec["loss"]), float(lr)) for lr, rec in records.items())[1]
+
+
 def chosen_rates(cfg: StudyConfig) -> dict[str, float | None]:
-    """Per swept arm, the sweep's rate with the lowest whole-split validation loss (ties:
-    the smaller rate), ``None`` until every sweep run of that arm has finished."""
+    """Per swept arm, the sweep's rate with the lowest whole-split validation loss
+    (:func:`choose_rate`; ties: the smaller rate), ``None`` until every sweep run of that
+    arm has finished."""
     out: dict[str, float | None] = {}
     for arm in (a for a in cfg.arms if a.lr == "sweep"):
-        done = [(run_summary(cfg, r), r.lr) for r in cfg.sweep_runs()
-                if r.arm.name == arm.name]
-        out[arm.name] = (None if any(s is None for s, _ in done)
-                         else min((s["val_loss"], lr) for s, lr in done)[1])  # type: ignore[index]
+        mine = [r for r in cfg.sweep_runs() if r.arm.name == arm.name]
+        done = {r.lr: run_summary(cfg, r) for r in mine}
+        if any(s is None for s in done.values()):
+            out[arm.name] = None
+            continue
+        out[arm.name] = choose_rate(
+            {lr: validation_record(s, f"{arm.name} lr {lr:g}")  # type: ignore[arg-type]
+             for lr, s in done.items()}, f"the learning-rate sweep of {arm.name!r}")
     return out

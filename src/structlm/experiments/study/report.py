@@ -1,12 +1,21 @@
-"""The study's report: per budget, per-arm results with seeds and intervals, the pre-set
-comparisons (equal parameters, equal FFN MACs, wide at equal MACs, Q4 vs Q2^2, schedules,
-structured scores, initialisation), the iso-quality view and per-part losses; the
-learning-rate sweep and the gaps across budgets (:mod:`.report_tokens`); generation
-throughput, CSVs and plots.
+"""The study's report: per budget, per-arm results with seeds, the pre-set comparisons
+(equal parameters, equal FFN MACs, wide at equal MACs, Q4 vs Q2^2, schedules, structured
+scores, initialisation) with their verdicts, the ranking, the iso-quality view and per-part
+scores; the learning-rate sweep and the gaps across budgets (:mod:`.report_tokens`);
+generation throughput, CSVs and plots.
 
-Comparison rule (set before any run): two arms differ only when their seed ranges
-``[min, max]`` of whole-split validation loss do not overlap; otherwise the report says
-the ranges overlap and claims no difference. A one-seed arm's range is its one value.
+Verdicts (set before the runs, the same for every comparison): each (arm, budget) is a
+:class:`structlm.stats.Arm` of its seeds' per-window **test** scores (pooled over the corpus
+parts; budget ``{"steps": N, "tokens": N · batch · seq_len}``) and two arms are compared
+by :func:`structlm.stats.compare`: the difference in mean test NLL per token ``a − b``
+with its 95% interval (hierarchical bootstrap over seeds, then windows, paired by window;
+Student-t quantile). A difference is declared ("… lower") only when the interval excludes
+zero, else "no difference shown" with the smallest difference the comparison would have
+detected; no verdict before every planned seed has finished, none between different
+budgets (:class:`~structlm.stats.UnequalBudgetError`). The arms of a budget are also ranked
+(:func:`structlm.stats.rank_arms`: a winner only if it is lower than each other arm).
+The tables' means, iso-quality and per-part numbers describe; only the verdict columns
+decide.
 """
 
 from __future__ import annotations
@@ -20,36 +29,70 @@ from typing import Any
 
 from structlm.atomic import atomic_write_text
 from structlm.experiments.study.config import (
+    PROTOCOL,
     ArmSpec,
+    OldProtocolError,
     Run,
     StudyConfig,
     chosen_rates,
     run_summary,
 )
 from structlm.plotting import save_figure
+from structlm.stats import Arm, Comparison, WindowScores, compare, rank_arms
 
-__all__ = ["arm_stats", "comparisons", "iso_quality", "write_report"]
+__all__ = [
+    "arm_of_runs",
+    "arm_stats",
+    "comparison_cells",
+    "comparisons",
+    "iso_quality",
+    "pair_comparison",
+    "write_report",
+]
+
+
+def arm_of_runs(name: str, runs: list[dict[str, Any]]) -> Arm:
+    """The :class:`~structlm.stats.Arm` of finished runs (their ``final.json``): each run's
+    pooled test scores, the budget they share (``{"steps", "tokens"}``)."""
+    budgets = {(r["budget"]["steps"], r["budget"]["tokens"]) for r in runs}
+    if len(budgets) != 1:
+        raise ValueError(f"arm {name!r}: its runs have different budgets {sorted(budgets)}")
+    steps, tokens = budgets.pop()
+    return Arm(name, tuple(WindowScores.from_dict(r["test"]["pooled"]) for r in runs),
+               budget={"steps": steps, "tokens": tokens})
 
 
 def arm_stats(cfg: StudyConfig, steps: int | None = None) -> dict[str, dict[str, Any]]:
-    """Per arm with at least one finished run at the budget of ``steps`` training steps
-    (default: the first budget), at the arm's rate: the runs and the loss statistics."""
+    """Per arm with at least one finished, test-scored run at the budget of ``steps``
+    training steps (default: the first budget), at the arm's rate: the runs, their test
+    :class:`~structlm.stats.Arm` and descriptive statistics of the runs' mean test NLL."""
     steps = cfg.all_budgets()[0] if steps is None else steps
     main = [r for r in cfg.main_runs(chosen_rates(cfg)) if r.steps == steps]
     out = {}
     for arm in cfg.arms:
         mine: list[Run] = [r for r in main if r.arm.name == arm.name]
-        done = [(r, run_summary(cfg, r)) for r in mine]
-        runs = [{**s, "_run": r} for r, s in done if s is not None]
+        runs = []
+        for r in mine:
+            s = run_summary(cfg, r)
+            if s is None:
+                continue
+            if s.get("protocol", 1) != PROTOCOL:
+                raise OldProtocolError(f"{cfg.run_config_of(r).out_dir}/final.json was "
+                                       f"written under study protocol {s.get('protocol', 1)}"
+                                       f": no test scores, no protocol-{PROTOCOL} verdict")
+            if "test" in s:  # a run stopped before its test scores is not finished
+                runs.append({**s, "_run": r})
         if not runs:
             continue
-        losses = [r["val_loss"] for r in runs]
+        nll = [r["test"]["mean_nll"] for r in runs]
+        scores = arm_of_runs(arm.name, runs)
         out[arm.name] = {
             "arm": arm, "runs": runs, "n": len(runs), "planned": len(arm.seeds), "steps": steps,
-            "lr": mine[0].lr,
-            "mean": statistics.fmean(losses),
-            "std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
-            "min": min(losses), "max": max(losses),
+            "lr": mine[0].lr, "scores": scores, "seeds": [r["seed"] for r in runs],
+            "mean": scores.mean_nll,
+            "std": statistics.stdev(nll) if len(nll) > 1 else 0.0,
+            "min": min(nll), "max": max(nll),
+            "val_mean": statistics.fmean(r["val_loss"] for r in runs),
             "projection_macs": runs[0]["projection_macs_per_token"],
             "parameters": runs[0]["parameters"],
         }
@@ -98,28 +141,47 @@ def comparisons(cfg: StudyConfig) -> list[tuple[str, str, str]]:
     return pairs
 
 
-def _verdict(a: dict[str, Any], b: dict[str, Any], na: str, nb: str) -> str:
-    if a["n"] < a["planned"] or b["n"] < b["planned"]:
-        return (f"pending: {a['n']}/{a['planned']} and {b['n']}/{b['planned']} seeds done "
-                "(no verdict before every planned seed)")
-    if a["n"] == 1 and b["n"] == 1:
-        lower = na if a["mean"] < b["mean"] else nb
-        return f"one seed each: no interval, no verdict ({lower} lower)"
-    if a["max"] < b["min"]:
-        return f"**{na} lower** (ranges do not overlap)"
-    if b["max"] < a["min"]:
-        return f"**{nb} lower** (ranges do not overlap)"
-    return "ranges overlap: no difference shown"
+def complete(s: dict[str, Any]) -> bool:
+    """Every planned seed of the arm has finished (and been scored on test)."""
+    return s["n"] >= s["planned"]
+
+
+def pair_comparison(sa: dict[str, Any], sb: dict[str, Any], seed: int = 0
+                    ) -> Comparison | str:
+    """:func:`structlm.stats.compare` of two arms of one budget (:func:`arm_stats`
+    entries), or why there is no verdict yet (``pending: …``)."""
+    if not complete(sa) or not complete(sb):
+        return (f"pending: {sa['n']}/{sa['planned']} and {sb['n']}/{sb['planned']} seeds "
+                "done (no verdict before every planned seed)")
+    return compare(sa["scores"], sb["scores"], seed=seed)
+
+
+def comparison_cells(c: Comparison | str) -> list[str]:
+    """Table cells: ``a − b`` test NLL with its 95% interval, the perplexity ratio, the
+    verdict, the detectable difference."""
+    if isinstance(c, str):
+        return ["—", "—", c, "—"]
+    r, rlo, rhi = c.ratio
+    if c.decided:
+        verdict = f"**{c.lower} lower**"
+    elif c.verdict == "no difference shown":
+        verdict = "no difference shown"
+    else:
+        verdict = c.verdict
+    detectable = "—" if math.isnan(c.detectable) else f"{c.detectable:.4f}"
+    return [f"{c.diff:+.4f} [{c.lo:+.4f}, {c.hi:+.4f}]", f"×{r:.3f} [{rlo:.3f}–{rhi:.3f}]",
+            verdict, detectable]
 
 
 def iso_quality(stats: dict[str, dict[str, Any]]) -> tuple[list[tuple[float, float]],
                                                            list[dict[str, Any]]]:
-    """Dense arms' (projection MACs, mean loss) curve and, for every algebra arm, the
-    dense projection MACs per token that reach its loss (piecewise linear in
-    ``log MACs``; ``None`` outside the dense arms' loss range, where ``bound`` says which
-    side: ``"below"`` — the arm's loss is above every dense arm's, so even the narrowest
-    dense arm (``bound_macs``) reaches it, and fewer MACs than that would do; ``"above"`` —
-    it is lower than every dense arm's, so more than the widest one's MACs are needed)."""
+    """Dense arms' (projection MACs, mean test NLL) curve and, for every algebra arm, the
+    dense projection MACs per token that reach its mean (descriptive: no interval;
+    piecewise linear in ``log MACs``; ``None`` outside the dense arms' range, where
+    ``bound`` says which side: ``"below"`` — the arm's NLL is above every dense arm's, so
+    even the narrowest dense arm (``bound_macs``) reaches it, and fewer MACs than that
+    would do; ``"above"`` — it is lower than every dense arm's, so more than the widest
+    one's MACs are needed)."""
     dense = sorted((s["projection_macs"], s["mean"]) for s in stats.values()
                    if s["arm"].is_dense)
     rows = []
@@ -202,7 +264,7 @@ def _plot_macs(stats: dict[str, dict[str, Any]], png: Path) -> None:
         ax.errorbar(s["projection_macs"], s["mean"], yerr=s["std"] or None, fmt="s" if
                     s["arm"].is_dense else "o", color=f"C{i}", capsize=3, label=name)
     ax.set_xlabel("projection MACs per token (attention projections + FFN, forward)")
-    ax.set_ylabel("validation loss (whole split, mean ± std over seeds)")
+    ax.set_ylabel("test NLL (nats/token, mean ± std over seeds)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     _save(fig, png)
@@ -215,12 +277,13 @@ def _save(fig: Any, png: Path) -> None:
 
 def _write_csvs(cfg: StudyConfig, out: Path, per_budget: dict[int, dict[str, dict[str, Any]]]
                 ) -> None:
-    """``runs.csv`` (one row per run; ``train_seconds`` / ``train_tokens_per_s`` are
-    wall-clock, pauses included; the ``median_step`` columns are not) and ``arms.csv``
-    (one row per arm and budget)."""
+    """``runs.csv`` (one row per run: its test NLL, pooled and per part, and validation
+    loss; ``train_seconds`` / ``train_tokens_per_s`` are wall-clock, pauses included; the
+    ``median_step`` columns are not) and ``arms.csv`` (one row per arm and budget)."""
     from structlm.bench.timing import environment, write_csv_atomic
 
     env = {f"env_{k}": v for k, v in environment().items()}
+    skip = ("type_tokens_per_window", "_run", "val_parts", "validation", "test", "budget")
     runs, arms = [], []
     for stats in per_budget.values():
         for s in stats.values():
@@ -228,9 +291,13 @@ def _write_csvs(cfg: StudyConfig, out: Path, per_budget: dict[int, dict[str, dic
                 step = _median_step_seconds(cfg, r["_run"])
                 steps = cfg.run_config_of(r["_run"]).max_steps
                 parts = {f"val_loss_{k}": v["loss"] for k, v in (r.get("val_parts") or {}).items()}
-                runs.append({k: v for k, v in r.items()
-                             if k not in ("type_tokens_per_window", "_run", "val_parts")}
-                            | parts
+                test = {"test_nll": r["test"]["mean_nll"], "test_tokens": r["test"]["tokens"],
+                        "test_windows": len(r["test"]["pooled"]["window_nll"])}
+                if len(r["test"]["parts"]) > 1:
+                    test |= {f"test_nll_{k}": v["mean_nll"]
+                             for k, v in r["test"]["parts"].items()}
+                runs.append({k: v for k, v in r.items() if k not in skip}
+                            | test | parts
                             | {"type_tokens_per_window": "/".join(
                                 map(str, r["type_tokens_per_window"])),
                                "median_step_seconds": round(step, 3),
@@ -240,8 +307,9 @@ def _write_csvs(cfg: StudyConfig, out: Path, per_budget: dict[int, dict[str, dic
                   "ffn_width": s["runs"][0]["ffn_width"], "init": s["arm"].init,
                   "type_schedule": s["runs"][0]["type_schedule"],
                   "structured_scores": s["arm"].structured_scores, "seeds": s["n"],
-                  "val_loss_mean": s["mean"], "val_loss_std": s["std"],
-                  "val_loss_min": s["min"], "val_loss_max": s["max"],
+                  "test_nll_mean": s["mean"], "test_nll_std": s["std"],
+                  "test_nll_min": s["min"], "test_nll_max": s["max"],
+                  "val_loss_mean": s["val_mean"],
                   "parameters": s["parameters"],
                   "projection_macs_per_token": s["projection_macs"]} | env
                  for n, s in stats.items()]
@@ -251,11 +319,13 @@ def _write_csvs(cfg: StudyConfig, out: Path, per_budget: dict[int, dict[str, dic
 
 def _budget_lines(cfg: StudyConfig, stats: dict[str, dict[str, Any]], unigram: float
                   ) -> list[str]:
-    """The arms table, the comparisons and the iso-quality view of one budget."""
+    """The arms table, the comparisons with their verdicts, the ranking and the
+    iso-quality view of one budget."""
     lines = ["| arm | algebra | FFN width | init | schedule | scores | parameters | "
-             "projection MACs / token | lr | seeds | validation loss mean ± std | range | "
-             "below unigram | train tokens/s (median step) | train min (median step × steps) |",
-             "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+             "projection MACs / token | lr | seeds | test NLL (arm mean) | seed range | "
+             "below unigram | validation loss (mean) | train tokens/s (median step) | "
+             "train min (median step × steps) |",
+             "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for name, s in stats.items():
         r0 = s["runs"][0]
         step_s = [_median_step_seconds(cfg, r["_run"]) for r in s["runs"]]
@@ -269,23 +339,27 @@ def _budget_lines(cfg: StudyConfig, stats: dict[str, dict[str, Any]], unigram: f
             f"{'structured' if s['arm'].structured_scores else 'dense'} | "
             f"{s['parameters']:,} | {s['projection_macs']:,} | {s['lr']:g} | "
             f"{s['n']}/{s['planned']} | "
-            f"{s['mean']:.4f} ± {s['std']:.4f} | {s['min']:.4f}–{s['max']:.4f} | "
-            f"{unigram - s['mean']:.2f} | {speed:,.0f} | {minutes:.1f} |")
-    lines += ["", "| question | arm a | arm b | a − b (means) | verdict |",
-              "|---|---|---|---:|---|"]
-    for question, a, b in comparisons(cfg):
+            f"{s['mean']:.4f} | {s['min']:.4f}–{s['max']:.4f} | "
+            f"{unigram - s['mean']:.2f} | {s['val_mean']:.4f} | {speed:,.0f} | {minutes:.1f} |")
+    lines += ["", "| question | arm a | arm b | a − b, test NLL [95% interval] | "
+              "perplexity a / b | verdict | detectable difference |",
+              "|---|---|---|---:|---:|---|---:|"]
+    for i, (question, a, b) in enumerate(comparisons(cfg)):
         if a in stats and b in stats:
-            sa, sb = stats[a], stats[b]
-            note = ("" if (sa["n"] > 1 and sb["n"] > 1) or (sa["n"] == sb["n"] == 1)
-                    or sa["n"] < sa["planned"] or sb["n"] < sb["planned"]
-                    else " (against a one-seed arm: its range is one value)")
-            lines.append(f"| {question} | {a} | {b} | {sa['mean'] - sb['mean']:+.4f} | "
-                         f"{_verdict(sa, sb, a, b)}{note} |")
+            cells = comparison_cells(pair_comparison(stats[a], stats[b], seed=i))
+            lines.append(f"| {question} | {a} | {b} | {' | '.join(cells)} |")
         else:
-            lines.append(f"| {question} | {a} | {b} | — | not run at this budget (yet) |")
+            lines.append(f"| {question} | {a} | {b} | — | — | not run at this budget (yet) "
+                         "| — |")
+    done = [s["scores"] for s in stats.values() if complete(s)]
+    if len(done) > 1:
+        ranking = rank_arms(done)
+        lines += ["", f"Ranking of the {len(done)} arms with every seed (each pair compared "
+                  f"as above): {ranking.text()}."]
     dense, iso = iso_quality(stats)
-    lines += ["", "Iso-quality: dense projection MACs needed for each arm's loss.", "",
-              "| arm | loss | its MACs / token | dense MACs / token at that loss | ratio |",
+    lines += ["", "Iso-quality: dense projection MACs needed for each arm's mean test NLL "
+              "(descriptive).", "",
+              "| arm | test NLL | its MACs / token | dense MACs / token at that NLL | ratio |",
               "|---|---:|---:|---:|---:|"]
     for r in iso:
         need, ratio = _fmt(r["dense_macs_at_loss"], ",.0f"), _fmt(r["ratio"], ".3f")
@@ -298,14 +372,18 @@ def _budget_lines(cfg: StudyConfig, stats: dict[str, dict[str, Any]], unigram: f
     return lines
 
 
-_ISO_TEXT = ("Iso-quality: dense arms (FFN widths) give a curve of loss against projection MACs "
-             "per token (attention projections + FFN, forward; the LM head is the same for "
-             "all); each algebra arm's mean loss is placed on it by interpolation in log MACs. "
+_ISO_TEXT = ("Iso-quality: dense arms (FFN widths) give a curve of test NLL against projection "
+             "MACs per token (attention projections + FFN, forward; the LM head is the same for "
+             "all); each algebra arm's mean is placed on it by interpolation in log MACs. "
              "A ratio below 1 means the arm reaches that loss with fewer MACs than a dense FFN "
              "would need. Outside the dense arms' loss range there is no extrapolation, only a "
              "bound: '< X' means even the narrowest dense arm (X MACs) reaches a lower loss, "
              "so a dense FFN needs fewer MACs than X (ratio '> r'); '> X' means the arm is "
              "lower than the widest dense arm.")
+
+
+def _documents(names: list[str]) -> str:
+    return f"{len(names)} documents ({', '.join(names)})"
 
 
 def write_report(cfg: StudyConfig, data: Any) -> Path:
@@ -320,33 +398,46 @@ def write_report(cfg: StudyConfig, data: Any) -> Path:
     sweep = report_tokens.sweep_table(cfg)
     if not per_budget and not sweep:
         raise ValueError("no finished run to report")
-    unigram = unigram_loss(data.tokens("train"), data.tokens("val"), data.vocab_size)
+    unigram = unigram_loss(data.tokens("train"), data.tokens("test"), data.vocab_size)
     rc = cfg.run_config(cfg.arms[0], cfg.arms[0].seeds[0], lr=1.0)
     tokens_per_step = rc.batch_size * rc.seq_len * rc.grad_accum
-    val_tokens = int(data.meta["val_tokens"])
+    meta = data.meta
     budgets = ", ".join(f"{b} steps = {b * tokens_per_step:,} tokens"
                         for b in cfg.all_budgets())
     lr_text = ("each arm's rate in its table row (a fixed rate, or the best of the sweep "
                "below)" if not cfg.legacy_layout else f"lr {rc.lr}")
+    per_part = len(data.test_parts()) > 1
     lines = [f"# structlm experiment study: `{cfg.preset}` on `{cfg.corpus}`", "",
              f"Budgets: {budgets} ({rc.batch_size} × {rc.seq_len} tokens per step); every run "
              f"trains from scratch at its budget: AdamW, {lr_text}, {rc.warmup_steps} warm-up "
              f"steps and cosine decay to {rc.min_lr_ratio} of the rate, weight decay "
              f"{rc.weight_decay}; tokenizer `{cfg.tokenizer}` ({data.vocab_size:,} tokens, "
-             "trained on the training documents only). Validation: the whole held-out split, "
-             f"{val_tokens:,} tokens of {len(data.meta['val_documents'])} "
-             f"documents ({', '.join(data.meta['val_documents'])}), float64 sums"
-             + (", scored per corpus part (no window spans two parts) and pooled "
-                "token-weighted" if len(data.val_parts()) > 1 else "")
-             + f". Unigram loss of the validation text under the training frequencies: "
+             "trained on the training documents only).", "",
+             f"Text, split by whole documents{' (each corpus on its own)' if per_part else ''}"
+             f": training {len(meta['train_documents'])} documents, "
+             f"{int(meta['train_tokens']):,} tokens; validation {int(meta['val_tokens']):,} "
+             f"tokens of {_documents(meta['val_documents'])}; test "
+             f"{int(meta['test_tokens']):,} tokens of {_documents(meta['test_documents'])}. "
+             "Every decision (the learning-rate sweep's choice, the curves) reads validation "
+             "only; each run that enters the verdicts is scored once on the test text, at "
+             f"the end: per-window NLL sums over windows of {rc.seq_len} tokens, float64"
+             + (", per corpus part (no window spans two parts) and pooled" if per_part else "")
+             + ". Unigram NLL of the test text under the training frequencies: "
              f"{unigram:.4f} nats/token.", "",
-             "Verdict rule (set before the runs): two arms differ only when their seed ranges "
-             "[min, max] do not overlap.", "",
+             "Verdict rule (set before the runs): a − b is the difference in mean test NLL "
+             "per token, with its 95% interval from a hierarchical bootstrap over seeds, "
+             "then windows, paired by window (structlm.stats.compare; Student-t quantile). "
+             "A difference is declared only when the interval excludes zero; otherwise "
+             "\"no difference shown\", with the smallest difference the comparison would "
+             "have detected (80% power). No verdict before every planned seed, none "
+             "between different budgets.", "",
              "Training speed columns: the median step of each run as it ran (mean over the "
              "arm's seeds). Runs may have had different thread counts and other jobs beside "
              "them (a resumable study runs across sessions), so these columns state what a "
              "run cost, not which layer is faster: the generation benchmark below times both "
              "models interleaved in one process.", ""]
+    if cfg.notes:
+        lines += ["## Scope", "", *[f"- {n}" for n in cfg.notes], ""]
     lines += report_tokens.sweep_lines(cfg, sweep)
     for steps, stats in per_budget.items():
         params = next(iter(stats.values()))["parameters"]
@@ -367,11 +458,11 @@ def write_report(cfg: StudyConfig, data: Any) -> Path:
         _plot_macs(last, out / "loss_vs_macs.png")
         _write_csvs(cfg, out, per_budget)
         lines += ["", f"![validation curves, {max(per_budget)} steps](curves.png)", "",
-                  f"![loss vs MACs, {max(per_budget)} steps](loss_vs_macs.png)", ""]
+                  f"![test NLL vs MACs, {max(per_budget)} steps](loss_vs_macs.png)", ""]
         if len(cfg.all_budgets()) > 1:
             report_tokens.plot_loss_vs_tokens(per_budget, tokens_per_step,
                                               out / "loss_vs_tokens.png")
-            lines += ["![loss vs training tokens](loss_vs_tokens.png)", ""]
+            lines += ["![test NLL vs training tokens](loss_vs_tokens.png)", ""]
     report = out / "report.md"
     atomic_write_text(report, "\n".join(lines))
     return report

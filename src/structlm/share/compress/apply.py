@@ -4,6 +4,7 @@ through the adapter; honest parameter accounting."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -22,6 +23,7 @@ from structlm.share.compress.methods import (
     METHODS,
     SHARED_METHOD,
     TypePlan,
+    canonical_name,
     get_method,
 )
 
@@ -38,8 +40,9 @@ class CompressionConfig:
 
     method: Annotated[str, NonEmpty()] = SHARED_METHOD.name
     """A registered method (:data:`~structlm.share.compress.methods.METHODS`): ``shared``
-    | ``hybrid`` | ``svd`` | ``basis-sharing`` | ``onesided-all-layers`` built in (see
-    :mod:`.ranks`)."""
+    | ``hybrid`` | ``svd-llm-w`` | ``svd-llm`` | ``basis-sharing`` | ``onesided-all-layers``
+    built in (see :mod:`.ranks`); the former ``svd`` is read as ``svd-llm-w`` with a
+    ``DeprecationWarning``."""
     types: Annotated[str, NonEmpty()] = "attn"
     """Matrix types to compress: ``attn``, ``mlp``, ``all`` or ``q,k,v,o,mlp_in,mlp_out``."""
     k_fraction: Annotated[float, Range(gt=0, le=1)] = 0.25
@@ -64,20 +67,24 @@ class CompressionConfig:
     (the paper's LLaMA configs use 2; ``onesided-all-layers`` uses all layers)."""
     shared_types: Annotated[str, NonEmpty()] = "q,k,v,mlp_in"
     """``basis-sharing``: the types whose basis is shared (the paper's ``share_part``:
-    q, k, v, up, gate); the other compressed types are per-layer ``svd`` (its
-    ``private_part``: o, down)."""
+    q, k, v, up, gate); the other compressed types are per-layer ``svd-llm-w`` (its
+    ``private_part``: o, down; whitening only, as its code does)."""
     update: bool = False
     """``basis-sharing``: after compression, refit every coefficient in closed form on the
     compressed model's own inputs (the paper's optional update step; off in its
-    configs). Costs one more calibration pass."""
+    configs). Costs one more calibration pass. ``svd-llm`` always runs its own update
+    (SVD-LLM's layer-wise refit) and refuses this flag."""
 
     def __post_init__(self) -> None:
         """Cross-field checks (each field's own range is checked by ``@validated``)."""
+        self.method = canonical_name(self.method)  # a deprecated alias: its new name
         method = get_method(self.method)  # names an unknown value and the choices
         if self.update and not method.supports_update:
             able = tuple(n for n, m in METHODS.items() if m.supports_update)
+            always = (f" ({self.method!r} always runs its own update: leave update off)"
+                      if method.always_updates else "")
             raise ConfigError(f"update is Basis Sharing's step: method must be one of "
-                              f"{able}, got {self.method!r}")
+                              f"{able}, got {self.method!r}{always}")
         for key in ("types", "shared_types"):
             try:
                 parse_types(getattr(self, key))
@@ -157,10 +164,20 @@ def compress_model(adapter: ModelAdapter, cal: Calibration, cfg: CompressionConf
                    ) -> dict[str, Any]:
     """Factorise ``cfg.types`` in every layer and replace the modules in place; returns
     the accounting (original vs stored parameters per type and for the model), ranks
-    and per-layer kept energy (``progress``: a bar over the types). ``cfg.update`` needs
-    ``calib_tokens`` (the calibration windows, run again through the compressed model)."""
-    if cfg.update and calib_tokens is None:
-        raise ValueError("update=True needs the calibration tokens (calib_tokens=...)")
+    and per-layer kept energy (``progress``: a bar over the types).
+
+    An update step runs after every type is replaced: Basis Sharing's optional one with
+    ``cfg.update``, or the method's own where it always updates (``svd-llm``); its
+    report per type is ``report["update"]`` and its time ``report["update_seconds"]``. It
+    needs ``calib_tokens`` (the calibration windows, run again through the compressed
+    model), checked before any work."""
+    configured = get_method(cfg.method)
+    runs_update = configured.runs_update(cfg.update)
+    if runs_update and calib_tokens is None:
+        why = (f"method {configured.name!r} refits every layer on the calibration windows "
+               "(its update is part of the method)" if configured.always_updates
+               else "update=True")
+        raise ValueError(f"{why}: it needs the calibration tokens (calib_tokens=...)")
     L = adapter.num_layers
     report: dict[str, Any] = {"config": dataclasses.asdict(cfg), "types": {}}
     total_params = sum(p.numel() for p in adapter.model.parameters())
@@ -173,7 +190,7 @@ def compress_model(adapter: ModelAdapter, cal: Calibration, cfg: CompressionConf
         t = plan.type
         bar.set_postfix_str(t.value)
         weights = adapter.weights(t)
-        if cfg.update:
+        if runs_update:
             originals[t] = weights
         Cs = cal.layer_moments(t, list(range(L)))  # each read when used
         factors = factorize_plan(plan, weights, Cs, cfg, roots)
@@ -194,10 +211,12 @@ def compress_model(adapter: ModelAdapter, cal: Calibration, cfg: CompressionConf
             "token_macs": method.token_macs(out, inn, factors.ranks, sizes, factors.parts),
             "budget": plan.budget, "ratio": original / stored, "energy_kept": factors.energy,
             "mean_energy_kept": sum(factors.energy) / L, **factors.info}
-    if cfg.update:
+    if runs_update:
         assert calib_tokens is not None
-        report["update"] = get_method(cfg.method).update(adapter, cal, plans, originals,
-                                                         calib_tokens, cfg.eig_floor)
+        t0 = time.perf_counter()
+        report["update"] = configured.update(adapter, cal, plans, originals, calib_tokens,
+                                             cfg.eig_floor)
+        report["update_seconds"] = time.perf_counter() - t0
     report.update(original_parameters=orig_sum, stored_parameters=stored_sum,
                   ratio=orig_sum / max(stored_sum, 1), reduction=1 - stored_sum / orig_sum,
                   model_parameters_before=total_params,

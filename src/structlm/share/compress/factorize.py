@@ -2,7 +2,7 @@
 layers, the whitening roots, the kept-energy measure and the split into row blocks.
 
 Notation: ``W_l`` ``(out, in)``, ``C_l`` its input second moment, ``L`` layers; every
-product is float64. The methods themselves (``shared``/``hybrid``, ``svd``,
+product is float64. The methods themselves (``shared``/``hybrid``, ``svd-llm-w``/``svd-llm``,
 ``basis-sharing``) live in :mod:`structlm.share.compress.methods`, one file each.
 
 The per-layer ``energy`` is the functional energy kept under the layer's own input
@@ -30,8 +30,8 @@ __all__ = ["RootCache", "TypeFactors", "TypeRanks", "kept_energy", "meta_tensor"
 @dataclass(frozen=True)
 class TypeRanks:
     """Ranks of one matrix type: ``k_out`` × ``k_in`` cores for ``shared``/``hybrid``;
-    ``k_out = k_in = k`` for ``svd`` and the one-sided basis size; ``r`` the hybrid's
-    per-layer residual rank."""
+    ``k_out = k_in = k`` for ``svd-llm-w``/``svd-llm`` and the one-sided basis size; ``r``
+    the hybrid's per-layer residual rank."""
 
     k_out: int
     k_in: int
@@ -123,14 +123,15 @@ class TypeFactors:
     """Factors of one matrix type for every layer, ready to build modules."""
 
     method: str
-    """The registered method that produced them (``shared``, ``hybrid``, ``svd``,
+    """The registered method that produced them (``shared``, ``hybrid``, ``svd-llm-w``,
     ``basis-sharing``, …): the one whose ``build_modules`` reads them."""
     ranks: TypeRanks
     groups: list[list[int]] = field(default_factory=list)
     """Layers that share a basis (``basis-sharing``; one group of all layers for
-    ``shared``/``hybrid``; one layer each for ``svd``)."""
+    ``shared``/``hybrid``; one layer each for ``svd-llm-w``/``svd-llm``)."""
     parts: int = 1
-    """Row blocks factorised separately (a gated MLP-in under ``svd``/``basis-sharing``)."""
+    """Row blocks factorised separately (a gated MLP-in under ``svd-llm-w``/``svd-llm``/
+    ``basis-sharing``)."""
     bases: list[dict[str, torch.Tensor]] = field(default_factory=list)
     """Per group: ``P`` ``(k_in, in)`` and ``U`` ``(out, k_out)`` (``shared``/``hybrid``),
     or ``P0``, ``P1``, … per part (``basis-sharing``)."""

@@ -57,8 +57,9 @@ def save_compressed(loaded: LoadedModel, report: dict[str, Any], folder: str | P
 
 
 def _placeholder(t: dict[str, Any], L: int) -> TypeFactors:
-    """Factors of the recorded method, ranks, groups and parts on the ``meta`` device (no
-    memory; the saved tensors are assigned afterwards)."""
+    """Factors of the recorded method (a former name resolves to its new one), ranks,
+    groups and parts on the ``meta`` device (no memory; the saved tensors are assigned
+    afterwards)."""
     try:
         method = get_method(t["method"])
     except ValueError as e:
@@ -132,7 +133,8 @@ def load_compressed(folder: str | Path) -> LoadedModel:
     source_chain(folder)  # refuses a manifest that names itself (or loops) as its source
     manifest = json.loads(path.read_text())
     loaded = load_model(manifest["source_model"], weights=False)  # every tensor is in the file
-    CompressionConfig.from_dict(manifest["compression"]["config"])  # validates
+    ccfg = CompressionConfig.from_dict(manifest["compression"]["config"])  # validates
+    # (a former method name, e.g. "svd", reads as its new one with a DeprecationWarning)
     adapter = get_adapter(loaded.model)
     L = adapter.num_layers
     for name, t in manifest["compression"]["types"].items():
@@ -145,7 +147,7 @@ def load_compressed(folder: str | Path) -> LoadedModel:
     loaded.model.eval()
     loaded.note = (manifest.get("source_note") or "") + \
         ("; " if manifest.get("source_note") else "") + \
-        f"compressed ({manifest['compression']['config']['method']}) from {loaded.model_id}"
+        f"compressed ({ccfg.method}) from {loaded.model_id}"
     loaded.model_id = str(folder)
     loaded.source = str(folder)
     return loaded

@@ -7,18 +7,20 @@ SmolLM2; a shared input basis of V can hold up to 576 directions):
 ================== ============================================ ===========================
 method             stored parameters of one type (``L`` layers)  rank bounds
 ================== ============================================ ===========================
-``svd``            ``L k (out + in)`` per part                  ``k ≤ min(out_p, in)``
+``svd-llm-w``      ``L k (out + in)`` per part                  ``k ≤ min(out_p, in)``
+``svd-llm``        as ``svd-llm-w`` (the update changes values)  as ``svd-llm-w``
 ``shared``         ``k_out·out + k_in·in + L k_out k_in``       ``k_out ≤ out``, ``k_in ≤ in``
 ``hybrid``         ``shared + L r (out + in)``                  as ``shared``; ``r ≤ min``
 ``basis-sharing``  ``Σ_groups Σ_parts k_g·in + n_g k_g out_p``  ``k_g = min(k, in, n_g out_p)``
 ================== ============================================ ===========================
 
 ``basis-sharing`` (Wang et al., 2024) shares one input basis within each group of ``n_g``
-consecutive layers. ``svd`` and ``basis-sharing`` factorise a gated MLP-in as two parts
+consecutive layers. ``svd-llm-w``, ``svd-llm`` and ``basis-sharing`` factorise a gated
+MLP-in as two parts
 (gate, up: ``parts = 2``, ``out_p = out / 2``), each on its own, as SVD-LLM and the Basis
 Sharing code treat ``gate_proj`` and ``up_proj``; the seed's ``shared`` keeps the stacked
 ``[gate; up]`` as one matrix type. Basis sharing's private types (O, MLP-out by default)
-are per-layer ``svd``. ``onesided-all-layers`` is ``basis-sharing`` with one group of all
+are per-layer ``svd-llm-w``. ``onesided-all-layers`` is ``basis-sharing`` with one group of all
 layers.
 
 Each method's accounting and rank solver lives in its file under
@@ -52,7 +54,7 @@ def stored_parameters(method: str, out: int, inn: int, ranks: TypeRanks,
 
     ``group_sizes``: layers per group (``[1] * L`` for per-layer methods; only methods
     that share within groups read the grouping); ``parts``: row blocks factorised
-    separately (2 for a gated MLP-in under ``svd``/``basis-sharing``)."""
+    separately (2 for a gated MLP-in under ``svd-llm-w``/``svd-llm``/``basis-sharing``)."""
     return get_method(method).stored_parameters(out, inn, ranks, group_sizes, parts)
 
 
@@ -61,7 +63,7 @@ def token_macs(method: str, out: int, inn: int, ranks: TypeRanks, group_sizes: l
     """Multiply-adds per token of one type summed over its ``L`` layers, in the order the
     modules take for one row (``P x`` first; a shared basis's ``U A`` is not formed):
 
-    ``svd`` ``parts·k (out_p + in)`` a layer (= its stored parameters); ``shared``
+    ``svd-llm-w``/``svd-llm`` ``parts·k (out_p + in)`` a layer (= its stored parameters); ``shared``
     ``k_in·in + k_out·k_in + out·k_out`` (``hybrid`` ``+ r (out + in)``); ``basis-sharing``
     ``parts·k_g (in + out_p)``, since every layer maps its own input onto the group's
     basis. Unlike the stored parameters, a shared basis costs MACs in every layer: a

@@ -14,7 +14,7 @@ import torch
 from structlm.atomic import atomic_write_text, clean_json
 from structlm.folders import check_apart, run_folder_lock
 from structlm.hf.finetune import FinetuneConfig, finetune
-from structlm.hf.pipeline import evaluate_all, prepare, spread_windows
+from structlm.hf.pipeline import evaluate_all, prepare, validation_windows
 from structlm.share.compress.apply import CompressionConfig, compress_model
 from structlm.share.compress.io import save_compressed, source_chain
 
@@ -64,10 +64,9 @@ def _run(model: str, ccfg: CompressionConfig, out: Path, corpus: str, second_cor
     res["compress_seconds"] = time.time() - t1
     res["ppl_compressed"] = evaluate_all(prep.loaded.model, prep.eval_ids, progress=progress)
     if ft is not None and ft.steps > 0:
-        in_domain = next(iter(prep.eval_ids.values()))
         res["finetune"] = {"config": dataclasses.asdict(ft),
                            "curve": finetune(prep.loaded.model, prep.train_ids,
-                                             spread_windows(in_domain, ft.eval_tokens), ft,
+                                             validation_windows(prep, ft.eval_tokens), ft,
                                              progress, prefix=prep.window_prefix)}
         res["ppl_finetuned"] = evaluate_all(prep.loaded.model, prep.eval_ids,
                                             progress=progress)

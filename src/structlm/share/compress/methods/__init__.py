@@ -9,22 +9,48 @@ order of :data:`METHODS` (the order of the experiment's default method list).
 
 # isort: off
 from structlm.share.compress.methods.base import (
+    ALIASES,
     METHODS,
     CompressionMethod,
     LayoutOptions,
     TypePlan,
+    canonical_name,
     get_method,
     register,
 )
 from structlm.share.compress.methods.shared import HYBRID_METHOD, SHARED_METHOD
-from structlm.share.compress.methods.svd import SVD_METHOD
+from structlm.share.compress.methods.svd import SVD_LLM_W_METHOD, SVD_METHOD
+from structlm.share.compress.methods.svd_llm import SVD_LLM_METHOD
 from structlm.share.compress.methods.basis_sharing import (
     BASIS_SHARING,
     BASIS_SHARING_METHOD,
     ONESIDED_ALL_LAYERS_METHOD,
 )
+from structlm.share.compress.methods.lowrank_starts import (
+    CONTROL_METHODS,
+    LOWRANK_RANDOM_METHOD,
+    LOWRANK_SVD_METHOD,
+)
 # isort: on
 
-__all__ = ["BASIS_SHARING", "BASIS_SHARING_METHOD", "HYBRID_METHOD", "METHODS",
-           "ONESIDED_ALL_LAYERS_METHOD", "SHARED_METHOD", "SVD_METHOD", "CompressionMethod",
-           "LayoutOptions", "TypePlan", "get_method", "register"]
+__all__ = [
+    "ALIASES",
+    "BASIS_SHARING",
+    "BASIS_SHARING_METHOD",
+    "CONTROL_METHODS",
+    "HYBRID_METHOD",
+    "LOWRANK_RANDOM_METHOD",
+    "LOWRANK_SVD_METHOD",
+    "METHODS",
+    "ONESIDED_ALL_LAYERS_METHOD",
+    "SHARED_METHOD",
+    "SVD_LLM_METHOD",
+    "SVD_LLM_W_METHOD",
+    "SVD_METHOD",
+    "CompressionMethod",
+    "LayoutOptions",
+    "TypePlan",
+    "canonical_name",
+    "get_method",
+    "register",
+]

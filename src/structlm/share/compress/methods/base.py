@@ -8,10 +8,19 @@ asks, per matrix type: which method and layer groups compress it, its ranks with
 with a parameter budget, its factors, its modules, what they store and cost per token, and
 empty factors of the recorded shapes to load saved tensors into. Registering an instance
 (:func:`register`) makes it a valid ``CompressionConfig.method``.
+
+A method may have an update step after every type is replaced (:meth:`CompressionMethod.update`):
+optional for Basis Sharing (``CompressionConfig.update``), part of the method for
+``svd-llm`` (:attr:`CompressionMethod.always_updates`).
+
+Former names: :data:`_RENAMED` ones are refused with what to use instead; :data:`ALIASES`
+(``svd``, now ``svd-llm-w``) still resolve, with a ``DeprecationWarning``, wherever a
+method name is read (:func:`canonical_name`, :func:`get_method`).
 """
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,13 +33,13 @@ from structlm.hf.adapters import MatrixType, ModelAdapter
 from structlm.hf.calibration import Calibration
 from structlm.share.compress.factorize import RootCache, TypeFactors, TypeRanks
 
-__all__ = ["METHODS", "CompressionMethod", "LayoutOptions", "TypePlan", "get_method",
-           "register"]
+__all__ = ["ALIASES", "METHODS", "CompressionMethod", "LayoutOptions", "TypePlan",
+           "canonical_name", "get_method", "register"]
 
 
 @dataclass
 class TypePlan:
-    """How one matrix type is compressed: the effective method (``svd`` for Basis
+    """How one matrix type is compressed: the effective method (``svd-llm-w`` for Basis
     Sharing's private types), its ranks (``None`` when the method chooses them from the
     data under ``budget``, as ``shared``/``hybrid`` do), the budget, groups, parts and the
     per-layer residual rank."""
@@ -64,19 +73,31 @@ class CompressionMethod(ABC):
     two_sided: bool = False
     """Shared output *and* input bases with per-layer cores (``U A_l P``)."""
     shares_across_layers: bool = True
-    """Some factor is shared by several layers (False for per-layer ``svd``)."""
+    """Some factor is shared by several layers (False for the per-layer ``svd-llm-w`` and
+    ``svd-llm``)."""
     has_residual: bool = False
     """A per-layer residual of rank ``CompressionConfig.residual_rank``."""
     splits_row_blocks: bool = False
     """Factorise a type's row blocks (a gated MLP-in's gate and up) on their own."""
+    always_updates: bool = False
+    """The method's :meth:`update` is part of it (``svd-llm``'s layer-wise refit):
+    :func:`~structlm.share.compress.apply.compress_model` runs it after every type is
+    replaced whatever ``CompressionConfig.update`` says, and needs the calibration tokens
+    for it."""
 
     def __repr__(self) -> str:
         return f"<compression method {self.name!r}>"
 
     @property
     def supports_update(self) -> bool:
-        """Whether the method has a post-compression update step (:meth:`update`)."""
-        return type(self).update is not CompressionMethod.update
+        """Whether ``CompressionConfig.update`` may switch on an *optional* update step
+        (:meth:`update` implemented and not :attr:`always_updates`)."""
+        return not self.always_updates and type(self).update is not CompressionMethod.update
+
+    def runs_update(self, requested: bool) -> bool:
+        """Whether :func:`~structlm.share.compress.apply.compress_model` runs
+        :meth:`update` (``requested``: ``CompressionConfig.update``)."""
+        return self.always_updates or (requested and self.supports_update)
 
     def layout(self, t: MatrixType, num_layers: int, options: LayoutOptions
                ) -> tuple[CompressionMethod, list[list[int]]]:
@@ -135,33 +156,56 @@ class CompressionMethod(ABC):
     def update(self, adapter: ModelAdapter, cal: Calibration, plans: list[TypePlan],
                originals: dict[MatrixType, list[torch.Tensor]], tokens: torch.Tensor,
                floor: float) -> dict[str, Any]:
-        """An optional step after every type is replaced (``CompressionConfig.update``):
-        ``originals`` holds the dense weights, ``tokens`` the calibration windows."""
+        """A step after every type is replaced (optional, ``CompressionConfig.update``, or
+        always, :attr:`always_updates`): ``originals`` holds the dense weights of every
+        planned type, ``tokens`` the calibration windows; returns the report's
+        ``"update"`` entry (per type)."""
         raise NotImplementedError(f"method {self.name!r} has no update step")
 
 
 METHODS: dict[str, CompressionMethod] = {}
 """Registered methods by name, in registration order (the built-in ones: ``shared``,
-``hybrid``, ``svd``, ``basis-sharing``, ``onesided-all-layers``)."""
+``hybrid``, ``svd-llm-w``, ``svd-llm``, ``basis-sharing``, ``onesided-all-layers``)."""
 
 _RENAMED = {"onesided": "method 'onesided' was renamed: use 'onesided-all-layers' (one input "
                         "basis across every layer) or 'basis-sharing' (groups of consecutive "
                         "layers, as in the Basis Sharing paper)"}
+"""Former names that are refused (the message says what to use)."""
+
+ALIASES: dict[str, tuple[str, str]] = {
+    "svd": ("svd-llm-w", "method 'svd' is deprecated: it is 'svd-llm-w' (SVD-LLM's "
+                         "truncation-aware whitening without its update); 'svd-llm' is "
+                         "SVD-LLM with the published layer-wise update"),
+}
+"""Former names that still resolve: ``{old: (new, warning)}`` (a ``DeprecationWarning``
+each time one is read)."""
+
+
+def canonical_name(name: str) -> str:
+    """``name``, or the method a deprecated alias stands for (with a
+    ``DeprecationWarning``); the name is not checked otherwise."""
+    if name in ALIASES and name not in METHODS:
+        new, message = ALIASES[name]
+        warnings.warn(message, DeprecationWarning, stacklevel=3)
+        return new
+    return name
 
 
 def register(method: CompressionMethod) -> CompressionMethod:
     """Add ``method`` to :data:`METHODS` under its name (which must be new); returns it."""
     if not getattr(method, "name", ""):
         raise ValueError(f"{method!r} needs a non-empty name")
-    if method.name in METHODS or method.name in _RENAMED:
+    if method.name in METHODS or method.name in _RENAMED or method.name in ALIASES:
         raise ValueError(f"a compression method named {method.name!r} is already registered")
     METHODS[method.name] = method
     return method
 
 
 def get_method(name: str) -> CompressionMethod:
-    """The registered method ``name``; a ``ValueError`` names an unknown value and the
-    valid choices."""
+    """The registered method ``name`` (a deprecated alias resolves, with a
+    ``DeprecationWarning``); a ``ValueError`` names an unknown value and the valid
+    choices."""
+    name = canonical_name(name)
     if name in METHODS:
         return METHODS[name]
     if name in _RENAMED:

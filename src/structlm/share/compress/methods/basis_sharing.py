@@ -9,7 +9,8 @@ What the paper's code does, and this module follows:
   its LLaMA-2-7B configs at 20–50% use ``group_size: 2``;
 * the *shared part* (``share_part: v, k, q, up, gate``) gets one basis per type and group,
   each of gate and up its own; the *private part* (``private_part: down, o``) is
-  per-layer SVD-LLM (the same code with groups of one layer);
+  per-layer SVD-LLM's whitened truncation without SVD-LLM's update (the same code with
+  groups of one layer: ``svd-llm-w`` here);
 * whitening by the group's summed ``XᵀX`` (``Calib.get_s_inv_s``), SVD of the whitened
   stack of the group's matrices: with ``W_g = [W_1; …; W_n]`` ``(n·out, in)`` and
   ``S = (Σ_{l∈g} C_l)^{1/2}``, ``W_g S = U Σ Vᵀ``; the basis ``P = V_kᵀ S^{-1}``
@@ -51,8 +52,8 @@ from torch import nn
 
 from structlm.hf.adapters import ConcatProjection, MatrixType, ModelAdapter, parse_types
 from structlm.hf.calibration import Calibration
-from structlm.hf.linalg import energy_weighted_basis, psd_inv_sqrt, psd_sqrt
-from structlm.nn.factorized import LowRankLinear, OneSidedLinear, SharedBasis
+from structlm.hf.linalg import energy_weighted_basis
+from structlm.nn.factorized import OneSidedLinear, SharedBasis
 from structlm.share.compress.factorize import (
     RootCache,
     TypeFactors,
@@ -68,7 +69,8 @@ from structlm.share.compress.methods.base import (
     TypePlan,
     register,
 )
-from structlm.share.compress.methods.svd import SVD_METHOD
+from structlm.share.compress.methods.refit import update_coefficients
+from structlm.share.compress.methods.svd import SVD_LLM_W_METHOD
 
 __all__ = ["BASIS_SHARING", "BASIS_SHARING_METHOD", "ONESIDED_ALL_LAYERS_METHOD",
            "BasisSharingMethod", "consecutive_groups", "factorize_basis_sharing",
@@ -165,59 +167,6 @@ def _group_of(groups: list[list[int]], L: int) -> list[int]:
     return index
 
 
-def _refit(Ws: list[torch.Tensor], C: torch.Tensor, P: torch.Tensor,
-           floor: float) -> list[torch.Tensor]:
-    """Closed-form coefficients ``D_l = W_l C Pᵀ (P C Pᵀ)^{-1}`` for a fixed basis ``P``
-    ``(k, in)`` under the input second moment ``C`` (damped by a relative eigenvalue
-    floor, float64)."""
-    P = P.double()
-    G = P @ C @ P.T  # (k, k)
-    G_inv = psd_inv_sqrt(G, floor)
-    G_inv = G_inv @ G_inv
-    return [w.double() @ C @ P.T @ G_inv for w in Ws]
-
-
-def update_coefficients(modules: list[nn.Module], originals: list[torch.Tensor],
-                        new_Cs: Sequence[torch.Tensor], groups: list[list[int]], parts: int,
-                        floor: float = 1e-6) -> dict[str, Any]:
-    """Basis Sharing's update step for one matrix type: refit every layer's coefficients
-    (:class:`~structlm.nn.factorized.OneSidedLinear` ``D``, or the output factor ``B`` of a private
-    :class:`~structlm.nn.factorized.LowRankLinear`) to the original weights ``originals`` under the
-    compressed model's inputs ``new_Cs`` (summed over the group, as the paper's code
-    does). ``modules``: one per layer (a :class:`~structlm.hf.adapters.ConcatProjection`
-    of ``parts`` such modules for a gated MLP-in). Returns the whitened error before and
-    after, per layer."""
-    def pieces(m: nn.Module) -> list[nn.Module]:
-        return list(m.parts) if isinstance(m, ConcatProjection) else [m]
-
-    before, after = [], []
-    for g in groups:
-        C = sum(new_Cs[i].double() for i in g) / len(g)
-        root = psd_sqrt(C, floor)
-        for p in range(parts):
-            mods = [pieces(modules[i])[p] for i in g]
-            op = originals[g[0]].shape[0] // parts
-            Ws = [originals[i][p * op:(p + 1) * op].double() for i in g]
-            if isinstance(mods[0], OneSidedLinear):
-                fitted = _refit(Ws, C, mods[0].basis.P.detach(), floor)
-                targets = [m.D for m in mods]
-                rebuilt = [lambda m, d: d @ m.basis.P.detach().double()] * len(mods)
-            elif isinstance(mods[0], LowRankLinear):
-                fitted = [_refit([w], C, m.C.detach(), floor)[0] for w, m in zip(Ws, mods,
-                                                                                 strict=True)]
-                targets = [m.B for m in mods]
-                rebuilt = [lambda m, d: d @ m.C.detach().double()] * len(mods)
-            else:
-                raise TypeError(f"the update step refits OneSidedLinear / LowRankLinear "
-                                f"coefficients, not {type(mods[0]).__name__}")
-            for w, m, d, t, make in zip(Ws, mods, fitted, targets, rebuilt, strict=True):
-                before.append(float(((w - make(m, t.detach().double())) @ root).pow(2).sum()))
-                with torch.no_grad():
-                    t.copy_(d.to(t.dtype))
-                after.append(float(((w - make(m, d)) @ root).pow(2).sum()))
-    return {"error_before": before, "error_after": after}
-
-
 def update_model(adapter: ModelAdapter, cal: Calibration, plans: list[TypePlan],
                  originals: dict[MatrixType, list[torch.Tensor]], tokens: torch.Tensor,
                  floor: float) -> dict[str, Any]:
@@ -243,7 +192,7 @@ def update_model(adapter: ModelAdapter, cal: Calibration, plans: list[TypePlan],
 class BasisSharingMethod(CompressionMethod):
     """One input basis per group of consecutive layers (``group_size`` of the config, or
     all layers with ``all_layers``) for the ``shared_types``; the other types per-layer
-    ``svd``."""
+    ``svd-llm-w`` (whitening only, as the Basis Sharing code's private part)."""
 
     two_sided = False
     shares_across_layers = True
@@ -255,10 +204,10 @@ class BasisSharingMethod(CompressionMethod):
 
     def layout(self, t: MatrixType, num_layers: int, options: LayoutOptions
                ) -> tuple[CompressionMethod, list[list[int]]]:
-        """``basis-sharing`` in consecutive groups for a shared type, ``svd`` per layer
-        for a private one."""
+        """``basis-sharing`` in consecutive groups for a shared type, ``svd-llm-w`` per
+        layer for a private one."""
         if t not in set(parse_types(options.shared_types)):
-            return SVD_METHOD, SVD_METHOD.default_groups(num_layers)
+            return SVD_LLM_W_METHOD, SVD_LLM_W_METHOD.default_groups(num_layers)
         size = num_layers if self.all_layers else options.group_size
         return BASIS_SHARING_METHOD, consecutive_groups(num_layers, size)
 

@@ -1,6 +1,11 @@
-"""``svd``: SVD-LLM's truncation-aware whitening, per layer and per linear module (the
-seed's per-layer baseline; fine-tuned it is test 6's free-factor control; Basis Sharing's
-private types use it too).
+"""``svd-llm-w`` ("whitened truncation"): SVD-LLM's truncation-aware whitening, per layer
+and per linear module, *without* SVD-LLM's parameter update (Wang et al., 2025, "SVD-LLM:
+Truncation-aware Singular Value Decomposition for Large Language Model Compression",
+ICLR; its code's ``--step 1``, "whitening only"). The seed's per-layer baseline;
+fine-tuned it is test 6's free-factor control; Basis Sharing's private types use it too,
+as the Basis Sharing code does. SVD-LLM with its published layer-wise update is
+``svd-llm`` (:mod:`.svd_llm`). Formerly named ``svd``, which still resolves here with a
+``DeprecationWarning``.
 
 Per-layer ``S_l = C_l^{1/2}``, truncated SVD of ``W_l S_l``:
 ``W_l ≈ (U_k Σ_k)(V_k^T S_l^+)``, each of ``parts`` row blocks on its own (a gated
@@ -30,7 +35,8 @@ from structlm.share.compress.factorize import (
 )
 from structlm.share.compress.methods.base import CompressionMethod, TypePlan, register
 
-__all__ = ["SVD_METHOD", "SvdMethod", "factorize_svd", "solve_svd_rank"]
+__all__ = ["SVD_LLM_W_METHOD", "SVD_METHOD", "SvdLlmWMethod", "SvdMethod", "factorize_svd",
+           "solve_svd_rank"]
 
 
 def solve_svd_rank(L: int, out: int, inn: int, budget: float, parts: int = 1) -> int:
@@ -46,15 +52,15 @@ def solve_svd_rank(L: int, out: int, inn: int, budget: float, parts: int = 1) ->
 
 def factorize_svd(weights: list[torch.Tensor], Cs: Sequence[torch.Tensor], k: int,
                   parts: int = 1, floor: float = 1e-6,
-                  roots: RootCache | None = None) -> TypeFactors:
+                  roots: RootCache | None = None, method: str = "svd-llm-w") -> TypeFactors:
     """Per-layer whitened truncated SVD of rank ``k`` (each of ``parts`` row blocks on its
-    own, as SVD-LLM treats ``gate_proj`` and ``up_proj``)."""
+    own, as SVD-LLM treats ``gate_proj`` and ``up_proj``); ``method``: the name the factors
+    record (``svd-llm`` starts from the same factors)."""
     out, inn = weights[0].shape
     op = out // parts
     if not 1 <= k <= min(op, inn):
         raise ValueError(f"svd rank k={k} must be in [1, {min(op, inn)}] for ({op}, {inn})")
-    tf = TypeFactors(SVD_METHOD.name, TypeRanks(k, k), [[i] for i in range(len(weights))],
-                     parts)
+    tf = TypeFactors(method, TypeRanks(k, k), [[i] for i in range(len(weights))], parts)
     for w, c in zip(weights, Cs, strict=True):
         w = w.double()
         root, inv_root = (roots or RootCache(floor)).get(c)
@@ -68,10 +74,10 @@ def factorize_svd(weights: list[torch.Tensor], Cs: Sequence[torch.Tensor], k: in
     return tf
 
 
-class SvdMethod(CompressionMethod):
-    """Per-layer whitened truncated SVD (:func:`factorize_svd`)."""
+class SvdLlmWMethod(CompressionMethod):
+    """Per-layer whitened truncated SVD (:func:`factorize_svd`), no update."""
 
-    name = "svd"
+    name = "svd-llm-w"
     shares_across_layers = False
     splits_row_blocks = True
 
@@ -92,7 +98,7 @@ class SvdMethod(CompressionMethod):
                   floor: float, roots: RootCache) -> TypeFactors:
         """:func:`factorize_svd` at the plan's rank."""
         assert plan.ranks is not None
-        return factorize_svd(weights, Cs, plan.ranks.k, plan.parts, floor, roots)
+        return factorize_svd(weights, Cs, plan.ranks.k, plan.parts, floor, roots, self.name)
 
     def build_modules(self, factors: TypeFactors, biases: list[torch.Tensor | None]
                       ) -> list[nn.Module]:
@@ -127,5 +133,10 @@ class SvdMethod(CompressionMethod):
         return tf
 
 
-SVD_METHOD = register(SvdMethod())
-"""Per-layer whitened SVD (SVD-LLM)."""
+SVD_LLM_W_METHOD = register(SvdLlmWMethod())
+"""Per-layer whitened SVD (SVD-LLM's truncation-aware whitening, without its update)."""
+
+SvdMethod = SvdLlmWMethod
+"""Former name of :class:`SvdLlmWMethod`."""
+SVD_METHOD = SVD_LLM_W_METHOD
+"""Former name of :data:`SVD_LLM_W_METHOD` (the method formerly registered as ``svd``)."""

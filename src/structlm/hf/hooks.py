@@ -1,6 +1,7 @@
-"""Forward hooks that may end a forward early: what calibration, distillation and the
-permutation statistics use to see a few modules' inputs or outputs without running the
-rest of the model."""
+"""Forward hooks that may end a forward early: what the calibrated conversion,
+distillation and the permutation statistics (:mod:`structlm.convert`) and SVD-LLM's
+layer-wise update (:mod:`structlm.share.compress.methods.svd_llm`) use to see a few
+modules' inputs or outputs without running the rest of the model."""
 
 from __future__ import annotations
 

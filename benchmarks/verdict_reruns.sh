@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The re-runs behind the verdicts (docs/share.md and docs/lm.md, "Verdicts, before ->
+# after"), two at a time, one thread each, every step resumable: run this script again
+# after an interruption and each step continues where it stopped (finished arms and runs
+# are kept; a step already done returns at once). A step whose output folder another
+# process is writing is waited for, not started twice.
+#
+#   benchmarks/verdict_reruns.sh            # from the repository root, after `make setup`
+#
+# Lane 1: the share rate probe (part a), then the -20% arms (both calibration draws).
+# Lane 2: the share rate probe (part b), then the -30% / -40% arms, then the CPU study.
+# The whole-model runs start only when both probe parts are done (they read its choice).
+set -u
+cd "$(dirname "$0")/.."
+export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
+S=.venv/bin/structlm
+C=configs/share/experiment-verdicts.yaml
+mkdir -p runs
+
+step() {  # step OUT_DIR COMMAND...: wait while another process writes OUT_DIR, then run
+    local out=$1
+    shift
+    while pgrep -f -- "--out $out( |$)" > /dev/null; do sleep 60; done
+    echo "[$(date -u +%FT%TZ)] start $out" >> runs/verdict_reruns.log
+    "$@" >> "$out.log" 2>&1
+    echo "[$(date -u +%FT%TZ)] end $out (exit $?)" >> runs/verdict_reruns.log
+}
+
+probe_a() { step runs/verdicts_probe_a $S experiment share smollm2 --config $C \
+    --methods basis-sharing,svd-llm-w --probe-only --out runs/verdicts_probe_a --threads 1; }
+probe_b() { step runs/verdicts_probe_b $S experiment share smollm2 --config $C \
+    --methods svd-llm --probe-only --out runs/verdicts_probe_b --threads 1; }
+share_a() { step runs/verdicts_a $S experiment share smollm2 --config $C --reductions 0.2 \
+    --out runs/verdicts_a --add-runs runs/verdicts_probe_a runs/verdicts_probe_b --threads 1; }
+share_b() { step runs/verdicts_b $S experiment share smollm2 --config $C --reductions 0.3,0.4 \
+    --out runs/verdicts_b --add-runs runs/verdicts_probe_a runs/verdicts_probe_b --threads 1; }
+study() { step runs/study-cpu-verdicts $S experiment study configs/study/cpu-verdicts.yaml \
+    --threads 1; }
+
+probe_a & probe_b & wait
+(share_a) & (share_b; study) & wait
+echo "[$(date -u +%FT%TZ)] all lanes done" >> runs/verdict_reruns.log
