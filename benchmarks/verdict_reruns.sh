@@ -7,7 +7,8 @@
 #
 #   benchmarks/verdict_reruns.sh            # from the repository root, after `make setup`
 #
-# Lane 1: the share rate probe (part a), then the -20% arms (both calibration draws).
+# Lane 1: the share rate probe (part a), then the -20% arms (both calibration draws), then
+#         test 6 (configs/share/experiment-test6.yaml).
 # Lane 2: the share rate probe (part b), then the -30% / -40% arms, then the CPU study.
 # The whole-model runs start only when both probe parts are done (they read its choice).
 set -u
@@ -36,7 +37,12 @@ share_b() { step runs/verdicts_b $S experiment share smollm2 --config $C --reduc
     --out runs/verdicts_b --add-runs runs/verdicts_probe_a runs/verdicts_probe_b --threads 1; }
 study() { step runs/study-cpu-verdicts $S experiment study configs/study/cpu-verdicts.yaml \
     --threads 1; }
+test6() { step runs/verdicts_test6 $S experiment share smollm2 \
+    --config configs/share/experiment-test6.yaml --out runs/verdicts_test6 --threads 1; }
 
-probe_a & probe_b & wait
-(share_a) & (share_b; study) & wait
-echo "[$(date -u +%FT%TZ)] all lanes done" >> runs/verdict_reruns.log
+main() {  # one function, parsed whole before it runs: editing this file never breaks a run
+    probe_a & probe_b & wait
+    (share_a; test6) & (share_b; study) & wait
+    echo "[$(date -u +%FT%TZ)] all lanes done" >> runs/verdict_reruns.log
+}
+main "$@"; exit $?
