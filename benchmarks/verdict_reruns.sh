@@ -7,8 +7,9 @@
 #
 #   benchmarks/verdict_reruns.sh            # from the repository root, after `make setup`
 #
-# Lane 1: the share rate probe (part a), then the -20% arms (both calibration draws), then
-#         test 6 (configs/share/experiment-test6.yaml).
+# Lane 1: the share rate probe (part a), test 3 on SmolLM2 over three calibration draws,
+#         the -20% arms (both draws), test 6 (configs/share/experiment-test6.yaml), test 3
+#         on Qwen2.5-Coder-0.5B over three draws.
 # Lane 2: the share rate probe (part b), then the -30% / -40% arms, then the CPU study.
 # The whole-model runs start only when both probe parts are done (they read its choice).
 set -u
@@ -37,12 +38,24 @@ share_b() { step runs/verdicts_b $S experiment share smollm2 --config $C --reduc
     --out runs/verdicts_b --add-runs runs/verdicts_probe_a runs/verdicts_probe_b --threads 1; }
 study() { step runs/study-cpu-verdicts $S experiment study configs/study/cpu-verdicts.yaml \
     --threads 1; }
+analysis_smollm2() {  # test 3 over three calibration draws, then tests 1-2 (test 8 reads both)
+    step runs/share_smollm2_analysis_draws $S share analyze smollm2 --corpus austen --tests 3 \
+        --calib-seeds 0,1,2 --threads 1 --out runs/share_smollm2_analysis_draws
+    step runs/share_smollm2_analysis_draws $S share analyze smollm2 --corpus austen \
+        --calib-seeds 0,1,2 --threads 1 --out runs/share_smollm2_analysis_draws; }
+analysis_qwen() {
+    step runs/share_qwen_analysis_draws $S share analyze qwen2.5-coder --corpus django \
+        --second-corpus austen --tests 3 --calib-seeds 0,1,2 --threads 1 \
+        --out runs/share_qwen_analysis_draws
+    step runs/share_qwen_analysis_draws $S share analyze qwen2.5-coder --corpus django \
+        --second-corpus austen --calib-seeds 0,1,2 --threads 1 \
+        --out runs/share_qwen_analysis_draws; }
 test6() { step runs/verdicts_test6 $S experiment share smollm2 \
     --config configs/share/experiment-test6.yaml --out runs/verdicts_test6 --threads 1; }
 
 main() {  # one function, parsed whole before it runs: editing this file never breaks a run
     probe_a & probe_b & wait
-    (share_a; test6) & (share_b; study) & wait
+    (analysis_smollm2; share_a; test6; analysis_qwen) & (share_b; study) & wait
     echo "[$(date -u +%FT%TZ)] all lanes done" >> runs/verdict_reruns.log
 }
 main "$@"; exit $?

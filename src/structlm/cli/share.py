@@ -107,6 +107,15 @@ def _cmd_share_analyze(args: argparse.Namespace) -> int:
     cfg = AnalysisConfig.from_dict(raw)
     cfg.check_model(*model_limits(cfg.model))  # before any work
     res = run_analysis(cfg, args.out)
+    for t, r in res["tests"].items():  # test 3's headline: the primary variant's verdict
+        f = r.get("functional")
+        if f and "skipped" not in f["variants"][f["primary"]]:
+            v = f["variants"][f["primary"]]
+            m = v["margin"]
+            span = (f"m = {m['mean']:.3f}" + (f" [{m['lo']:.3f}, {m['hi']:.3f}]"
+                                              if m["n"] > 1 else "") if m else "m = n/a")
+            print(f"test 3 {t} ({f['primary']}): {span} over {len(v['margin_per_draw'])} "
+                  f"draw{'s' if len(v['margin_per_draw']) > 1 else ''}: {v['verdict']}")
     print((args.out.rstrip("/") + "/report.md") + f" written ({res['seconds']:.0f} s)")
     return 0
 
@@ -196,7 +205,9 @@ def add_share_commands(sub: Any, bench: Any) -> None:
     from structlm.share.analysis.analyze import AnalysisConfig
     from structlm.share.compress import CompressionConfig
 
-    an = share.add_parser("analyze", help="tests 1-3 with null controls + role classifier")
+    an = share.add_parser("analyze", help="tests 1-3 with null controls + role classifier "
+                          "(--tests 3 --calib-seeds 0,1,2: test 3 alone over calibration "
+                          "draws)")
     an.add_argument("model", help=MODEL_HELP)
     an.add_argument("--config", default=None, help="YAML with AnalysisConfig fields")
     an.add_argument("--threads", type=positive_int, default=2)

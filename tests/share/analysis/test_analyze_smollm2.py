@@ -36,30 +36,56 @@ def test_reduced_analysis_on_smollm2(tmp_path) -> None:
         for kind in ("real", "null_gaussian", "null_spectrum"):
             assert drops[kind]["total"] == pytest.approx(
                 drops[kind]["permutation"] + drops[kind]["diagonal"], abs=1e-9), t
-        for key in ("alignment", "weight_subspaces", "functional_subspaces",
-                    "functional_subspaces_centred", "functional_subspaces_sink_excluded"):
+        for key in ("alignment", "weight_subspaces"):
             assert r[key]["verdict"] in ("lives", "fails")
-        for key in ("functional_subspaces", "functional_subspaces_centred",
-                    "functional_subspaces_sink_excluded"):
-            assert 0 < r[key]["output"]["real"]["effective_rank"][0] <= 576
+        f = r["functional"]
+        assert f["calib_seeds"] == [0, 1, 2] and f["primary"] == "centred"
+        for variant in ("centred", "uncentred", "sink_excluded"):
+            v = f["variants"][variant]
+            assert v["verdict"] in ("lives", "fails", "undecided"), (t, variant)
+            assert len(v["margin_per_draw"]) == 3 and v["margin"]["n"] == 3
+            for d in f["draws"].values():
+                assert 0 < d[variant]["output"]["real"]["effective_rank"][0] <= 576
     k = res["tests"]["k"]["weight_subspaces"]
     assert (k["k_output"], k["k_input"]) == (48, 144)  # per-side k on the GQA shape
-    assert res["tests"]["mlp_in"]["functional_subspaces"]["k_output"] == 768
+    assert res["tests"]["mlp_in"]["functional"]["k_output"] == 768
     # real inputs excite few directions of Q: function has a lower effective rank than weights
     q = res["tests"]["q"]
-    assert max(q["functional_subspaces"]["output"]["real"]["effective_rank"]) < \
-        min(q["weight_subspaces"]["output"]["real"]["effective_rank"])
+    assert max(q["functional"]["draws"]["0"]["uncentred"]["output"]["real"]
+               ["effective_rank"]) < min(q["weight_subspaces"]["output"]["real"]
+                                         ["effective_rank"])
     assert res["roles"]["attention_to_mlp"]["n_test"] == 6
     assert res["roles"]["shape_only"]["attention_to_mlp"]["n_test"] == 6
-    assert res["functional_covariances"]["primary"] == "uncentred"
+    assert res["functional_covariances"]["primary"] == "centred"
+    draws = res["functional_covariances"]["draws"]
+    assert len({d["calibration_tokens"] for d in draws.values()}) == 3  # three draws
     for name, p in res["perplexity"].items():
         # windows drawn across documents, each scoring 511 tokens: at least the 600 asked
         assert 5 < p["ppl"] < 200 and p["tokens"] >= 599 and p["tokens"] % 511 == 0, name
     report = (out / "report.md").read_text()
-    assert "| 3 functional subspaces (primary) | q |" in report
-    assert "| 3 functional, sinks excluded | q |" in report and "de-quantised 4-bit" in report
-    for png in ("energy.png", "effective_ranks.png", "alignment_distance.png"):
+    assert "| 3 functional subspaces (centred covariance, primary) | q |" in report
+    assert "### sinks excluded" in report and "de-quantised 4-bit" in report
+    for png in ("energy.png", "effective_ranks.png", "alignment_distance.png",
+                "functional_margins.png"):
         assert (out / png).stat().st_size > 10_000
+
+
+def test_test_3_alone_over_draws_on_smollm2(tmp_path, capsys) -> None:
+    """``--tests 3 --calib-seeds 0,1,2``: three calibration draws, no perplexity, no tests
+    1–2, no role classifier; one verdict line per type."""
+    out = tmp_path / "t3"
+    rc = main(["share", "analyze", "smollm2", "--tests", "3", "--calib-seeds", "0,1,2",
+               "--layers", "0-2", "--calib-tokens", "1024", "--types", "q,k",
+               "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert "perplexity" not in res and "roles" not in res
+    assert set(res["tests"]["q"]) == {"shape", "functional"}
+    printed = capsys.readouterr().out
+    assert "test 3 q (centred): m = " in printed and "over 3 draws: " in printed
+    steps = json.loads((out / "steps.json").read_text())["steps"]
+    assert {f"functional:draw{d}:{t}" for d in range(3) for t in ("q", "k")} <= set(steps)
+    assert not any(s.startswith(("alignment", "subspaces", "perplexity")) for s in steps)
 
 
 def test_eval_ppl_cli_json(capsys) -> None:

@@ -11,6 +11,7 @@ from structlm.config import (
     ConfigError,
     Distinct,
     NonEmpty,
+    OneOf,
     Range,
     dataclass_from_dict,
     validated,
@@ -32,10 +33,17 @@ class Thresholds:
     alignment_min_margin: Annotated[float, Range()] = 0.1
     """...and at least this far below the null's."""
     subspace_min_score: Annotated[float, Range(ge=0, le=1)] = 0.5
-    """Tests 2/3 live if the mean score is at least this (test 3: applied to each input
-    covariance variant separately)..."""
+    """Test 2 lives if the mean score is at least this..."""
     subspace_min_margin: Annotated[float, Range()] = 0.2
-    """...and at least this far above the null control's score."""
+    """...and at least this far above the null control's score (one null draw: no
+    interval)."""
+    functional_min_margin: Annotated[float, Range(gt=0, lt=1)] = 0.5
+    """Test 3 lives if the interval of its normalised margin ``m = (score − null) /
+    (1 − null)`` over the calibration draws lies above this, fails if it lies below,
+    else is undecided. 0.5: the real matrices close at least half of the gap between the
+    null and the ceiling. Fixed on 2026-12-07, before the re-runs over draws."""
+    functional_min_draws: Annotated[int, Range(ge=2)] = 3
+    """Test 3 gives no verdict with fewer calibration draws than this."""
     classifier_max_p: Annotated[float, Range(gt=0, le=1)] = 0.05
     """The role signature transfers if accuracy beats the majority rate with p ≤ this."""
 
@@ -87,6 +95,15 @@ class AnalysisConfig:
     """Label shuffles of the role classifier's permutation test."""
     seed: Annotated[int, Range(ge=0)] = 0
     """Seed of the document split, the windows, the nulls and the permutations."""
+    tests: Annotated[list[Annotated[int, OneOf(1, 2, 3)]], NonEmpty(), Distinct()] = field(
+        default_factory=lambda: [1, 2, 3])
+    """Which of tests 1–3 to run. The perplexity of the unmodified model and the role
+    classifier run with test 1 or 2 (``3`` alone runs only test 3 over the draws)."""
+    calib_seeds: Annotated[list[Annotated[int, Range(ge=0)]], NonEmpty(), Distinct()] = field(
+        default_factory=lambda: [0, 1, 2])
+    """Test 3's calibration draws (windows drawn from the same calibration documents;
+    draw 0 is the analysis's own calibration, draw ``k`` is drawn with seed ``k``); each
+    draw redraws its own nulls. Test 3's verdict needs ``functional_min_draws`` of them."""
     thresholds: Thresholds = field(default_factory=Thresholds)
 
     def __post_init__(self) -> None:
@@ -104,6 +121,9 @@ class AnalysisConfig:
         if self.sink_pass and not self.sink_tokens < self.seq_len:
             raise ConfigError(f"sink_tokens: {self.sink_tokens} must be below seq_len="
                               f"{self.seq_len} (or set sink_pass: false)")
+        if self.seed != 0 and self.seed in self.calib_seeds:
+            raise ConfigError(f"calib_seeds: {self.seed} draws the windows of draw 0 again "
+                              f"(seed={self.seed} draws draw 0's): every draw must differ")
         if self.layers is not None and len(self.layers) < 3:
             raise ConfigError(f"layers: {self.layers} holds fewer than 3 indices (test 1 "
                               "compares layers with a reference, at several distances)")
