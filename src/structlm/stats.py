@@ -286,24 +286,27 @@ def _run_component(arm: Arm, toks: np.ndarray) -> tuple[float, float]:
     return var, float(dof)
 
 
-def _boot_means(groups: list[np.ndarray], deterministic: bool, win: np.ndarray,
+def _boot_means(groups: list[np.ndarray], deterministic: bool, idx: np.ndarray,
                 toks: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """``(B,)`` bootstrap means of one arm: runs resampled within strata (spread
-    corrected by ``sqrt(n/(n−1))``), then the windows ``win`` ``(B, W)``."""
-    B = win.shape[0]
-    tw = toks[win]  # (B, W)
+    corrected by ``sqrt(n/(n−1))``), then the windows ``idx`` ``(B, W)`` (the same for
+    both arms). A replicate's mean is ``Σ_k t c_k / Σ_k t`` over its windows ``k``, with
+    ``c = centre + mean of the resampled runs' deviations``, computed per run as sums of
+    gathered ``t·dev`` so no ``(B, n, W)`` array is formed."""
+    B = idx.shape[0]
+    denom = np.take(toks, idx).sum(1)  # (B,)
     out = np.zeros(B)
     for g in groups:
         n = g.shape[0]
         centre = g.mean(0)  # (W,)
-        if deterministic or n < 2:
-            rows = np.broadcast_to(centre, (B, g.shape[1]))  # (B, W)
-        else:
-            pick = rng.integers(0, n, size=(B, n))  # (B, n)
-            dev = (g[pick] - centre) * math.sqrt(n / (n - 1))  # (B, n, W)
-            rows = centre + dev.mean(1)  # (B, W): the resampled runs' mean per window
-        vals = np.take_along_axis(np.asarray(rows), win, axis=1)  # (B, W)
-        out += (vals * tw).sum(1) / tw.sum(1)
+        mean = np.take(centre * toks, idx).sum(1)  # (B,)
+        if not deterministic and n >= 2:
+            dev = (g - centre) * (toks * math.sqrt(n / (n - 1)))  # (n, W), token-weighted
+            per_run = np.stack([np.take(d, idx).sum(1) for d in dev], 1)  # (B, n)
+            pick = rng.integers(0, n, size=(B, n)) + n * np.arange(B)[:, None]
+            runs = np.bincount(pick.ravel(), minlength=B * n).reshape(B, n)  # (B, n)
+            mean = mean + (per_run * runs).sum(1) / n
+        out += mean / denom
     return out / len(groups)
 
 
@@ -328,9 +331,9 @@ def compare(a: Arm, b: Arm, level: float = LEVEL, replicates: int = BOOTSTRAP_RE
     comps = {"runs a": va, "runs b": vb, "windows": vw}
     missing = [x.name for x, v in ((a, va), (b, vb)) if math.isnan(v)]
     rng = np.random.default_rng(seed)
-    win = rng.integers(0, W, size=(replicates, W))  # (B, W): the same windows for both arms
-    boot = (_boot_means(ga, a.deterministic, win, toks, rng)
-            - _boot_means(gb, b.deterministic, win, toks, rng))
+    idx = rng.integers(0, W, size=(replicates, W))  # (B, W): the same windows, both arms
+    boot = (_boot_means(ga, a.deterministic, idx, toks, rng)
+            - _boot_means(gb, b.deterministic, idx, toks, rng))
     se = float(np.std(boot, ddof=1))
     parts = [(v, d) for v, d in ((va, da), (vb, db), (vw, W - 1.0)) if v > 0 and d > 0
              and math.isfinite(v)]

