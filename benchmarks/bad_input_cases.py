@@ -50,13 +50,13 @@ def _lost_work(f: dict[str, str]) -> list[Case]:
         c("convert", m, "--algebra", "Q2^2", "--targets", "mlp", "--out", f["afile"], *cf,
           expect="afile", protect=("afile",)),
         c("experiment", "share", m, "--out", m, expect=over, protect=("ctx64",)),
-        c("experiment", "share", m, "--out", f["locked"], expect="another process",
-          protect=("locked",)),
+        c("experiment", "share", m, "--out", f["locked"], "--budget-tolerance", "0.2",
+          expect="another process", protect=("locked",)),  # (the tiny budgets then pass)
         c("experiment", "share", m, "--out", f["afile"], expect="is a file",
           protect=("afile",)),
         c("experiment", "convert", m, "--out", m + "/x", expect=over, protect=("ctx64",)),
-        c("experiment", "convert", m, "--out", f["locked"], expect="another process",
-          protect=("locked",)),
+        c("experiment", "convert", m, "--out", f["locked"], "--mac-tolerance", "0.5",
+          expect="another process", protect=("locked",)),
         c("experiment", "convert", m, "--out", f["afile"], expect="is a file",
           protect=("afile",)),
         c("experiment", "study", f["study_out_file"], expect="afile", protect=("afile",)),
@@ -141,6 +141,10 @@ def _eval(f: dict[str, str]) -> list[Case]:
         c("eval", "ppl", f["notok"], "--window", "32", expect="no tokenizer files"),
         c("eval", "ppl", f["missing_tensor"], "--window", "32", expect="lacks"),
         c("eval", "ppl", f["afile"] + "-nope", expect="nope"),
+        *[c(*e, "--window", "32", "--split", "all", "--corpus", f[f"jsonl_{k}"],
+            expect=f"jsonl_{k}.jsonl, line 2: {v}")
+          for k, v in (("numeric", "field 'text'"), ("array", "expected a JSON object"),
+                       ("broken", "not valid JSON"), ("prompt_number", "field 'prompt'"))],
     ]
 
 
@@ -212,9 +216,10 @@ def _convert(f: dict[str, str]) -> list[Case]:
         c(*cv, "--groups", "heads", "--targets", "mlp", expect="groups"),
         c(*cv, "--groups", "rows", expect="--groups"),
         c(*cv, "--threads", "0", expect="--threads"),
-        c("convert", f["notok"], "--out", f["locked"] + "-c", expect="tokenizer"),
+        c("convert", f["notok"], "--out", f["locked"] + "-c", "--eval-tokens", "100",
+          expect="tokenizer"),  # text is used: a tokenizer is needed (without: converted)
         c("convert", f["gpt2r"], "--out", f["locked"] + "-c", "--targets", "mlp",
-          expect="gpt2r"),
+          "--init", "calibrated", expect="gpt2r' has no tokenizer"),  # calibration: text
         c(*x, "--seeds", "0,0", expect="--seeds"),
         c(*x, "--algebras", "Q2^2,Q2^2", expect="--algebras"),
         c(*x, "--targets", "", expect="targets"),
@@ -266,6 +271,11 @@ def _experiments(f: dict[str, str]) -> list[Case]:
         c("experiment", "study", f["study_bad_arm"], expect="Q7"),
         c("experiment", "study", f["study_arm_field"], expect="lr"),
         c("experiment", "study", f["study_no_arms"], "--threads", "0", expect="--threads"),
+        # budgets a tiny model's ranks cannot meet: refused before any calibration
+        c("experiment", "share", f["ctx64"], "--out", f["locked"] + "-b", "--methods",
+          "svd-llm-w", "--reductions", "0.4", "--types", "attn", expect="cannot be met"),
+        c("experiment", "convert", f["ctx64"], "--out", f["locked"] + "-c", "--algebras",
+          "graph:4:0-1", "--targets", "attn", expect="cannot meet their MAC budget"),
         c("experiment", "demo", "--steps", "0", expect="--steps"),
         c("experiment", "demo", "--algebra", "Q7", expect="Q7"),
         c("demo", "--steps", "-3", expect="--steps"),

@@ -171,6 +171,12 @@ def _yamls(root: Path, f: dict[str, str]) -> None:
     w("compress_finetune_list", "finetune: [1, 2]\n")
     w("compress_finetune_bad", "finetune: {steps: -1}\n")
     w("compress_method_bad", "method: bogus\n")
+    for name, line in (("numeric", '{"text": 5}'), ("array", "[1, 2]"),
+                       ("broken", '{"text": "unclosed'), ("prompt_number",
+                                                         '{"prompt": 1, "response": "a"}')):
+        path = root / f"jsonl_{name}.jsonl"  # a corpus whose second record is not text
+        path.write_text('{"text": "' + TEXTS["a.txt"] * 10 + '"}\n' + line + "\n")
+        f[f"jsonl_{name}"] = str(path)
 
 
 def build(root: Path) -> dict[str, str]:

@@ -41,7 +41,12 @@ def explain_routes(model: _Any, batch: int = 1, tokens: int = 8,
                    decode_steps: int = 1) -> list[_Any]:
     """Which path every layer of ``model`` takes for a prefill of ``(batch, tokens)``
     and ``decode_steps`` cached decode steps (see :mod:`structlm.hf.routes`; print the
-    result with :func:`structlm.hf.routes.format_routes`)."""
+    result with :func:`structlm.hf.routes.format_routes`).
+
+    Raises:
+        TypeError: ``model`` is not a Hugging Face causal LM (a model with
+            ``get_input_embeddings``), e.g. a plain ``nn.Module`` or a string.
+    """
     from structlm.hf.routes import explain_routes as _explain
 
     return _explain(model, batch=batch, tokens=tokens, decode_steps=decode_steps)

@@ -46,7 +46,9 @@ asserts them (tests/test_stats.py).
 from __future__ import annotations
 
 import hashlib
+import json
 import math
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -310,12 +312,43 @@ def _boot_means(groups: list[np.ndarray], deterministic: bool, idx: np.ndarray,
     return out / len(groups)
 
 
+_MEMO: OrderedDict[str, Comparison] = OrderedDict()
+_MEMO_SIZE = 1024
+
+
+def _arm_key(arm: Arm) -> bytes:
+    """A content key of ``arm``: its name, budget, strata, determinism and every run's
+    scores (a report rewritten after each finished run compares the same arms again)."""
+    h = hashlib.sha1(json.dumps([arm.name, dict(arm.budget), arm.strata, arm.deterministic],
+                                sort_keys=True, default=str).encode())
+    for r in arm.runs:
+        h.update(np.asarray(r.nll, dtype=np.float64).tobytes())
+        h.update(np.asarray(r.tokens, dtype=np.int64).tobytes())
+        h.update(r.windows.encode())
+    return h.digest()
+
+
 def compare(a: Arm, b: Arm, level: float = LEVEL, replicates: int = BOOTSTRAP_REPLICATES,
             seed: int = 0) -> Comparison:
     """``a`` against ``b``, paired by window (module docstring). Raises
     :class:`UnpairedWindowsError` or :class:`UnequalBudgetError` instead of comparing
-    what cannot be compared."""
+    what cannot be compared. Deterministic in its inputs: a comparison already made in
+    this process (same arms by content, level, replicates and seed) is returned again."""
     _check_pair(a, b)
+    key = hashlib.sha1(_arm_key(a) + _arm_key(b) + repr((level, replicates, seed)).encode()
+                       ).hexdigest()
+    if key in _MEMO:
+        _MEMO.move_to_end(key)
+        return _MEMO[key]
+    out = _compare(a, b, level, replicates, seed)
+    _MEMO[key] = out
+    while len(_MEMO) > _MEMO_SIZE:
+        _MEMO.popitem(last=False)
+    return out
+
+
+def _compare(a: Arm, b: Arm, level: float, replicates: int, seed: int) -> Comparison:
+    """:func:`compare` without the memo."""
     if replicates < 100:
         raise ValueError(f"replicates must be >= 100, got {replicates}")
     toks = np.asarray(a.runs[0].tokens, dtype=np.float64)

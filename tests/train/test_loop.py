@@ -60,6 +60,9 @@ def test_config_change_is_refused(tmp_path) -> None:
     cfg.lr = 1e-3
     with pytest.raises(ValueError, match=r"different config \(lr: 0\.0003 -> 0\.001\)"):
         train(cfg, progress=False)
+    os.remove(tmp_path / "a" / "config.json")  # the checkpoint keeps the config too
+    with pytest.raises(ValueError, match=r"different config \(lr: 0\.0003 -> 0\.001\)"):
+        train(cfg, progress=False)
     # what cannot change the result may change: threads, when to save/evaluate, and a
     # longer run; a shorter one than the checkpoint is refused
     cfg.lr, cfg.threads, cfg.save_every, cfg.eval_every = lr, 1, 2, 2

@@ -390,14 +390,14 @@ def _models(cfg: ShareBenchConfig, manifest: dict[str, Any] | None, progress: bo
     """``(loaded original, compressed model, compression report, token stream)``: the
     folder ``cfg.compressed`` (its ``manifest``) and its source model, or the model
     compressed on the fly."""
-    from structlm.hf.loading import load_model
     from structlm.hf.text import split_corpus, token_stream
     from structlm.share.compress import CompressionConfig, compress_model, load_compressed
+    from structlm.share.compress.io import load_source
 
     need = max(2, max(cfg.batches) * cfg.prompt_len)
     if manifest is not None:
         compressed = load_compressed(cfg.compressed).model
-        loaded, report = load_model(manifest["source_model"]), manifest["compression"]
+        loaded, report = load_source(cfg.compressed), manifest["compression"]  # by content
         if loaded.tokenizer is None:
             raise ValueError(f"source model {manifest['source_model']!r} has no tokenizer")
         docs = split_corpus(cfg.corpus, 0.25, cfg.seed).evaluation

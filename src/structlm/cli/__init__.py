@@ -10,6 +10,7 @@
     structlm bench share [MODEL] [--compressed DIR] [--method shared] [--batches 1,16] [...]
     structlm eval ppl MODEL [--corpus austen] [...]
     structlm share analyze | compress MODEL [...]
+    structlm share self-contain FOLDER [...]  (upgrade compressed folders of earlier versions)
     structlm convert MODEL --algebra Q2^2 --targets mlp --out DIR [--heal-steps N] [...]
     structlm routes MODEL [--batch 1] [--tokens 8] [--decode-steps 1] [--convert Q2^2]
     structlm experiment study CONFIG.yaml [--out DIR] [--max-steps N] [--threads N]

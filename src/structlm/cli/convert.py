@@ -37,15 +37,15 @@ def _cmd_convert(args: argparse.Namespace) -> int:
           f"{before['projection_macs']:,.0f} -> {after['projection_macs']:,.0f} "
           f"({after['projection_macs'] / before['projection_macs']:.3f}x), parameters "
           f"{before['projection_parameters']:,} -> {after['projection_parameters']:,}")
-    for key, label in (("ppl", "perplexity"),):
-        if key in before:
-            for text, value in before[key].items():
-                line = f"  {label} {text}: {value:.2f} -> {after[key][text]:.2f}"
-                if "ppl_distilled" in after:
-                    line += f" -> distilled {after['ppl_distilled'][text]:.2f}"
-                if "ppl_healed" in after:
-                    line += f" -> healed {after['ppl_healed'][text]:.2f}"
-                print(line)
+    for text, value in before.get("ppl", {}).items():  # every perplexity computed
+        bos_id = rep.get("text", {}).get(text, {}).get("bos", {}).get("bos_id")
+        line = (f"  perplexity {text} (bos={'none' if bos_id is None else bos_id}): "
+                f"original {value:.2f} -> converted {after['ppl'][text]:.2f}")
+        if "ppl_distilled" in after:
+            line += f" -> distilled {after['ppl_distilled'][text]:.2f}"
+        if "ppl_healed" in after:
+            line += f" -> healed {after['ppl_healed'][text]:.2f}"
+        print(line)
     print(f"wrote {args.out} (load it with AutoModelForCausalLM.from_pretrained after "
           f"import structlm; details in {REPORT})")
     return 0

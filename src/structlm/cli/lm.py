@@ -73,11 +73,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     if args.model:
-        from structlm.hf.loading import check_tokenizer_fits, load_model
+        from structlm.hf.loading import FOLDER_FORMATS, check_tokenizer_fits, load_model
 
-        if not os.path.isfile(os.path.join(args.model, "config.json")):
+        if not any(os.path.isfile(os.path.join(args.model, name))
+                   for name in ("config.json", *FOLDER_FORMATS)):
             raise ValueError(f"--model {args.model!r}: no saved model there (expected a "
-                             "folder with config.json and weights, as save_pretrained writes)")
+                             "folder with config.json and weights, as save_pretrained writes, "
+                             "or a folder structlm share compress wrote)")
         try:  # refuses missing, mis-shaped and non-finite weights by name
             loaded = load_model(args.model)
         except (ValueError, OSError) as e:

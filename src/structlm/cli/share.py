@@ -36,16 +36,19 @@ def model_limits(spec: str) -> tuple[int, int | None]:
 
 
 def _cmd_eval_ppl(args: argparse.Namespace) -> int:
+    import sys
+
     import torch
 
+    from structlm.hf.bos import decide_bos
     from structlm.hf.loading import load_model
     from structlm.hf.perplexity import perplexity
     from structlm.hf.text import (
+        corpus_documents,
         sample_windows,
         split_corpus,
         token_stream,
         tokenize_documents,
-        window_prefix,
         windows_for_scored_tokens,
     )
 
@@ -59,39 +62,46 @@ def _cmd_eval_ppl(args: argparse.Namespace) -> int:
         raise ValueError(f"model {args.model!r} has no tokenizer files (tokenizer.json, "
                          "tokenizer_config.json, ...): eval ppl tokenises text; save the "
                          "model's tokenizer into the folder")
-    split = split_corpus(args.corpus, args.eval_fraction, args.seed)
-    docs = {"evaluation": split.evaluation, "calibration": split.calibration,
-            "all": split.calibration + split.evaluation}[args.split]
-    bos = loaded.tokenizer.bos_token_id if args.bos else None
-    if args.bos and bos is None:
-        raise ValueError(f"--bos: the tokenizer of {args.model!r} has no BOS token")
-    text: dict[str, Any] = {"sampling": args.sampling}
     if args.sampling == "windows" and args.stride is not None:
         raise ValueError("--stride applies to --sampling head (windows are scored whole)")
-    if args.sampling == "windows":  # the reports' protocol (share.pipeline.prepare)
-        prefix = window_prefix(loaded.tokenizer)  # the tokenizer's own, e.g. Gemma's BOS
-        if bos is not None and prefix[:1] == [bos]:
-            bos = None  # already the first id of every window
+    # one BOS decision for every sampling mode: the tokenizer's convention, or the flag
+    bos = decide_bos(loaded.tokenizer, args.bos, model=repr(args.model))
+    if bos.warning:
+        print(f"structlm: warning: {bos.warning}", file=sys.stderr)
+    if args.split == "all":  # nothing is split: one document is enough
+        docs = corpus_documents(args.corpus)
+    else:
+        split = split_corpus(args.corpus, args.eval_fraction, args.seed)
+        docs = split.evaluation if args.split == "evaluation" else split.calibration
+    text: dict[str, Any] = {"sampling": args.sampling}
+    if args.sampling == "windows":  # the reports' protocol (hf.pipeline.prepare)
         sample = sample_windows(docs, tokenize_documents(loaded.tokenizer, docs),
                                 windows_for_scored_tokens(args.tokens, args.window),
-                                args.window, args.seed + 1, prefix=prefix)
-        ids = sample.windows
+                                args.window, args.seed + 1, prefix=bos.prefix())
+        ids, put_in_front = sample.windows, None  # BOS (if any) is each window's first id
         text = sample.describe()
     else:
-        ids = token_stream(loaded.tokenizer, docs, args.tokens)
-    res = perplexity(loaded.model, ids, window=args.window, stride=args.stride, bos_id=bos,
-                     batch_size=args.batch_size, progress=not args.json)
+        ids, put_in_front = token_stream(loaded.tokenizer, docs, args.tokens), bos.bos_id
+    res = perplexity(loaded.model, ids, window=args.window, stride=args.stride,
+                     bos_id=put_in_front, batch_size=args.batch_size,
+                     progress=not args.json,
+                     bos_token=loaded.tokenizer.bos_token_id)
+    if (res.bos, res.bos_id) != (bos.applied, bos.bos_id):  # the record is read from the ids
+        raise RuntimeError(f"the scored windows {'start' if res.bos else 'do not start'} "
+                           f"with BOS {res.bos_id}, but the decision was: {bos.reason}")
     out: dict[str, Any] = {"model": loaded.model_id, "corpus": args.corpus, "split": args.split,
                            "documents": [d.name for d in docs], "text": text,
-                           **res.as_dict()}
+                           **res.as_dict(), "bos_decision": bos.as_dict()}
     if loaded.note:
         out["note"] = loaded.note
     if args.json:
         print(json.dumps(out))
     else:
         print(f"{loaded.model_id} on {args.corpus} ({args.split} split, {res.tokens} tokens, "
-              f"window {res.window}, stride {res.stride}, bos={res.bos}): "
+              f"window {res.window}, stride {res.stride}, "
+              f"bos={res.bos_id if res.bos else 'none'}): "
               f"ppl {res.ppl:.3f} (nll {res.nll:.4f})")
+        print(f"  {bos.reason}")
         if loaded.note:
             print(f"note: {loaded.note}")
     return 0
@@ -144,10 +154,26 @@ def _cmd_share_compress(args: argparse.Namespace) -> int:
                        eval_tokens=args.eval_tokens, ft=ft, seed=args.seed)
     c = res["compression"]
     print(f"{ccfg.method} on {ccfg.types}: {c['ratio']:.2f}x fewer stored parameters in the "
-          f"compressed matrices; ppl " + ", ".join(
-              f"{k}: {v['ppl']:.2f} -> {res['ppl_compressed'][k]['ppl']:.2f}"
-              for k, v in res["ppl_original"].items()))
+          "compressed matrices")
+    for k, v in res["ppl_original"].items():
+        line = (f"  perplexity {k} ({v['tokens']} tokens, "
+                f"bos={v.get('bos_id') if v.get('bos') else 'none'}): original {v['ppl']:.2f} "
+                f"-> compressed {res['ppl_compressed'][k]['ppl']:.2f}")
+        if "ppl_finetuned" in res:
+            line += f" -> fine-tuned {res['ppl_finetuned'][k]['ppl']:.2f}"
+        print(line)
     print(f"{args.out.rstrip('/')}/report.md written ({res['seconds']:.0f} s)")
+    return 0
+
+
+def _cmd_share_self_contain(args: argparse.Namespace) -> int:
+    from structlm.share.compress.io import make_self_contained
+
+    for folder in args.folders:
+        changed = make_self_contained(folder)
+        print(f"{folder}: " + ("now self-contained (config, tokenizer and weights inside; "
+                               "the source model is no longer read)" if changed else
+                               "already self-contained, nothing to do"))
     return 0
 
 
@@ -189,9 +215,11 @@ def add_share_commands(sub: Any, bench: Any) -> None:
                      help="tokens per scored window (>= 2, at most the model's context)")
     ppl.add_argument("--stride", type=positive_int, default=None,
                      help="new tokens scored per window (default window-1)")
-    ppl.add_argument("--bos", action="store_true", help="put BOS in front of every window "
-                     "(windows sampling starts each window with the tokenizer's own prefix "
-                     "anyway, e.g. Gemma's BOS)")
+    ppl.add_argument("--bos", action=argparse.BooleanOptionalAction, default=None,
+                     help="BOS in front of every window, in every sampling mode (default: "
+                          "exactly when the model's tokenizer puts BOS before its inputs, "
+                          "e.g. Gemma's); --no-bos leaves it out, with a warning where the "
+                          "tokenizer puts one")
     ppl.add_argument("--batch-size", type=positive_int, default=4)
     ppl.add_argument("--seed", type=int, default=0)
     ppl.add_argument("--threads", type=positive_int, default=2)
@@ -235,6 +263,13 @@ def add_share_commands(sub: Any, bench: Any) -> None:
                     ft_flags=add_dataclass_flags(
                         cp, FinetuneConfig, prefix="finetune",
                         title="FinetuneConfig fields (--finetune-steps 0 = no fine-tuning)"))
+
+    sc = share.add_parser("self-contain", help="make compressed folders written by an "
+                          "earlier structlm self-contained (copy the source's config and "
+                          "tokenizer in)")
+    sc.add_argument("folders", nargs="+", help="compressed model folders (run where they were "
+                    "written: their source model is read once)")
+    sc.set_defaults(func=_cmd_share_self_contain)
 
     bsh = bench.add_parser("share", help="memory and CPU latency (prefill, cached decode) of "
                            "a compressed model vs the original")

@@ -45,7 +45,7 @@ from structlm.hf.hooks import StopForward, hooked, run_until_stopped
 from structlm.nn.structure import invalidate_fast_paths
 
 __all__ = ["DEFAULT_RIDGE", "block_error", "calibrate_", "calibration_batches", "fit_blocks",
-           "type_masks"]
+           "model_context", "type_masks"]
 
 DEFAULT_RIDGE = 1e-4
 """Relative ridge: ``lambda = ridge * trace(G) / in_features`` per output group."""
@@ -142,16 +142,36 @@ def block_error(weight: torch.Tensor, dense: torch.Tensor, moments: torch.Tensor
     return errs
 
 
-def calibration_batches(calibration: Any, vocab_size: int, batch_size: int = 4
-                        ) -> list[torch.Tensor]:
+def model_context(model: nn.Module) -> int | None:
+    """Positions ``model`` can attend to (its text config's ``max_position_embeddings``
+    or ``n_positions``; ``None``: it does not say)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key in ("max_position_embeddings", "n_positions"):
+        value = getattr(text, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def calibration_batches(calibration: Any, vocab_size: int, batch_size: int = 4,
+                        context: int | None = None) -> list[torch.Tensor]:
     """Token-id batches ``(B, T)`` from a tensor of ids ``(n, T)`` (split into batches of
-    ``batch_size`` rows) or an iterable of batches (tensors, or dicts/tuples holding
-    ``input_ids`` first), checked: integer ids within the vocabulary, at least one token.
+    ``batch_size`` rows; a 1-D tensor is one sequence) or an iterable of batches (tensors,
+    or dicts/tuples holding ``input_ids`` first), checked: integer ids ``(batch, seq)``
+    within the vocabulary, ``seq`` within ``context`` positions (when given), at least
+    one token. Iterates ``calibration`` once.
 
     Raises:
-        ValueError: naming what is wrong.
+        ValueError: naming what is wrong (the batch, the value and what was expected).
     """
+    if isinstance(calibration, str | bytes):
+        raise ValueError("calibration must be token ids (a LongTensor (batch, seq)), not "
+                         "text: tokenize it first")
     if isinstance(calibration, torch.Tensor):
+        if calibration.dim() not in (1, 2):
+            raise ValueError(f"calibration ids must have shape (batch, seq) (or (seq,) for "
+                             f"one sequence), got shape {tuple(calibration.shape)}")
         ids = calibration if calibration.dim() == 2 else calibration.reshape(1, -1)
         items: Iterable[Any] = ids.split(batch_size)
     elif isinstance(calibration, Iterable):
@@ -166,13 +186,20 @@ def calibration_batches(calibration: Any, vocab_size: int, batch_size: int = 4
         elif isinstance(item, tuple | list):
             item = item[0] if item else None
         if not isinstance(item, torch.Tensor) or item.dtype.is_floating_point \
-                or item.dtype == torch.bool:
+                or item.dtype.is_complex or item.dtype == torch.bool:
             got = item.dtype if isinstance(item, torch.Tensor) else type(item).__name__
             raise ValueError(f"calibration batch {i}: expected integer token ids, got {got}")
+        if item.dim() not in (1, 2):
+            raise ValueError(f"calibration batch {i}: expected ids of shape (batch, seq), got "
+                             f"shape {tuple(item.shape)}")
         item = item if item.dim() == 2 else item.reshape(1, -1)
         if item.numel() and (int(item.min()) < 0 or int(item.max()) >= vocab_size):
             raise ValueError(f"calibration batch {i}: token ids must lie in [0, {vocab_size}) "
                              f"(the model's vocabulary), got {int(item.min())}..{int(item.max())}")
+        if context is not None and item.shape[1] > context:
+            raise ValueError(f"calibration batch {i}: sequences of {item.shape[1]} tokens are "
+                             f"longer than the model's context of {context} positions: use "
+                             f"windows of at most {context} tokens")
         if item.numel():
             out.append(item.long())
     if not out:
@@ -351,14 +378,18 @@ def calibrate_(model: nn.Module, names: Sequence[str], calibration: Any,
     ``sum |W_eff x - A x|^2 / sum |A x|^2`` of the copy and of the fit (in total, per
     type, and on the held-out windows), the ridge and the tokens per type.
 
+    Atomic: on any error (a position type that never occurs in a later layer's
+    calibration tokens, an interrupt) every module refitted so far gets its weight back.
+
     Raises:
-        ValueError: bad calibration ids, or a position type that never occurs in them
-            (its blocks would be fitted to nothing).
+        ValueError: bad calibration ids (not integer ``(batch, seq)``, outside the
+            vocabulary, longer than the model's context), or a position type that never
+            occurs in them (its blocks would be fitted to nothing).
     """
     if ridge is not None and not ridge > 0:
         raise ValueError(f"ridge must be > 0 or None (chosen on held-out windows), got {ridge!r}")
     vocab = int(model.get_input_embeddings().weight.shape[0])
-    batches = calibration_batches(calibration, vocab)
+    batches = calibration_batches(calibration, vocab, context=model_context(model))
     n_rows = sum(b.shape[0] for b in batches)
     held_every = HELD_OUT_EVERY if ridge is None and n_rows >= HELD_OUT_EVERY else 0
     adapter = get_adapter(model)
@@ -370,6 +401,7 @@ def calibrate_(model: nn.Module, names: Sequence[str], calibration: Any,
     summary: dict[str, Any] = {"tokens": int(sum(b.numel() for b in batches)),
                                "held_out_every": held_every, "modules": {}}
     thin: list[str] = []
+    before: list[tuple[TypedAlgebraLinear, torch.Tensor]] = []  # each weight, once replaced
     try:
         cached = _capture(model, blocks, batches, source, held_every)
         last = max((st.layer for st in stages), default=-1)
@@ -392,6 +424,7 @@ def calibrate_(model: nn.Module, names: Sequence[str], calibration: Any,
                     if int(n.min()) < 2 * m.in_features:
                         thin.append(f"{name} ({int(n.min())} for {m.in_features} inputs)")
                     fitted, info = _fit_module(m, fit_c, held_c, ridge)
+                    before.append((m, m.weight.detach().clone()))
                     m.weight.copy_(fitted.to(m.weight.dtype))
                     info["tokens_per_type"] = [int(v) for v in n]
                     summary["modules"][name] = info
@@ -400,6 +433,11 @@ def calibrate_(model: nn.Module, names: Sequence[str], calibration: Any,
                 for b in cached:
                     out = _run_block(block, b, layer, source)
                     b.hidden = out[0] if isinstance(out, tuple) else out
+    except BaseException:
+        for m, w in reversed(before):
+            m.weight.copy_(w)
+        invalidate_fast_paths(model)
+        raise
     finally:
         model.train(was_training)
     if thin:

@@ -11,7 +11,7 @@ types from the model's own position ids (see :mod:`.typed_linear`). Nothing of t
 Hugging Face modelling code is edited: the model family's adapter
 (:mod:`structlm.hf.adapters`) names the modules and the position source. The
 conversion is recorded in ``model.config.structlm_conversion`` so a saved model can be
-restored with :func:`load_converted`.
+restored (:mod:`.record`: :func:`~structlm.convert.record.load_converted`).
 
 Every target is checked before anything changes: unknown matrix types, a ``filter_fn``
 that selects nothing, widths the algebra's ``q`` does not divide, a module that is not a
@@ -20,125 +20,23 @@ plain projection (already converted or compressed), a non-associative algebra.
 
 from __future__ import annotations
 
-import functools
-import math
-import warnings
-from collections.abc import Callable
+import copy
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from structlm.algebra import Algebra, AlgebraError, get_algebra, support_of
-from structlm.config import ConfigError
+from structlm.algebra import Algebra
+from structlm.convert.algebra_config import _ATTN, _FFN, CONFIG_KEY, AlgebraConfig
 from structlm.convert.typed_linear import PositionTypes, TypedAlgebraLinear, dense_from
-from structlm.hf.adapters import LinearSite, MatrixType, get_adapter, parse_types
-from structlm.nn.schedules import TypeSchedule, get_schedule
+from structlm.hf.adapters import LinearSite, get_adapter, parse_types
 from structlm.nn.structure import invalidate_fast_paths
 
-__all__ = ["AlgebraConfig", "check_convertible", "conversion_info", "convert_",
-           "install_from_pretrained_hook", "load_converted", "restore_conversion", "unconvert_"]
-
-CONFIG_KEY = "structlm_conversion"
-INITS = ("copy", "calibrated")
-GROUPS = ("equal", "heads")
-_ATTN = {MatrixType.Q, MatrixType.K, MatrixType.V, MatrixType.O}
-_FFN = {MatrixType.MLP_IN, MatrixType.MLP_OUT}
-
-
-@dataclass(frozen=True)
-class AlgebraConfig:
-    """How to convert a model (checked when built)."""
-
-    algebra: str | Algebra = "Q2^2"
-    """Product rule: a catalogue name (Q4, Q2^2, ...; ``structlm algebra table``) or an
-    :class:`~structlm.algebra.Algebra`; it must be associative with a unit (what a layer
-    needs). Only a named algebra can be restored by :func:`load_converted`."""
-    schedule: str = "cyclic"
-    """Position types: cyclic (p mod q), block:<size>[:<period>], table:..., or
-    cross-layer:<one of these>. Cyclic by default: every window of q tokens holds every
-    type, whatever the context of a pretrained model."""
-    targets: str = "mlp"
-    """Matrix types converted: mlp (the FFN projections, the default), attn, all, or a
-    list of q,k,v,o,mlp_in,mlp_out (a fused qkv needs q, k and v together, and becomes
-    one algebra layer: see :func:`convert_`)."""
-    init: str = "copy"
-    """``copy``: every weight kept bit for bit (each type then drops the blocks its support
-    does not use); ``calibrated``: the blocks refitted so that every type's product
-    approximates the dense projection on calibration activations (float64, ridge toward
-    the dense weight, layer by layer: :mod:`structlm.convert.calibrate`). The parameter
-    count is the same either way; ``calibrated`` changes the values, and
-    :func:`convert_` then needs ``calibration`` token ids."""
-    ridge: float | None = None
-    """With ``init="calibrated"``: the relative ridge ``lambda = ridge * trace(G) / K``;
-    ``None`` chooses it per module from ``calibrate.RIDGES`` by the error on every 8th
-    calibration window, held out (then refits on all)."""
-    permute: bool = False
-    """Before converting, reorder every FFN's hidden units (with FFN targets) and every
-    layer's attention heads (with q, k, v and o targets; ``groups="heads"``), a
-    function-preserving permutation, so that each type keeps as much of the calibration
-    output as possible (:mod:`structlm.convert.permute`, :mod:`structlm.convert.heads`;
-    needs ``calibration`` ids)."""
-    groups: str = "equal"
-    """``equal``: every projection split into ``q`` equal groups; ``heads``: the head side
-    of the attention projections (Q/K/V outputs, O inputs) in groups of whole heads
-    where there are at least ``q`` heads (:mod:`structlm.convert.heads`; separate
-    q/k/v/o projections and attention targets)."""
-
-    def __post_init__(self) -> None:
-        try:
-            support = support_of(self.algebra_object())
-        except AlgebraError as e:  # keep its message, name the field
-            raise ConfigError(f"algebra {self.algebra_name!r}: {e}") from None
-        if support.q < 2:
-            raise ConfigError(f"algebra {self.algebra_name!r} has one type: converting to "
-                              "it changes nothing (use Q2, Q4, Q2^2, ...)")
-        get_schedule(self.schedule, support.q)  # raises a ValueError naming the spec
-        parse_types(self.targets)
-        types = set(parse_types(self.targets))
-        if self.groups not in GROUPS:
-            raise ConfigError(f"groups: {self.groups!r} is not valid: expected one of "
-                              f"{GROUPS}")
-        if self.groups == "heads" and not types & _ATTN:
-            raise ConfigError(f"groups: 'heads' aligns the attention projections' groups to "
-                              f"heads, but targets {self.targets!r} hold none of q, k, v, o")
-        if self.permute and not (_FFN <= types or _ATTN <= types):
-            raise ConfigError(f"permute: reorders FFN hidden units or attention heads, so "
-                              f"targets must hold mlp_in and mlp_out (mlp) or q, k, v and o "
-                              f"(attn), got {self.targets!r}")
-        if self.permute and _ATTN <= types and self.groups != "heads":
-            raise ConfigError(f"permute with attention targets ({self.targets!r}) moves "
-                              "whole heads between groups: set groups='heads'")
-        if self.init not in INITS:
-            raise ConfigError(f"init: {self.init!r} is not valid: expected one of {INITS}")
-        if self.ridge is not None and not (isinstance(self.ridge, int | float)
-                                           and math.isfinite(self.ridge) and self.ridge > 0):
-            raise ConfigError(f"ridge: {self.ridge!r} is out of range: expected > 0, or "
-                              "None (chosen on held-out calibration windows)")
-
-    def algebra_object(self) -> Algebra:
-        return self.algebra if isinstance(self.algebra, Algebra) else get_algebra(self.algebra)
-
-    @property
-    def algebra_name(self) -> str:
-        return self.algebra.name if isinstance(self.algebra, Algebra) else self.algebra
-
-    @property
-    def q(self) -> int:
-        return support_of(self.algebra_object()).q
-
-    def record(self) -> dict[str, Any]:
-        """The JSON-able description saved in the model's config (a custom
-        :class:`Algebra` is marked: only a catalogue name can be rebuilt)."""
-        return {"algebra": self.algebra_name, "schedule": self.schedule,
-                "targets": self.targets, "custom_algebra": isinstance(self.algebra, Algebra),
-                "init": self.init, **({"ridge": self.ridge} if self.init != "copy" else {}),
-                **({"permute": True} if self.permute else {}),
-                **({"groups": self.groups} if self.groups != "equal" else {})}
-
-    def type_schedule(self) -> TypeSchedule:
-        return get_schedule(self.schedule, self.q)
+__all__ = ["AlgebraConfig", "check_convertible", "conversion_info", "convert_", "unconvert_"]
 
 
 @dataclass
@@ -280,7 +178,116 @@ def _shape(module: nn.Module, conv1d: bool) -> tuple[int, int]:
     return int(module.in_features), int(module.out_features)
 
 
-def convert_(model: nn.Module, config: AlgebraConfig | None = None,
+def _as_config(config: AlgebraConfig | str | Algebra | None) -> AlgebraConfig:
+    """``config`` as an :class:`AlgebraConfig` (an algebra name or object: the defaults
+    with that product rule)."""
+    if config is None:
+        return AlgebraConfig()
+    if isinstance(config, AlgebraConfig):
+        return config
+    if isinstance(config, str | Algebra):
+        return AlgebraConfig(algebra=config)
+    raise TypeError(f"config must be an AlgebraConfig, an algebra name such as 'Q4' or an "
+                    f"Algebra, got {type(config).__name__} {config!r}")
+
+
+def _check_model(model: Any, what: str) -> None:
+    """Refuse what is not a Hugging Face causal LM before any attribute is read."""
+    if not isinstance(model, nn.Module) or not hasattr(model, "config") \
+            or not callable(getattr(model, "get_input_embeddings", None)):
+        raise TypeError(f"{what} expects a Hugging Face causal LM (a PreTrainedModel with a "
+                        f"config and get_input_embeddings), got {type(model).__name__}")
+
+
+@dataclass
+class _Planned:
+    """One projection to replace, checked: its site, name, layout and group widths."""
+
+    site: LinearSite
+    fqn: str
+    conv1d: bool
+    n_in: int
+    n_out: int
+    widths: tuple[tuple[int, ...], tuple[int, ...]] | None
+
+
+def _plan(model: nn.Module, cfg: AlgebraConfig,
+          filter_fn: Callable[[nn.Module, str], bool] | None) -> list[_Planned]:
+    """Every replacement :func:`convert_` makes, each checked (head widths included);
+    changes nothing."""
+    adapter = get_adapter(model)
+    chosen = _selected(model, cfg, filter_fn)
+    shape = None
+    if cfg.groups == "heads":
+        from structlm.convert.heads import attention_shape
+
+        shape = attention_shape(model)
+    plan = []
+    for site, fqn in chosen:
+        conv1d = adapter.conv1d_layout and type(site.module).__name__ == "Conv1D"
+        n_in, n_out = _shape(site.module, conv1d)
+        widths = None
+        if shape is not None:
+            from structlm.convert.heads import site_widths
+
+            widths = site_widths(site.types, n_in, n_out, shape, cfg.q)
+        plan.append(_Planned(site, fqn, conv1d, n_in, n_out, widths))
+    return plan
+
+
+class _Undo:
+    """What a change to a model did so far, to put back exactly if it raises: the
+    replaced modules (the originals, untouched), the position hook, the conversion
+    record, the permutations applied (undone by their inverses, bit for bit)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.had_record = CONFIG_KEY in model.config.__dict__
+        self.record = copy.deepcopy(model.config.__dict__.get(CONFIG_KEY))
+        self.training = model.training
+        self.swapped: list[tuple[nn.Module, str, nn.Module]] = []
+        self.hook: RemovableHandle | None = None
+        self.ffn_orders: dict[int, Any] = {}
+        self.head_orders: dict[int, Any] = {}
+
+    def rollback(self) -> None:
+        """Put the model back as it was when this was created."""
+        model = self.model
+        for parent, attr, original in reversed(self.swapped):
+            setattr(parent, attr, original)
+        if self.hook is not None:
+            self.hook.remove()
+        if "_structlm_conversion" in model.__dict__:
+            del model._structlm_conversion
+        model.config.__dict__.pop(CONFIG_KEY, None)
+        if self.had_record:
+            model.config.__dict__[CONFIG_KEY] = self.record
+        if self.head_orders:
+            from structlm.convert.heads import apply_head_orders_
+
+            apply_head_orders_(model, {i: (o[0].argsort(), o[1].argsort())
+                                       for i, o in self.head_orders.items()})
+        if self.ffn_orders:
+            from structlm.convert.permute import apply_ffn_orders_
+
+            apply_ffn_orders_(model, {i: o.argsort() for i, o in self.ffn_orders.items()})
+        model.train(self.training)
+        invalidate_fast_paths(model)
+
+
+@contextmanager
+def _atomic(model: nn.Module) -> Iterator[_Undo]:
+    """Run a change of ``model``; on any exception (an interrupt too), undo it and
+    re-raise."""
+    undo = _Undo(model)
+    try:
+        yield undo
+    except BaseException:
+        undo.rollback()
+        raise
+
+
+def convert_(model: nn.Module, config: AlgebraConfig | str | Algebra | None = None,
              filter_fn: Callable[[nn.Module, str], bool] | None = None,
              calibration: Any = None, progress: bool = True) -> nn.Module:
     """Replace, in place, the chosen projections of ``model`` (a Hugging Face causal LM of
@@ -289,6 +296,10 @@ def convert_(model: nn.Module, config: AlgebraConfig | None = None,
     :class:`TypedAlgebraLinear` s with parameters of the same shapes and names (the count
     never changes; ``init="copy"`` keeps the values, ``"calibrated"`` refits them,
     ``permute`` reorders them); returns ``model``.
+
+    ``config`` is an :class:`AlgebraConfig`, or just an algebra name (``"Q4"``) or
+    :class:`~structlm.algebra.Algebra`: ``AlgebraConfig(algebra=config)``, every other
+    field at its default; ``None``: ``AlgebraConfig()``.
 
     A fused projection (GPT-2's ``c_attn``, StructLM's ``qkv``, Phi-3's ``qkv_proj`` and
     ``gate_up_proj``) becomes *one* algebra layer, whose type groups cut across the
@@ -305,103 +316,136 @@ def convert_(model: nn.Module, config: AlgebraConfig | None = None,
     such as a ``DataLoader``'s dicts or a tokenizer's ``BatchEncoding``) drives a
     layer-by-layer refit of the converted blocks (:mod:`structlm.convert.calibrate`; a
     progress bar unless ``progress=False``); its summary (relative calibration error of
-    the copy and of the fit, per module and type) is in :func:`conversion_info`.
+    the copy and of the fit, per module and type) is in :func:`conversion_info`. The ids
+    are checked first: integers ``(batch, seq)`` (a 1-D tensor is one sequence) in
+    ``[0, vocabulary)``, ``seq`` within the model's context.
+
+    Atomic: every input is checked before the first change, and if anything raises
+    during the change (a position type the calibration never shows, an interrupt), the
+    model is put back exactly as it was (modules, values, record) before it propagates.
 
     Raises:
+        TypeError: ``model`` is not a Hugging Face causal LM, ``config`` not an
+            AlgebraConfig / algebra name / Algebra, ``filter_fn`` not callable.
         ValueError: for any target that cannot be converted (all named, nothing changed);
-            ``init="calibrated"`` without calibration ids, or ids with ``init="copy"``.
+            ``init="calibrated"`` without calibration ids, ids with ``init="copy"``, ids
+            that are not integers ``(batch, seq)`` within the vocabulary and context.
     """
-    cfg = config or AlgebraConfig()
+    cfg = _as_config(config)
+    _check_model(model, "convert_")
+    if filter_fn is not None and not callable(filter_fn):
+        raise TypeError(f"filter_fn must be callable (module, name) -> bool or None, got "
+                        f"{type(filter_fn).__name__}")
     wants = cfg.init == "calibrated" or cfg.permute
     if wants != (calibration is not None):
         raise ValueError(f"init={cfg.init!r}, permute={cfg.permute} " + (
             "needs calibration token ids (convert_(..., calibration=ids))"
             if calibration is None else "keeps every weight: calibration ids are only used "
             "with init='calibrated' or permute=True"))
-    permutation = None
-    if cfg.permute:
-        if getattr(model, "_structlm_conversion", None) is not None:
-            raise ValueError("the model is already converted; unconvert_ it first")
-        check_convertible(model, cfg, filter_fn)  # nothing changes if the targets are bad
-        from structlm.convert.heads import permute_heads_
-        from structlm.convert.permute import permute_ffn_
+    if getattr(model, "_structlm_conversion", None) is not None:
+        raise ValueError(f"the model is already converted ({conversion_info(model)}); "
+                         "unconvert_ it first")
+    plan = _plan(model, cfg, filter_fn)  # every target checked; nothing changed yet
+    batches = None
+    if calibration is not None:
+        from structlm.convert.calibrate import calibration_batches, model_context
 
-        types = set(parse_types(cfg.targets))
-        orders: dict[int, Any] = {}
-        heads: dict[int, Any] = {}
-        permutation = {}
-        if _FFN <= types:
-            permutation.update(permute_ffn_(model, cfg.algebra_object(), cfg.type_schedule(),
-                                            calibration, progress, orders))
-        if _ATTN <= types:
-            permutation.update(permute_heads_(model, cfg.algebra_object(),
-                                              cfg.type_schedule(), calibration, progress,
-                                              heads))
-    _convert(model, cfg, filter_fn)
-    conv = model._structlm_conversion
-    conv.permutation = permutation
-    if cfg.permute:
-        conv.unit_orders = orders
-        conv.head_orders = heads
-    if cfg.init == "calibrated":  # (permute alone reorders; the copied weights stay)
-        from structlm.convert.calibrate import calibrate_
+        batches = calibration_batches(calibration,
+                                      int(model.get_input_embeddings().weight.shape[0]),
+                                      context=model_context(model))
+    with _atomic(model) as undo:
+        permutation = None
+        if cfg.permute:
+            permutation = _permute(model, cfg, batches, progress, undo)
+        _apply(model, cfg, plan, undo)
+        conv = model._structlm_conversion
+        conv.permutation = permutation
+        if cfg.permute:
+            conv.unit_orders = undo.ffn_orders
+            conv.head_orders = undo.head_orders
+        if cfg.init == "calibrated":  # (permute alone reorders; the copied weights stay)
+            from structlm.convert.calibrate import calibrate_
 
-        conv.calibration = calibrate_(model, conv.names, calibration, cfg.ridge, progress)
-        mods = conv.calibration["modules"].values()
-        model.config.__dict__[CONFIG_KEY]["calibration"] = {
-            "tokens": conv.calibration["tokens"], "ridge": cfg.ridge,
+            conv.calibration = calibrate_(model, conv.names, batches, cfg.ridge, progress)
+            model.config.__dict__[CONFIG_KEY]["calibration"] = _calibration_record(
+                conv.calibration, cfg.ridge)
+    return model
+
+
+def _permute(model: nn.Module, cfg: AlgebraConfig, batches: Any, progress: bool,
+             undo: _Undo) -> dict[str, Any]:
+    """The function-preserving permutations of ``cfg.permute`` (orders kept in ``undo``)."""
+    from structlm.convert.heads import permute_heads_
+    from structlm.convert.permute import permute_ffn_
+
+    types = set(parse_types(cfg.targets))
+    permutation: dict[str, Any] = {}
+    if _FFN <= types:
+        permutation.update(permute_ffn_(model, cfg.algebra_object(), cfg.type_schedule(),
+                                        batches, progress, undo.ffn_orders))
+    if _ATTN <= types:
+        permutation.update(permute_heads_(model, cfg.algebra_object(), cfg.type_schedule(),
+                                          batches, progress, undo.head_orders))
+    return permutation
+
+
+def _calibration_record(summary: dict[str, Any], ridge: float | None) -> dict[str, Any]:
+    """The saved summary of a calibrated conversion (mean errors over the modules)."""
+    mods = summary["modules"].values()
+    return {"tokens": summary["tokens"], "ridge": ridge,
             "mean_relative_error": {k: sum(m[k] for m in mods) / len(mods)
                                     for k in ("copy", "calibrated")},
             "held_out_mean_relative_error": {
                 k: sum(m["held_out"][k] for m in mods) / len(mods)
                 for k in ("copy", "calibrated")} if all("held_out" in m for m in mods)
             else None}
-    return model
 
 
-def _convert(model: nn.Module, cfg: AlgebraConfig,
-             filter_fn: Callable[[nn.Module, str], bool] | None) -> nn.Module:
-    """:func:`convert_` without the calibration: the modules replaced, weights copied."""
-    if getattr(model, "_structlm_conversion", None) is not None:
-        raise ValueError(f"the model is already converted ({conversion_info(model)}); "
-                         "unconvert_ it first")
+def _apply(model: nn.Module, cfg: AlgebraConfig, plan: list[_Planned], undo: _Undo) -> None:
+    """Replace the planned modules (weights copied), install the position hook, record
+    the conversion; every step noted in ``undo``."""
     adapter = get_adapter(model)
-    chosen = _selected(model, cfg, filter_fn)
     src = adapter.position_source()
     source = PositionTypes(cfg.type_schedule())
-
     algebra = cfg.algebra_object()
-    shape = None
-    if cfg.groups == "heads":
-        from structlm.convert.heads import attention_shape, site_widths
-
-        shape = attention_shape(model)
-    for site, _ in chosen:
-        module = site.module
-        conv1d = adapter.conv1d_layout and type(module).__name__ == "Conv1D"
-        n_in, n_out = _shape(module, conv1d)
-        widths = None if shape is None else site_widths(site.types, n_in, n_out, shape, cfg.q)
-        new = TypedAlgebraLinear(n_in, n_out, algebra, bias=module.bias is not None,
-                                 group_sizes=widths,
-                                 device=module.weight.device, dtype=module.weight.dtype,
-                                 source=source, layer_index=site.layer, conv1d_layout=conv1d)
-        new.weight.data.copy_(module.weight.t() if conv1d else module.weight)
-        if module.bias is not None:
-            new.bias.data.copy_(module.bias)
-        new.train(module.training)
-        setattr(site.parent, site.attr, new)
-    hook = src.module.register_forward_pre_hook(
+    new = []
+    for p in plan:  # every new module built before the first swap
+        module = p.site.module
+        layer = TypedAlgebraLinear(p.n_in, p.n_out, algebra, bias=module.bias is not None,
+                                   group_sizes=p.widths, device=module.weight.device,
+                                   dtype=module.weight.dtype, source=source,
+                                   layer_index=p.site.layer, conv1d_layout=p.conv1d)
+        with torch.no_grad():
+            layer.weight.copy_(module.weight.t() if p.conv1d else module.weight)
+            if module.bias is not None:
+                layer.bias.copy_(module.bias)
+        layer.train(module.training)
+        new.append(layer)
+    for p, layer in zip(plan, new, strict=True):
+        undo.swapped.append((p.site.parent, p.site.attr, getattr(p.site.parent, p.site.attr)))
+        setattr(p.site.parent, p.site.attr, layer)
+    undo.hook = src.module.register_forward_pre_hook(
         _PositionHook(source, src.keyword, src.index), with_kwargs=True)
-    names = [fqn for _, fqn in chosen]
-    model._structlm_conversion = _Conversion(cfg, source, names, adapter.conv1d_layout, hook)
+    names = [p.fqn for p in plan]
+    model._structlm_conversion = _Conversion(cfg, source, names, adapter.conv1d_layout,
+                                             undo.hook)
     model.config.__dict__[CONFIG_KEY] = {**cfg.record(), "modules": names}
     invalidate_fast_paths(model)
-    return model
 
 
 def unconvert_(model: nn.Module) -> nn.Module:
     """Undo :func:`convert_`: every converted projection back to the dense module with the
-    same parameters, the hook removed, the record deleted; returns ``model``."""
+    same parameters, the hook removed, the record deleted; returns ``model``.
+
+    Atomic: every recorded module is checked and its dense replacement built before the
+    first swap; if a swap raises, the converted modules are put back.
+
+    Raises:
+        TypeError: ``model`` is not a Hugging Face causal LM.
+        ValueError: the model is not converted, or a recorded module is no longer a
+            converted layer (replaced by hand); nothing changed.
+    """
+    _check_model(model, "unconvert_")
     conv = getattr(model, "_structlm_conversion", None)
     if conv is None:
         raise ValueError("the model is not converted (no convert_ record)")
@@ -410,97 +454,28 @@ def unconvert_(model: nn.Module) -> nn.Module:
         from transformers.pytorch_utils import Conv1D
 
         conv1d_cls = Conv1D
+    swaps = []
     for fqn in conv.names:
         parent_name, _, attr = fqn.rpartition(".")
         parent = model.get_submodule(parent_name)
-        layer = getattr(parent, attr)
-        setattr(parent, attr, dense_from(layer, conv1d_cls if layer.conv1d_layout else None))
+        layer = getattr(parent, attr, None)
+        if not isinstance(layer, TypedAlgebraLinear):
+            raise ValueError(f"{fqn} is a {type(layer).__name__}, not the converted layer "
+                             "convert_ put there: it was replaced after the conversion, so "
+                             "unconvert_ cannot restore the dense model")
+        swaps.append((parent, attr, layer,
+                      dense_from(layer, conv1d_cls if layer.conv1d_layout else None)))
+    done = []
+    try:
+        for parent, attr, layer, dense in swaps:
+            setattr(parent, attr, dense)
+            done.append((parent, attr, layer))
+    except BaseException:
+        for parent, attr, layer in reversed(done):
+            setattr(parent, attr, layer)
+        raise
     conv.hook.remove()
     del model._structlm_conversion
     model.config.__dict__.pop(CONFIG_KEY, None)
     invalidate_fast_paths(model)
-    return model
-
-
-def restore_conversion(model: nn.Module) -> nn.Module:
-    """Convert ``model`` again as its config records (``save_pretrained`` of a converted
-    model writes the record into ``config.json``); a model without a record is returned
-    as it is. Called on every ``from_pretrained`` once structlm is imported, so a saved
-    converted model never silently loads as the dense model it came from.
-
-    A record of a custom :class:`Algebra` cannot be rebuilt from its name: the model is
-    returned dense with a :class:`UserWarning` saying how to convert it.
-
-    Raises:
-        ValueError: the record names modules the model does not have.
-    """
-    record = getattr(model.config, CONFIG_KEY, None)
-    if not isinstance(record, dict) or getattr(model, "_structlm_conversion", None) is not None:
-        return model
-    if record.get("custom_algebra"):
-        warnings.warn(f"this model was saved after structlm.convert_ with a custom algebra "
-                      f"{record['algebra']!r}, which cannot be rebuilt from its name: it "
-                      "loaded as the DENSE model (a different function); convert_ it with "
-                      "the same Algebra object", UserWarning, stacklevel=3)
-        return model
-    modules = set(record.get("modules") or [])
-    cfg = AlgebraConfig(**{k: record[k] for k in ("algebra", "schedule", "targets", "init",
-                                                  "ridge", "permute", "groups")
-                                 if k in record})
-    model.config.__dict__.pop(CONFIG_KEY, None)
-    _convert(model, cfg, filter_fn=lambda _m, name: name in modules)  # the saved weights
-    if "calibration" in record:
-        model.config.__dict__[CONFIG_KEY]["calibration"] = record["calibration"]
-    if set(model._structlm_conversion.names) != modules:
-        raise ValueError(f"the recorded converted modules {sorted(modules)} are not what the "
-                         f"model offers ({sorted(model._structlm_conversion.names)})")
-    return model
-
-
-def install_from_pretrained_hook() -> None:
-    """Make ``PreTrainedModel.from_pretrained`` (and so ``AutoModelForCausalLM``'s) end
-    with :func:`restore_conversion` (idempotent; ``import structlm`` installs it)."""
-    from transformers import PreTrainedModel
-
-    current = PreTrainedModel.__dict__["from_pretrained"]
-    if getattr(current.__func__, "_structlm_restores", False):
-        return
-    original = current.__func__
-
-    @functools.wraps(original)
-    def from_pretrained(cls: Any, *args: Any, **kwargs: Any) -> Any:
-        out = original(cls, *args, **kwargs)
-        if isinstance(out, tuple):  # output_loading_info=True: (model, info)
-            return (restore_conversion(out[0]), *out[1:])
-        return restore_conversion(out)
-
-    from_pretrained._structlm_restores = True  # type: ignore[attr-defined]
-    PreTrainedModel.from_pretrained = classmethod(from_pretrained)  # type: ignore[assignment]
-
-
-def load_converted(path: str, **from_pretrained_kwargs: Any) -> nn.Module:
-    """A model saved after :func:`convert_` (``save_pretrained``), converted again as it
-    was recorded: the same modules, algebra and schedule (the weights are the saved
-    ones: conversion keeps parameter names and shapes). Plain ``from_pretrained`` does the
-    same once structlm is imported; this one also refuses a folder without a record.
-
-    Raises:
-        ValueError: no conversion record, or one of a custom algebra.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    import structlm.models  # noqa: F401  (registers model_type "structlm")
-
-    record = getattr(AutoConfig.from_pretrained(path), CONFIG_KEY, None)
-    if not isinstance(record, dict):
-        raise ValueError(f"{path}: config.json has no {CONFIG_KEY!r} record: not a model "
-                         "saved after structlm.convert_")
-    if record.get("custom_algebra"):
-        raise ValueError(f"{path}: converted with a custom algebra {record['algebra']!r}, "
-                         "which cannot be rebuilt from its name: load the folder as a dense "
-                         "model and convert_ it with the same Algebra object")
-    install_from_pretrained_hook()
-    model = AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs)
-    if conversion_info(model) is None:  # pragma: no cover - the hook always restores
-        raise ValueError(f"{path}: the conversion was not restored")
     return model

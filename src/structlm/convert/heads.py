@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from structlm.algebra import split_widths, support_of
-from structlm.convert.calibrate import calibration_batches
+from structlm.convert.calibrate import calibration_batches, model_context
 from structlm.hf.adapters import MatrixType, get_adapter
 
 __all__ = ["AttentionShape", "apply_head_orders_", "attention_shape", "head_widths",
@@ -125,10 +125,24 @@ def apply_head_orders_(model: nn.Module, orders: dict[int, tuple[torch.Tensor, t
                        ) -> nn.Module:
     """Reorder the attention heads of ``model``'s layers by ``orders`` (layer index ->
     (query head order, K/V head order), new slot -> old head, as :func:`permute_heads_`
-    chose them): Q/K/V rows and biases, O's input columns, full-width q/k norms."""
-    from structlm.convert.permute import _permute
+    chose them): Q/K/V rows and biases, O's input columns, full-width q/k norms. Every
+    order is checked (a permutation of the query / K/V heads) before the first change.
+
+    Raises:
+        ValueError: an order that is not a permutation of its heads, a fused qkv.
+    """
+    from structlm.convert.permute import _permute, check_order
 
     shape = attention_shape(model)
+    for layer in get_adapter(model).layers:
+        if layer.index in orders:
+            _attention_modules(layer)  # separate q/k/v/o, or a clear error
+            pair = orders[layer.index]
+            if not isinstance(pair, tuple | list) or len(pair) != 2:
+                raise ValueError(f"layer {layer.index}'s head orders: expected a pair "
+                                 f"(query order, K/V order), got {type(pair).__name__}")
+            check_order(pair[0], shape.heads, f"layer {layer.index}'s query head order")
+            check_order(pair[1], shape.kv_heads, f"layer {layer.index}'s K/V head order")
     for layer in get_adapter(model).layers:
         if layer.index not in orders:
             continue
@@ -219,8 +233,11 @@ def permute_heads_(model: nn.Module, algebra: Any, schedule: Any, calibration: A
                        "x": torch.zeros(q, hidden, hidden, dtype=torch.float64),
                        "h2": torch.zeros(q, width, dtype=torch.float64)})
     vocab = int(model.get_input_embeddings().weight.shape[0])
-    _statistics(model, layers, calibration_batches(calibration, vocab), schedule, q, progress)
+    _statistics(model, layers, calibration_batches(calibration, vocab,
+                                                   context=model_context(model)),
+                schedule, q, progress)
     summary: dict[str, Any] = {}
+    chosen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for e in layers:
         mods = e["mods"]
         w = {t: _weight(m, False) for t, m in mods.items()}
@@ -236,9 +253,11 @@ def permute_heads_(model: nn.Module, algebra: Any, schedule: Any, calibration: A
         q_order, kv_order, before, after = _solve_heads(
             _head_cost(q_rows, q_w, shape.heads, shape.head_dim),
             _head_cost(kv_rows, kv_w, shape.kv_heads, shape.head_dim), r)
-        if orders is not None:
-            orders[e["layer"]] = (q_order, kv_order)
-        apply_head_orders_(model, {e["layer"]: (q_order, kv_order)})
+        chosen[e["layer"]] = (q_order, kv_order)
         summary[f"layer {e['layer']} heads"] = {"identity": before, "permuted": after}
+    for index, pair in chosen.items():  # every order chosen before the first change
+        if orders is not None:
+            orders[index] = pair
+        apply_head_orders_(model, {index: pair})
     return summary
 

@@ -34,11 +34,12 @@ from torch import nn
 from tqdm import tqdm
 
 from structlm.algebra import split_widths, support_of
-from structlm.convert.calibrate import calibration_batches, type_masks
+from structlm.convert.calibrate import calibration_batches, model_context, type_masks
 from structlm.hf.adapters import MatrixType, get_adapter
 from structlm.hf.hooks import hooked
 
-__all__ = ["apply_ffn_orders_", "assignment_cost", "input_cost", "output_cost", "permute_ffn_"]
+__all__ = ["apply_ffn_orders_", "assignment_cost", "check_order", "input_cost", "output_cost",
+           "permute_ffn_"]
 
 
 def _weight(module: nn.Module, conv1d: bool) -> torch.Tensor:
@@ -154,12 +155,39 @@ def _statistics(model: nn.Module, layers: list[dict[str, Any]], batches: list[to
             model(input_ids=ids)
 
 
+def check_order(order: Any, n: int, what: str) -> None:
+    """Refuse an ``order`` that is not a permutation of ``range(n)`` (an integer tensor).
+
+    Raises:
+        ValueError: naming ``what``, the order's shape or values and ``n``.
+    """
+    if not isinstance(order, torch.Tensor) or order.dtype.is_floating_point \
+            or order.dtype == torch.bool or order.dim() != 1 or order.numel() != n:
+        got = (f"{order.dtype} of shape {tuple(order.shape)}" if isinstance(order, torch.Tensor)
+               else type(order).__name__)
+        raise ValueError(f"{what}: expected an integer tensor of shape ({n},) (a permutation "
+                         f"of 0..{n - 1}), got {got}")
+    if not torch.equal(order.sort().values.cpu(), torch.arange(n)):
+        raise ValueError(f"{what}: not a permutation of 0..{n - 1} (values repeat or lie "
+                         "outside)")
+
+
 @torch.no_grad()
 def apply_ffn_orders_(model: nn.Module, orders: dict[int, torch.Tensor]) -> nn.Module:
     """Reorder the FFN hidden units of ``model``'s layers by ``orders`` (layer index ->
     new position -> old unit, as :func:`permute_ffn_` chose them): e.g. to give a dense
-    teacher the layout of a permuted, converted student."""
+    teacher the layout of a permuted, converted student. Every order is checked (a
+    permutation of the layer's FFN width) before the first change.
+
+    Raises:
+        ValueError: an order that is not a permutation of its layer's FFN units.
+    """
     adapter = get_adapter(model)
+    for layer in adapter.layers:
+        if layer.index in orders:
+            out = [s.module for s in layer.linear_sites() if s.types == (MatrixType.MLP_OUT,)]
+            width = _weight(out[0], adapter.conv1d_layout).shape[1]
+            check_order(orders[layer.index], width, f"layer {layer.index}'s FFN order")
     for layer in adapter.layers:
         if layer.index not in orders:
             continue
@@ -204,9 +232,10 @@ def permute_ffn_(model: nn.Module, algebra: Any, schedule: Any, calibration: Any
                        "x": torch.zeros(q, h, h, dtype=torch.float64),
                        "h2": torch.zeros(q, f, dtype=torch.float64)})
     vocab = int(model.get_input_embeddings().weight.shape[0])
-    batches = calibration_batches(calibration, vocab)
+    batches = calibration_batches(calibration, vocab, context=model_context(model))
     _statistics(model, layers, batches, schedule, q, progress)
     summary: dict[str, Any] = {}
+    chosen_orders: list[tuple[dict[str, Any], torch.Tensor]] = []
     for e in layers:
         hw = split_widths(e["hidden"], q, "hidden size")
         uw = split_widths(e["f"], q, "FFN width")
@@ -217,12 +246,14 @@ def permute_ffn_(model: nn.Module, algebra: Any, schedule: Any, calibration: Any
         chosen = torch.repeat_interleave(torch.arange(q), torch.tensor(list(uw)))
         before = float(cost[torch.arange(e["f"]), identity].sum())
         after = float(cost[order, chosen].sum())
+        chosen_orders.append((e, order))
+        summary[f"layer {e['layer']}"] = {"identity": before, "permuted": after}
+    for e, order in chosen_orders:  # every order chosen before the first change
         if orders is not None:
             orders[e["layer"]] = order
         for m in e["in"]:
             _permute(m, order, conv1d, rows=True)
         _permute(e["out"], order, conv1d, rows=False)
-        summary[f"layer {e['layer']}"] = {"identity": before, "permuted": after}
     return summary
 
 

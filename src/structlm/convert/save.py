@@ -10,34 +10,61 @@ and after healing on exactly the text described there. Before the rename the sav
 folder is loaded back and its logits compared with the converted model's. A killed
 healing run resumes from ``.<out>.heal-state.pt`` beside the folder when the same
 command runs again.
+
+One writer per output: the run holds ``.<out>.lock`` beside the folder (``flock``), and
+under it removes the temporary folders ``.tmp-convert-<out>-*`` a killed run of the same
+output left (saying so on stderr). Every sequence length the run feeds the model is
+checked against the model's context before any work: healing and distillation windows
+(``seq_len + 1`` tokens) must fit; calibration, validation and evaluation windows are
+``min(512, context)`` tokens.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import fcntl
 import json
 import os
+import re
 import shutil
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
 import torch
 
-from structlm.config import ConfigError, NonEmpty, OneOf, Range, dataclass_from_dict, validated
-from structlm.convert.convert import AlgebraConfig, conversion_info, convert_
+from structlm.config import (
+    ConfigError,
+    NonEmpty,
+    OneOf,
+    Range,
+    RunError,
+    dataclass_from_dict,
+    validated,
+)
+from structlm.convert.algebra_config import AlgebraConfig
+from structlm.convert.calibrate import model_context
+from structlm.convert.convert import conversion_info, convert_
 from structlm.convert.distill import ModuleDistillation, dense_teacher
 from structlm.convert.typed_linear import TypedAlgebraLinear
 from structlm.folders import check_apart
 from structlm.hf.finetune import FinetuneConfig, finetune
 from structlm.hf.macs import projection_macs, projection_parameters
 
-__all__ = ["REPORT", "ConvertConfig", "convert_and_save"]
+__all__ = ["REPORT", "WINDOW", "ConvertConfig", "check_context", "clean_leftovers",
+           "convert_and_save", "output_lock"]
 
 REPORT = "structlm_convert.json"
+WINDOW = 512
+"""Calibration, validation and evaluation windows: this many tokens, or the model's
+context where it is shorter."""
+_TMP = ".tmp-convert-"
 
 
 def _no_healing() -> FinetuneConfig:
@@ -120,32 +147,131 @@ def _check_out(out: Path, model: str) -> None:
                          "new folder (nothing is overwritten)")
 
 
+def check_context(cfg: ConvertConfig) -> int:
+    """The window length the run uses, after checking every sequence length ``cfg`` feeds
+    the model against its context (read from the architecture alone, no weights).
+
+    Raises:
+        ConfigError: a healing or distillation ``seq_len`` whose windows (``seq_len + 1``
+            tokens) do not fit, naming the field, its flag, the value and the context.
+    """
+    from structlm.hf.loading import load_model
+
+    context = model_context(load_model(cfg.model, weights=False).model)
+    if context is None:
+        return WINDOW
+    for key, fc in (("heal", cfg.heal), ("distill", cfg.distill)):
+        if fc.steps > 0 and fc.seq_len + 1 > context:
+            raise ConfigError(f"{key}.seq_len (--{key}-seq-len) {fc.seq_len}: "
+                              f"{'healing' if key == 'heal' else 'distillation'} feeds windows "
+                              f"of seq_len + 1 = {fc.seq_len + 1} tokens, beyond the context "
+                              f"of model {cfg.model!r} ({context} positions): use at most "
+                              f"{context - 1}")
+    return min(WINDOW, context)
+
+
+@contextmanager
+def output_lock(out: Path) -> Iterator[Path]:
+    """Hold ``.<out.name>.lock`` beside ``out`` (``flock``) for the block: one writer per
+    output (the folder itself must stay new or empty, so the lock lies beside it); the
+    lock file is removed when the block ends.
+
+    Raises:
+        RunError: another process holds it.
+    """
+    path = out.parent / f".{out.name}.lock"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(3):
+        fh = open(path, "a")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.close()
+            raise RunError(f"output {str(out)!r} is being written by another process (it "
+                           f"holds {path}): wait for it or choose another --out") from None
+        try:
+            same = os.stat(path).st_ino == os.fstat(fh.fileno()).st_ino
+        except FileNotFoundError:  # removed by the holder that just finished
+            same = False
+        if not same:
+            fh.close()
+            continue
+        try:
+            yield path
+        finally:
+            path.unlink(missing_ok=True)  # still held: no one else can hold this file
+            fh.close()
+        return
+    raise RunError(f"could not lock {path}: it keeps being replaced by other processes")
+
+
+def clean_leftovers(out: Path) -> list[Path]:
+    """Remove the temporary folders ``.tmp-convert-<out.name>-*`` a killed run of the same
+    output left beside it (call it under :func:`output_lock`), saying so on stderr;
+    another output's leftovers are not touched. Returns what was removed."""
+    pattern = re.compile(re.escape(f"{_TMP}{out.name}-") + r"[a-z0-9_]{8}")
+    removed = []
+    for path in sorted(out.parent.glob(f"{_TMP}*")):
+        if pattern.fullmatch(path.name):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+            removed.append(path)
+            print(f"structlm convert: removed {path}, left by an interrupted run of the same "
+                  "output", file=sys.stderr)
+    return removed
+
+
 def convert_and_save(cfg: ConvertConfig, out: str | Path, progress: bool = True
                      ) -> dict[str, Any]:
     """Load ``cfg.model``, convert it, heal it if asked, save it to ``out``; returns the
-    report written to ``out/structlm_convert.json``."""
-    from structlm.hf.pipeline import evaluate_all, prepare, validation_windows
+    report written to ``out/structlm_convert.json``. Every sequence length is checked
+    against the model's context first (:func:`check_context`); the run holds the
+    output's lock and removes what a killed run of the same output left.
 
+    Raises:
+        ValueError: an output that is not new or empty or overlaps the input, a sequence
+            length beyond the model's context, anything :func:`convert_` refuses.
+        RunError: another process writes the same output.
+    """
     out = Path(out)
     _check_out(out, cfg.model)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    window = check_context(cfg)
+    with output_lock(out):
+        clean_leftovers(out)
+        _check_out(out, cfg.model)  # again, under the lock
+        return _convert_and_save(cfg, out, window, progress)
+
+
+def _convert_and_save(cfg: ConvertConfig, out: Path, window: int, progress: bool
+                      ) -> dict[str, Any]:
+    from structlm.hf.pipeline import evaluate_all, prepare, validation_windows
+
     t0 = time.time()
     heal = cfg.heal.steps > 0
+    seq_lens = [c.seq_len for c in (cfg.heal, cfg.distill) if c.steps > 0]
     prep = prepare(cfg.model, cfg.corpus, cfg.second_corpus if cfg.eval_tokens else "",
                    eval_tokens=cfg.eval_tokens, seed=cfg.seed, calibrate=False,
-                   calib_tokens=max(cfg.heal.seq_len, cfg.distill.seq_len, 512,
+                   calib_tokens=max(*seq_lens, window,
                                     cfg.calib_tokens if cfg.uses_calibration else 0),
-                   progress=progress)
+                   seq_len=window, progress=progress,
+                   val_tokens=max([c.eval_tokens for c in (cfg.heal, cfg.distill)
+                                   if c.steps > 0], default=0),  # only a curve reads it
+                   # no evaluation, healing, distillation or calibration: no text is
+                   # read, and the model needs no tokenizer
+                   text=bool(cfg.eval_tokens or seq_lens or cfg.uses_calibration))
     loaded = prep.loaded
     model = loaded.model
 
     def ppl() -> dict[str, float]:
-        return {k: v["ppl"] for k, v in evaluate_all(model, prep.eval_ids,
+        return {k: v["ppl"] for k, v in evaluate_all(model, prep.eval_ids, window=window,
                                                       progress=progress).items()}
 
     report: dict[str, Any] = {
         "model": loaded.model_id, "model_note": loaded.note,
         "config": {**dataclasses.asdict(cfg), "heal": dataclasses.asdict(cfg.heal)},
+        "window": window,
         "original": {"projection_macs": float(projection_macs(model)),
                      "projection_parameters": projection_parameters(model)}}
     if cfg.eval_tokens:
@@ -203,7 +329,7 @@ def _save(model: torch.nn.Module, tokenizer: Any, report: dict[str, Any], out: P
     from transformers import AutoModelForCausalLM
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-convert-"))
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f"{_TMP}{out.name}-"))
     try:
         model.save_pretrained(tmp)
         if tokenizer is not None:

@@ -37,19 +37,38 @@ HF_BUILDERS = ("arrow", "csv", "json", "parquet", "text")
 _HF_SYNTAX = "hf:<name or path>[:<split>[:<field>]] or hf:<builder>:<file>[:<split>[:<field>]]"
 
 
-def _record_text(rec: Mapping[str, Any], where: str, field: str | None = None) -> str:
+def _string_field(rec: Mapping[str, Any], key: str, where: str) -> str:
+    """``rec[key]``, which must be a string (a ValueError naming the field otherwise)."""
+    value = rec[key]
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: field {key!r} must be a string of text, got "
+                         f"{type(value).__name__} {value!r:.60}")
+    return value
+
+
+def _record_text(rec: Any, where: str, field: str | None = None) -> str:
     """Text of one record: ``field`` if given, else ``prompt`` + newline + ``response``,
-    else ``text``."""
+    else ``text``; every field read must be a string."""
+    if not isinstance(rec, Mapping):
+        raise ValueError(f"{where}: expected a JSON object with a 'text' field (or "
+                         f"'prompt'/'response'), got {type(rec).__name__} {rec!r:.60}")
     if field is None and "prompt" in rec and "response" in rec:
-        return f"{rec['prompt']}\n{rec['response']}"
+        return (f"{_string_field(rec, 'prompt', where)}\n"
+                f"{_string_field(rec, 'response', where)}")
     key = field or "text"
     if key not in rec:
         expected = repr(field) if field else "'prompt'/'response' or 'text'"
         raise ValueError(f"{where}: expected {expected} fields, got {sorted(rec)}")
-    if not isinstance(rec[key], str):
-        raise TypeError(f"{where}: field {key!r} should be a string, got "
-                        f"{type(rec[key]).__name__}")
-    return rec[key]
+    return _string_field(rec, key, where)
+
+
+def _json_line(line: str, where: str) -> Any:
+    """One JSON Lines record (a ValueError naming the file and line otherwise)."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: not valid JSON ({err.msg}, column {err.colno}): "
+                         "a .jsonl corpus holds one JSON object per line") from None
 
 
 def _local(path: str) -> Iterator[Document]:
@@ -62,8 +81,9 @@ def _local(path: str) -> Iterator[Document]:
         elif f.endswith(".jsonl"):
             for i, line in enumerate(Path(f).read_text(encoding="utf-8").splitlines()):
                 if line.strip():
+                    where = f"{f}, line {i + 1}"
                     yield Document(f"jsonl/{os.path.basename(f)}/{i}",
-                                   _record_text(json.loads(line), f"{f}:{i + 1}"))
+                                   _record_text(_json_line(line, where), where))
 
 
 def _split_colons(spec: str) -> list[str]:

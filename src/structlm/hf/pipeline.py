@@ -15,6 +15,7 @@ import torch
 
 from structlm.data.corpora import Document
 from structlm.hf.adapters import ModelAdapter, get_adapter
+from structlm.hf.bos import BosDecision, decide_bos
 from structlm.hf.calibration import Calibration, load_or_calibrate
 from structlm.hf.fingerprint import model_fingerprint, tensor_fingerprint
 from structlm.hf.loading import LoadedModel, load_model
@@ -25,7 +26,6 @@ from structlm.hf.text import (
     sample_windows,
     split_corpus,
     tokenize_documents,
-    window_prefix,
     windows_for_scored_tokens,
 )
 from structlm.settings import cache_dir
@@ -63,6 +63,9 @@ class Prepared:
     window_prefix: list[int] = field(default_factory=list)
     """The ids the tokenizer puts before every input (every window starts with them;
     fine-tuning windows too)."""
+    bos: BosDecision | None = None
+    """The model's BOS decision (:func:`structlm.hf.bos.decide_bos`): whether every
+    window starts with BOS; ``None`` when no text was prepared."""
 
 
 def _cache_dir() -> Path:
@@ -89,7 +92,7 @@ def prepare(model: str, corpus: str, second_corpus: str = "", eval_fraction: flo
             batch_size: int = 4, seed: int = 0, layers: list[int] | None = None,
             calibrate: bool = True, progress: bool = True,
             calib_seed: int | None = None, val_fraction: float = VALIDATION_FRACTION,
-            val_tokens: int = 8192) -> Prepared:
+            val_tokens: int = 8192, text: bool = True) -> Prepared:
     """Load ``model``, split ``corpus`` by document, draw ``calib_tokens // seq_len``
     calibration windows across all calibration documents and enough evaluation windows
     to score ``eval_tokens`` tokens across all evaluation documents (in-domain and, if
@@ -100,8 +103,18 @@ def prepare(model: str, corpus: str, second_corpus: str = "", eval_fraction: flo
 
     The last ``val_fraction`` of every calibration document's tokens is held out: enough
     validation windows to score ``val_tokens`` tokens are drawn across these tails (0: none),
-    and neither the calibration windows nor the fine-tuning stream read them."""
+    and neither the calibration windows nor the fine-tuning stream read them.
+
+    ``text=False``: the model alone (no tokenizer needed, no corpus read, no windows
+    drawn, nothing calibrated), for a caller that uses no text."""
     loaded = load_model(model)
+    if not text:
+        adapter = get_adapter(loaded.model)
+        if layers is not None:
+            check_layers(layers, adapter.num_layers)
+        return Prepared(loaded, adapter, CorpusSplit(corpus, [], []),
+                        torch.empty((0, seq_len), dtype=torch.long),
+                        torch.empty(0, dtype=torch.long))
     if loaded.tokenizer is None:
         raise ValueError(f"model {model!r} has no tokenizer: text experiments need one")
     if calib_tokens < seq_len:
@@ -113,11 +126,12 @@ def prepare(model: str, corpus: str, second_corpus: str = "", eval_fraction: flo
     split = split_corpus(corpus, eval_fraction, seed)
     calib_tok, tails = holdout_tail(tokenize_documents(loaded.tokenizer, split.calibration),
                                     val_fraction)
-    prefix = window_prefix(loaded.tokenizer)  # the tokenizer's own convention, per window
+    bos = decide_bos(loaded.tokenizer, model=repr(model))  # the model's convention
+    prefix = bos.prefix()  # the tokenizer's own prefix, BOS first where it puts BOS
     calib = sample_windows(split.calibration, calib_tok, calib_tokens // seq_len, seq_len,
                            seed if calib_seed is None else calib_seed, prefix)
     prep = Prepared(loaded, adapter, split, calib.windows, torch.cat(calib_tok),
-                    window_prefix=prefix)
+                    window_prefix=prefix, bos=bos)
     prep.text["calibration:" + corpus] = {**calib.describe(), "part": (
         f"the first {1 - val_fraction:.0%} of each calibration document's tokens")}
     if val_tokens:
@@ -143,6 +157,8 @@ def prepare(model: str, corpus: str, second_corpus: str = "", eval_fraction: flo
                                 seq_len, seed + 1, prefix)
             prep.eval_ids[name] = ev.windows
             prep.text[name] = ev.describe()
+    for described in prep.text.values():  # every text's record states its BOS
+        described["bos"] = bos.as_dict()
     if calibrate:
         # keyed on content: the model's weights and the exact token windows (text, its
         # tokenizer and the draw); the names are kept in the record only
@@ -163,10 +179,13 @@ def prepare(model: str, corpus: str, second_corpus: str = "", eval_fraction: flo
 
 
 def evaluate_all(model: Any, eval_ids: dict[str, torch.Tensor], window: int = 512,
-                 batch_size: int = 4, progress: bool = True) -> dict[str, dict[str, Any]]:
-    """Perplexity of ``model`` on every stream (one protocol, float64 sums)."""
+                 batch_size: int = 4, progress: bool = True,
+                 bos_token: int | None = None) -> dict[str, dict[str, Any]]:
+    """Perplexity of ``model`` on every stream (one protocol, float64 sums); each record
+    says whether every scored window started with BOS (``bos_token``, default the model
+    config's BOS id: :func:`structlm.hf.perplexity.perplexity`)."""
     return {name: perplexity(model, ids, window=window, batch_size=batch_size,
-                             progress=progress).as_dict()
+                             progress=progress, bos_token=bos_token).as_dict()
             for name, ids in eval_ids.items()}
 
 

@@ -60,7 +60,21 @@ def explain_routes(model: nn.Module, batch: int = 1, tokens: int = 8,
                    decode_steps: int = 1, vocab: int | None = None) -> list[RouteRecord]:
     """The route of every fast-path decision in a prefill of ``(batch, tokens)`` random
     ids and ``decode_steps`` cached decode steps of ``model`` (a causal LM whose forward
-    takes ``input_ids`` and ``use_cache``), one record per decision, in call order."""
+    takes ``input_ids`` and ``use_cache``), one record per decision, in call order.
+
+    Raises:
+        TypeError: ``model`` is not a Hugging Face causal LM (an ``nn.Module`` with
+            ``get_input_embeddings``), e.g. a plain module or a model name.
+        ValueError: a non-positive ``batch`` or ``tokens``, a negative ``decode_steps``.
+    """
+    if not isinstance(model, nn.Module) or not callable(getattr(model, "get_input_embeddings",
+                                                                 None)):
+        what = repr(model) if isinstance(model, str) else type(model).__name__
+        hint = (" (a name: load the model first, e.g. structlm.hf.load_model(name).model)"
+                if isinstance(model, str) else "")
+        raise TypeError(f"explain_routes expects a Hugging Face causal LM (a model with "
+                        f"get_input_embeddings whose forward takes input_ids), got "
+                        f"{what}{hint}")
     for name, value in (("batch", batch), ("tokens", tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -28,8 +28,8 @@ from structlm.data.corpora import Document, load_corpus
 from structlm.data.tokens import dedup_exact, split_documents
 from structlm.settings import cache_dir
 
-__all__ = ["CorpusSplit", "WindowSample", "sample_windows", "split_corpus", "token_stream",
-           "tokenize_documents", "windows_for_scored_tokens"]
+__all__ = ["CorpusSplit", "WindowSample", "corpus_documents", "sample_windows", "split_corpus",
+           "token_stream", "tokenize_documents", "window_prefix", "windows_for_scored_tokens"]
 
 
 @dataclass
@@ -46,10 +46,17 @@ class CorpusSplit:
                 "evaluation_documents": [d.name for d in self.evaluation]}
 
 
+def corpus_documents(corpus: str) -> list[Document]:
+    """Every document of ``corpus``, exact duplicates removed (no split: one document is
+    enough)."""
+    docs, _ = dedup_exact(load_corpus(corpus))
+    return docs
+
+
 def split_corpus(corpus: str, eval_fraction: float = 0.25, seed: int = 0) -> CorpusSplit:
     """Documents of ``corpus``, exact duplicates removed, split by a seeded hash of their
     names (at least one document on each side)."""
-    docs, _ = dedup_exact(load_corpus(corpus))
+    docs = corpus_documents(corpus)
     if len(docs) < 2:
         raise ValueError(f"corpus {corpus!r} has {len(docs)} document(s); need at least 2 "
                          "to keep calibration and evaluation text disjoint")

@@ -36,7 +36,11 @@ from structlm.train.checkpoint import (
     discard_run,
     recover_checkpoint,
     run_folder_lock,
-    write_checkpoint,
+)
+from structlm.train.training_state import (
+    checkpoint_config,
+    corrupt_message,
+    save_training_state,
 )
 
 if TYPE_CHECKING:
@@ -317,31 +321,6 @@ def _evaluate(model: Any, data: Any, cfg: TrainConfig) -> float:
     return total / cfg.eval_batches
 
 
-def _save(ckpt: Path, model: Any, opt: Any, sched: Any, gen: torch.Generator, step: int,
-          engine: D.Engine, rank: int, data_fingerprint: str) -> None:
-    """Write the checkpoint crash-safely from rank 0 (every rank calls: FSDP gathers);
-    see :mod:`.checkpoint`."""
-    from safetensors.torch import save_model
-
-    full, opt_state = D.unsharded(model, engine, rank), D.optimizer_state(model, opt, engine, rank)
-    if full is None or opt_state is None:  # not rank 0
-        return
-
-    def write(folder: Path) -> None:
-        save_model(full, str(folder / "model.safetensors"))
-        torch.save({"optimizer": opt_state, "scheduler": sched.state_dict(), "step": step,
-                    "sampler": gen.get_state(), "torch_rng": torch.get_rng_state(),
-                    "data_fingerprint": data_fingerprint}, folder / "state.pt")
-
-    write_checkpoint(ckpt, write, step)
-
-
-def _corrupt(path: Path, err: Exception) -> str:
-    return (f"checkpoint file {path} cannot be read ({type(err).__name__}: {err}). Nothing "
-            "was deleted; to start over from step 0, run again with --restart (the run's "
-            "checkpoints and metrics are moved aside, not deleted)")
-
-
 def _check_splits(data: Any, cfg: TrainConfig) -> None:
     """Every split (train, validation, and test with ``test_split``) holds at least one
     training window, before any step is taken."""
@@ -409,8 +388,14 @@ def _train(cfg: TrainConfig, rank: int, world: int, stop_after: int | None, prog
                       f"{moved.name}", flush=True)
         for note in recover_checkpoint(ckpt)[1]:
             print(f"{out}: {note}", flush=True)
-        if ckpt.exists() and cfg_path.exists():
-            diff = _run_differences(cfg_path.read_text(), cfg)
+        if ckpt.exists():  # the checkpoint's own config first: config.json may be gone
+            saved = checkpoint_config(ckpt) or (cfg_path.read_text() if cfg_path.exists()
+                                                 else None)
+            if saved is None:
+                print(f"{out}: warning: the checkpoint predates configs stored in it and "
+                      "config.json is missing: the resumed run cannot be checked against "
+                      "the config it was started with", flush=True)
+            diff = _run_differences(saved, cfg) if saved is not None else []
             if diff:
                 raise ValueError(f"{out} holds a run with a different config ({'; '.join(diff)})"
                                  "; use another out_dir, change only "
@@ -439,7 +424,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, stop_after: int | None, prog
             state = torch.load(ckpt / "state.pt", weights_only=False, map_location="cpu",
                                mmap=engine == "fsdp")
         except Exception as e:
-            raise RunError(_corrupt(ckpt / "state.pt", e)) from e
+            raise RunError(corrupt_message(ckpt / "state.pt", e)) from e
         trained_on = state.get("data_fingerprint")
         if trained_on is not None and trained_on != data.fingerprint:
             raise RunError(f"{out}: the checkpoint was trained on other token data than "
@@ -448,7 +433,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, stop_after: int | None, prog
         try:
             D.load_model(model, str(ckpt / "model.safetensors"), engine, device)
         except Exception as e:
-            raise RunError(_corrupt(ckpt / "model.safetensors", e)) from e
+            raise RunError(corrupt_message(ckpt / "model.safetensors", e)) from e
         D.load_optimizer(model, opt, state["optimizer"], engine)
         sched.load_state_dict(state["scheduler"])
         gen.set_state(state["sampler"])
@@ -510,7 +495,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, stop_after: int | None, prog
         if rank == 0:
             _append_row(metrics, row)
         if step % cfg.save_every == 0 or step == cfg.max_steps:
-            _save(ckpt, model, opt, sched, gen, step, engine, rank, data.fingerprint)
+            save_training_state(ckpt, model, opt, sched, gen, step, engine, rank,
+                                data.fingerprint, cfg_json)
         bar.update(1)
         bar.set_postfix(loss=f"{row['train_loss']:.3f}")
         if stop_after is not None and step >= stop_after:
@@ -522,8 +508,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, stop_after: int | None, prog
         full = D.unsharded(model, engine, rank)  # collective under FSDP
         if full is not None:  # rank 0
             full.save_pretrained(out / "model")
-            if cfg.trained_tokenizer:
-                data.tokenizer().save_pretrained(out / "model")
+            # the tokenizer beside the weights: the folder loads anywhere on its own
+            data.tokenizer().save_pretrained(out / "model")
             try:
                 plot_loss_curves([(cfg.algebra, str(metrics))], str(out / "loss.png"))
             except ImportError as e:  # plots are an extra: the run is complete without

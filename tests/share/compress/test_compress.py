@@ -312,10 +312,10 @@ def test_load_compressed_refuses_a_file_that_lacks_a_factor(tmp_path) -> None:
     tiny_llama(num_hidden_layers=3).save_pretrained(src)
     out = tmp_path / "compressed"
     save_compressed(LoadedModel(model, None, "tiny-llama", "", source=str(src)), rep, out)
-    tensors = load_file(str(out / "model.safetensors"))
+    tensors = load_file(str(out / "structlm_compressed.safetensors"))
     dropped = next(k for k in tensors if k.endswith("q_proj.B"))
     del tensors[dropped]
-    save_file(tensors, str(out / "model.safetensors"))
+    save_file(tensors, str(out / "structlm_compressed.safetensors"))
     with pytest.raises(ValueError, match="lacks tensors for"):
         load_compressed(out)
 

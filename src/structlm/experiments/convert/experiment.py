@@ -61,6 +61,7 @@ from structlm.experiments.convert.arms import (
     mac_ratio,
     variant_parts,
 )
+from structlm.experiments.convert.budget import check_baseline_budgets
 from structlm.experiments.finished_runs import merge_finished_runs, read_finished_runs
 from structlm.experiments.plot_throttle import PlotThrottle
 from structlm.folders import check_apart, run_folder_lock
@@ -342,6 +343,7 @@ def _check_plan(cfg: ConvertExperimentConfig) -> None:
         except (ValueError, ConfigError) as e:
             raise ConfigError(f"algebra {arm.budget!r} on target {arm.target!r} (variant "
                               f"{arm.variant}): {e}") from None
+    check_baseline_budgets(arch, _arms(cfg), cfg.schedule, cfg.mac_tolerance)
 
 
 def run_convert_experiment(cfg: ConvertExperimentConfig, out_dir: str | Path,

@@ -43,6 +43,7 @@ from structlm.experiments.finished_runs import merge_finished_runs, read_finishe
 from structlm.experiments.plot_throttle import PlotThrottle
 from structlm.experiments.share.arms import ArmCache, calib_seed, token_macs_ratio
 from structlm.experiments.share.beside import load_beside
+from structlm.experiments.share.budget import check_budgets_feasible
 from structlm.experiments.share.config import (
     ExperimentConfig,
     methods_at,
@@ -339,10 +340,24 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path, progress: bool = 
     t0 = time.time()
     out = Path(out_dir)
     check_apart(out, source_chain(cfg.model), "share experiment folder")
+    _check_budgets(cfg)  # from the shapes alone, before any calibration
     others = [read_finished_runs(f, "structlm experiment share") for f in add_runs]
     with run_folder_lock(out, "share experiment"):  # one writer per run folder
         return _run_experiment_locked(cfg, out, t0, progress, analytic_only, others,
                                       probe_only)
+
+
+def _check_budgets(cfg: ExperimentConfig) -> None:
+    """Every whole-model arm whose ranks follow from the shapes meets its budget."""
+    from structlm.hf.adapters import get_adapter
+    from structlm.hf.loading import load_model
+
+    arms = [(method, _whole_ccfg(cfg, method, red))
+            for red in (cfg.reductions if cfg.whole_model else [])
+            for method in methods_at(cfg, red)]
+    if arms:
+        adapter = get_adapter(load_model(cfg.model, weights=False).model)
+        check_budgets_feasible(adapter, arms, cfg.budget_tolerance)
 
 
 def _draw(cfg: ExperimentConfig, calib_seed: int, progress: bool) -> Prepared:

@@ -14,9 +14,10 @@ import torch
 from structlm.atomic import atomic_write_text, clean_json
 from structlm.folders import check_apart, run_folder_lock
 from structlm.hf.finetune import FinetuneConfig, finetune
+from structlm.hf.loading import model_content_key
 from structlm.hf.pipeline import evaluate_all, prepare, validation_windows
 from structlm.share.compress.apply import CompressionConfig, compress_model
-from structlm.share.compress.io import save_compressed, source_chain
+from structlm.share.compress.io import remove_leftovers, save_compressed, source_chain
 
 __all__ = ["run_compress"]
 
@@ -39,6 +40,8 @@ def run_compress(model: str, ccfg: CompressionConfig, out_dir: str | Path,
     out = Path(out_dir)
     check_apart(out, source_chain(model))  # before anything is loaded or written
     with run_folder_lock(out, "share compress output"):
+        for left in remove_leftovers(out / "model"):  # a killed save's, under the lock
+            print(f"{out}: removed {left.name}, left by an interrupted save", flush=True)
         return _run(model, ccfg, out, corpus, second_corpus, calib_tokens, eval_tokens, ft,
                     seed, save, progress)
 
@@ -48,8 +51,11 @@ def _run(model: str, ccfg: CompressionConfig, out: Path, corpus: str, second_cor
          save: bool, progress: bool) -> dict[str, Any]:
     t0 = time.time()
     torch.manual_seed(seed)
+    source_key = model_content_key(model) if save else None  # provenance, by content
+    tuned = ft is not None and ft.steps > 0
     prep = prepare(model, corpus, second_corpus, calib_tokens=calib_tokens,
-                   eval_tokens=eval_tokens, seed=seed, progress=progress)
+                   eval_tokens=eval_tokens, seed=seed, progress=progress,
+                   val_tokens=ft.eval_tokens if tuned and ft is not None else 0)
     assert prep.calibration is not None
     res: dict[str, Any] = {"model": prep.loaded.model_id, "model_note": prep.loaded.note,
                            "family": prep.adapter.family,
@@ -63,7 +69,7 @@ def _run(model: str, ccfg: CompressionConfig, out: Path, corpus: str, second_cor
                                         calib_tokens=prep.calib_ids)
     res["compress_seconds"] = time.time() - t1
     res["ppl_compressed"] = evaluate_all(prep.loaded.model, prep.eval_ids, progress=progress)
-    if ft is not None and ft.steps > 0:
+    if tuned and ft is not None:
         res["finetune"] = {"config": dataclasses.asdict(ft),
                            "curve": finetune(prep.loaded.model, prep.train_ids,
                                              validation_windows(prep, ft.eval_tokens), ft,
@@ -71,7 +77,8 @@ def _run(model: str, ccfg: CompressionConfig, out: Path, corpus: str, second_cor
         res["ppl_finetuned"] = evaluate_all(prep.loaded.model, prep.eval_ids,
                                             progress=progress)
     if save:
-        save_compressed(prep.loaded, res["compression"], out / "model", res["calibration"])
+        save_compressed(prep.loaded, res["compression"], out / "model", res["calibration"],
+                        source_key=source_key)
         res["saved_to"] = str(out / "model")
     res["seconds"] = time.time() - t0
     atomic_write_text(out / "compress.json", json.dumps(clean_json(res), indent=1))
