@@ -22,20 +22,28 @@ __all__ = ["check_apart", "run_folder_lock"]
 
 @contextmanager
 def run_folder_lock(folder: Path, what: str = "run") -> Iterator[IO[str]]:
-    """Hold ``folder/.lock`` (``flock``) for the block (``folder`` is created)."""
+    """Hold ``folder/.lock`` (``flock``) for the block (``folder`` is created; a folder
+    this call created that holds nothing but the lock when the block ends — a run refused
+    before writing anything — is removed again)."""
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise RunError(f"{folder} is a file, not a folder: choose another {what} folder")
+    created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     fh = open(folder / ".lock", "w")  # held for the whole block
+    locked = False
     try:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise RunError(f"{folder} is being written by another process (one writer "
                            f"per {what} folder)") from None
+        locked = True
         yield fh
     finally:
+        if locked and created and [p.name for p in folder.iterdir()] == [".lock"]:
+            (folder / ".lock").unlink(missing_ok=True)  # still held: no one else is in
+            folder.rmdir()
         fh.close()
 
 

@@ -231,3 +231,20 @@ def test_a_truncated_plain_model_folder_is_named(tmp_path) -> None:
     weights.write_bytes(weights.read_bytes()[:300])
     with pytest.raises(ValueError, match=r"cannot load model .*files cannot be read"):
         load_model(str(tmp_path / "m"))
+
+
+def test_share_compress_checks_its_windows_against_the_context(tmp_path) -> None:
+    from structlm.share.compress import CompressionConfig
+    from structlm.share.compress.run import run_compress
+
+    src, texts = _source(tmp_path)
+    short = tmp_path / "short"
+    tiny_llama(vocab_size=300, max_position_embeddings=256).save_pretrained(short)
+    with pytest.raises(ValueError, match=r"attends to 256 positions, fewer than the 512"):
+        run_compress(str(short), CompressionConfig(), tmp_path / "o1", corpus=str(texts))
+    from structlm.hf.finetune import FinetuneConfig
+
+    with pytest.raises(ValueError, match=r"--finetune-seq-len\) 600: .* \(512 positions\)"):
+        run_compress(str(src), CompressionConfig(), tmp_path / "o2", corpus=str(texts),
+                     ft=FinetuneConfig(steps=1, seq_len=600))
+    assert not any((tmp_path / o / "compress.json").exists() for o in ("o1", "o2"))

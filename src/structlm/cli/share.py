@@ -13,23 +13,12 @@ from structlm.cli.dataclass_flags import add_dataclass_flags
 from structlm.config import ConfigError, dataclass_from_dict, read_yaml
 
 
-def model_context(model: Any) -> int | None:
-    """Positions the model ``model`` can attend to (``None``: it does not say)."""
-    config = model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for key in ("max_position_embeddings", "n_positions"):
-        value = getattr(text, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 def model_limits(spec: str) -> tuple[int, int | None]:
     """``(decoder layers, context positions or None)`` of model ``spec`` from its
     architecture only (the weights are neither read nor initialised): what a config is
     checked against before any work starts."""
     from structlm.hf.adapters import get_adapter
-    from structlm.hf.loading import load_model
+    from structlm.hf.loading import load_model, model_context
 
     model = load_model(spec, weights=False).model
     return get_adapter(model).num_layers, model_context(model)
@@ -41,7 +30,7 @@ def _cmd_eval_ppl(args: argparse.Namespace) -> int:
     import torch
 
     from structlm.hf.bos import decide_bos
-    from structlm.hf.loading import load_model
+    from structlm.hf.loading import load_model, model_context
     from structlm.hf.perplexity import perplexity
     from structlm.hf.text import (
         corpus_documents,

@@ -42,6 +42,7 @@ from tqdm import tqdm
 from structlm.convert.typed_linear import TypedAlgebraLinear
 from structlm.hf.adapters import MatrixType, get_adapter
 from structlm.hf.hooks import StopForward, hooked, run_until_stopped
+from structlm.hf.loading import model_context
 from structlm.nn.structure import invalidate_fast_paths
 
 __all__ = ["DEFAULT_RIDGE", "block_error", "calibrate_", "calibration_batches", "fit_blocks",
@@ -140,18 +141,6 @@ def block_error(weight: torch.Tensor, dense: torch.Tensor, moments: torch.Tensor
         m = eff - a
         errs.append(float(((m @ moments[alpha].to(torch.float64)) * m).sum()))
     return errs
-
-
-def model_context(model: nn.Module) -> int | None:
-    """Positions ``model`` can attend to (its text config's ``max_position_embeddings``
-    or ``n_positions``; ``None``: it does not say)."""
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for key in ("max_position_embeddings", "n_positions"):
-        value = getattr(text, key, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
 
 
 def calibration_batches(calibration: Any, vocab_size: int, batch_size: int = 4,

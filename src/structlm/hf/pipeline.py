@@ -18,7 +18,7 @@ from structlm.hf.adapters import ModelAdapter, get_adapter
 from structlm.hf.bos import BosDecision, decide_bos
 from structlm.hf.calibration import Calibration, load_or_calibrate
 from structlm.hf.fingerprint import model_fingerprint, tensor_fingerprint
-from structlm.hf.loading import LoadedModel, load_model
+from structlm.hf.loading import LoadedModel, load_model, model_context
 from structlm.hf.perplexity import perplexity
 from structlm.hf.splits import Role, Windows, holdout_tail
 from structlm.hf.text import (
@@ -120,6 +120,11 @@ def prepare(model: str, corpus: str, second_corpus: str = "", eval_fraction: flo
     if calib_tokens < seq_len:
         raise ValueError(f"calib_tokens={calib_tokens} is fewer than one window of "
                          f"seq_len={seq_len}")
+    context = model_context(loaded.model)
+    if context is not None and seq_len > context:
+        raise ValueError(f"windows of seq_len={seq_len} tokens are longer than the context "
+                         f"of model {model!r} ({context} positions): the model would be "
+                         "scored and calibrated beyond the positions it was trained for")
     adapter = get_adapter(loaded.model)
     if layers is not None:
         check_layers(layers, adapter.num_layers)

@@ -16,6 +16,7 @@ from tqdm import tqdm
 from structlm.config import ConfigError, NonEmpty, OneOf, Range, dataclass_from_dict, validated
 from structlm.hf.adapters import MatrixType, ModelAdapter, parse_types
 from structlm.hf.calibration import Calibration
+from structlm.hf.transaction import restore_on_error
 from structlm.settings import cache_dir
 from structlm.share.compress.factorize import RootCache, TypeFactors, TypeRanks
 from structlm.share.compress.methods import (
@@ -170,7 +171,9 @@ def compress_model(adapter: ModelAdapter, cal: Calibration, cfg: CompressionConf
     ``cfg.update``, or the method's own where it always updates (``svd-llm``); its
     report per type is ``report["update"]`` and its time ``report["update_seconds"]``. It
     needs ``calib_tokens`` (the calibration windows, run again through the compressed
-    model), checked before any work."""
+    model), checked before any work. Every input is checked before the first module is
+    replaced, and an error part-way puts every replaced module back (the model is left
+    exactly as it was)."""
     configured = get_method(cfg.method)
     runs_update = configured.runs_update(cfg.update)
     if runs_update and calib_tokens is None:
@@ -179,11 +182,23 @@ def compress_model(adapter: ModelAdapter, cal: Calibration, cfg: CompressionConf
                else "update=True")
         raise ValueError(f"{why}: it needs the calibration tokens (calib_tokens=...)")
     L = adapter.num_layers
+    plans = plan_types(adapter, cfg)
+    for plan in plans:  # every moment the factorisations read exists: checked first
+        cal.layer_moments(plan.type, list(range(L)))
+    with restore_on_error(adapter.model):  # an error part-way leaves the model as it was
+        return _compress(adapter, cal, cfg, plans, progress, calib_tokens, runs_update)
+
+
+def _compress(adapter: ModelAdapter, cal: Calibration, cfg: CompressionConfig,
+              plans: list[TypePlan], progress: bool, calib_tokens: torch.Tensor | None,
+              runs_update: bool) -> dict[str, Any]:
+    """:func:`compress_model` after its checks."""
+    configured = get_method(cfg.method)
+    L = adapter.num_layers
     report: dict[str, Any] = {"config": dataclasses.asdict(cfg), "types": {}}
     total_params = sum(p.numel() for p in adapter.model.parameters())
     orig_sum = stored_sum = 0
     originals: dict[MatrixType, list[torch.Tensor]] = {}
-    plans = plan_types(adapter, cfg)
     roots = RootCache(cfg.eig_floor, store=cache_dir("roots"))  # keyed on content
     bar = tqdm(plans, desc="compress", unit="type", disable=not progress, leave=False)
     for plan in bar:

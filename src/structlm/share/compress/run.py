@@ -14,12 +14,15 @@ import torch
 from structlm.atomic import atomic_write_text, clean_json
 from structlm.folders import check_apart, run_folder_lock
 from structlm.hf.finetune import FinetuneConfig, finetune
-from structlm.hf.loading import model_content_key
+from structlm.hf.loading import load_model, model_content_key, model_context
 from structlm.hf.pipeline import evaluate_all, prepare, validation_windows
 from structlm.share.compress.apply import CompressionConfig, compress_model
 from structlm.share.compress.io import remove_leftovers, save_compressed, source_chain
 
 __all__ = ["run_compress"]
+
+WINDOW = 512
+"""Tokens per calibration and evaluation window."""
 
 
 def run_compress(model: str, ccfg: CompressionConfig, out_dir: str | Path,
@@ -40,10 +43,28 @@ def run_compress(model: str, ccfg: CompressionConfig, out_dir: str | Path,
     out = Path(out_dir)
     check_apart(out, source_chain(model))  # before anything is loaded or written
     with run_folder_lock(out, "share compress output"):
+        _check_context(model, ft)  # before any work
         for left in remove_leftovers(out / "model"):  # a killed save's, under the lock
             print(f"{out}: removed {left.name}, left by an interrupted save", flush=True)
         return _run(model, ccfg, out, corpus, second_corpus, calib_tokens, eval_tokens, ft,
                     seed, save, progress)
+
+
+def _check_context(model: str, ft: FinetuneConfig | None) -> None:
+    """The calibration and evaluation windows and the fine-tuning windows fit the model's
+    context (read from the architecture alone), before any work."""
+    context = model_context(load_model(model, weights=False).model)
+    if context is None:
+        return
+    if WINDOW > context:
+        raise ValueError(f"model {model!r} attends to {context} positions, fewer than the "
+                         f"{WINDOW}-token calibration and evaluation windows of share "
+                         "compress")
+    if ft is not None and ft.steps > 0 and ft.seq_len + 1 > context:
+        raise ValueError(f"finetune.seq_len (--finetune-seq-len) {ft.seq_len}: fine-tuning "
+                         f"feeds windows of seq_len + 1 = {ft.seq_len + 1} tokens, beyond the "
+                         f"context of model {model!r} ({context} positions): use at most "
+                         f"{context - 1}")
 
 
 def _run(model: str, ccfg: CompressionConfig, out: Path, corpus: str, second_corpus: str,
@@ -54,7 +75,7 @@ def _run(model: str, ccfg: CompressionConfig, out: Path, corpus: str, second_cor
     source_key = model_content_key(model) if save else None  # provenance, by content
     tuned = ft is not None and ft.steps > 0
     prep = prepare(model, corpus, second_corpus, calib_tokens=calib_tokens,
-                   eval_tokens=eval_tokens, seed=seed, progress=progress,
+                   eval_tokens=eval_tokens, seed=seed, progress=progress, seq_len=WINDOW,
                    val_tokens=ft.eval_tokens if tuned and ft is not None else 0)
     assert prep.calibration is not None
     res: dict[str, Any] = {"model": prep.loaded.model_id, "model_note": prep.loaded.note,
