@@ -70,3 +70,22 @@ def test_missing_calibration_is_refused_before_any_change() -> None:
         compress_model(ad, cal, CompressionConfig(method="svd-llm-w", types="all",
                                                   target_reduction=0.3))
     _same(before, _state(model))
+
+
+@pytest.mark.parametrize(("tokens", "match"), [
+    (lambda: torch.rand(2, 32), "integer token ids"),
+    (lambda: torch.randint(0, 89, (64,)), r"shape \(n, seq\)"),
+    (lambda: torch.full((2, 32), 95), r"outside the model's vocabulary \[0, 89\)"),
+    (lambda: torch.randint(0, 89, (1, 65)), r"longer than the model's context \(64"),
+])
+def test_bad_calibration_tokens_are_refused_before_any_change(tokens, match) -> None:
+    model = tiny_llama()
+    ad = get_adapter(model)
+    ids = torch.randint(0, 89, (4 * 32,), generator=torch.Generator().manual_seed(3))
+    cal = calibrate(ad, ids, seq_len=32, batch_size=2, progress=False)
+    before = _state(model)
+    with pytest.raises(ValueError, match=match):
+        compress_model(ad, cal, CompressionConfig(method="svd-llm", types="mlp",
+                                                  target_reduction=0.3),
+                       calib_tokens=tokens())
+    _same(before, _state(model))

@@ -181,12 +181,42 @@ def compress_model(adapter: ModelAdapter, cal: Calibration, cfg: CompressionConf
                "(its update is part of the method)" if configured.always_updates
                else "update=True")
         raise ValueError(f"{why}: it needs the calibration tokens (calib_tokens=...)")
+    if runs_update:
+        _check_tokens(adapter, calib_tokens)
     L = adapter.num_layers
     plans = plan_types(adapter, cfg)
     for plan in plans:  # every moment the factorisations read exists: checked first
         cal.layer_moments(plan.type, list(range(L)))
     with restore_on_error(adapter.model):  # an error part-way leaves the model as it was
         return _compress(adapter, cal, cfg, plans, progress, calib_tokens, runs_update)
+
+
+def _check_tokens(adapter: ModelAdapter, tokens: Any) -> None:
+    """Calibration windows: integer ids ``(n, seq)`` in the vocabulary, within the
+    model's context.
+
+    Raises:
+        ValueError: naming what is wrong.
+    """
+    from structlm.hf.loading import model_context
+
+    if not isinstance(tokens, torch.Tensor) or tokens.dtype.is_floating_point or \
+            tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise ValueError(f"calib_tokens must be integer token ids (a LongTensor (n, seq)), "
+                         f"not {type(tokens).__name__}"
+                         + (f" of {tokens.dtype}" if isinstance(tokens, torch.Tensor) else ""))
+    if tokens.dim() != 2 or tokens.numel() == 0:
+        raise ValueError(f"calib_tokens must have shape (n, seq) with n, seq >= 1, got "
+                         f"{tuple(tokens.shape)}")
+    vocab = int(adapter.model.get_input_embeddings().weight.shape[0])
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"calib_tokens hold ids in [{lo}, {hi}], outside the model's "
+                         f"vocabulary [0, {vocab})")
+    context = model_context(adapter.model)
+    if context is not None and tokens.shape[1] > context:
+        raise ValueError(f"calib_tokens windows of {tokens.shape[1]} tokens are longer than "
+                         f"the model's context ({context} positions)")
 
 
 def _compress(adapter: ModelAdapter, cal: Calibration, cfg: CompressionConfig,
