@@ -45,7 +45,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     (root / "one").mkdir()
     (root / "one" / "only.txt").write_text(_text(rng, 1200))
     tok = train_bpe([p.read_text() for p in (root / "four").iterdir()], 300, root / "bpe")
-    tiny_llama(vocab_size=300).save_pretrained(root / "model")
+    tiny_llama(vocab_size=300, max_position_embeddings=512).save_pretrained(root / "model")
     tok.save_pretrained(root / "model")
     tiny_llama(vocab_size=300).save_pretrained(root / "notok")
     return {k: str(root / k) for k in ("four", "one", "model", "notok")} | {"root": str(root)}
