@@ -66,6 +66,8 @@ def _lost_work(f: dict[str, str]) -> list[Case]:
         c("train", f["yaml_data_changed"], expect="--restart",
           protect=("run_data_changed",)),
         c("train", f["yaml_edited"], expect="built from other input", protect=("run_edited",)),
+        c("train", f["yaml_no_config"], expect="different config (lr:",
+          protect=("run_no_config",)),
     ]
     named = {"garbage_marker": "COMPLETE holds 'zz'", "empty_marker": "COMPLETE holds ''",
              "state_missing": "state.pt is missing", "model_truncated": "model.safetensors is",
@@ -271,6 +273,11 @@ def _experiments(f: dict[str, str]) -> list[Case]:
         c("experiment", "study", f["study_bad_arm"], expect="Q7"),
         c("experiment", "study", f["study_arm_field"], expect="lr"),
         c("experiment", "study", f["study_no_arms"], "--threads", "0", expect="--threads"),
+        # lengths beyond the model's context (64 positions): refused before any work
+        c("convert", f["ctx64"], "--out", f["locked"] + "-h", "--corpus", f["texts"],
+          "--heal-steps", "1", "--heal-seq-len", "1000", expect="--heal-seq-len"),
+        c("share", "compress", f["ctx64"], "--out", f["locked"] + "-w", "--corpus",
+          f["texts"], expect="attends to 64 positions"),
         # budgets a tiny model's ranks cannot meet: refused before any calibration
         c("experiment", "share", f["ctx64"], "--out", f["locked"] + "-b", "--methods",
           "svd-llm-w", "--reductions", "0.4", "--types", "attn", expect="cannot be met"),

@@ -124,6 +124,14 @@ def _runs(root: Path, f: dict[str, str]) -> None:
     (Path(own) / "c.txt").write_text("The same file name, other words: edited text. " * 40)
     f["run_edited"] = str(root / "runs" / "edited")
     f["yaml_edited"] = _train_yaml(root, "edited", out_dir=f["run_edited"], corpus=own, **base)
+    # config.json deleted, then resumed with another learning rate: the checkpoint's own
+    # copy of the config refuses it
+    shutil.copytree(run, root / "runs" / "no_config")
+    (root / "runs" / "no_config" / "config.json").unlink()
+    f["run_no_config"] = str(root / "runs" / "no_config")
+    f["yaml_no_config"] = _train_yaml(root, "no_config", out_dir=f["run_no_config"],
+                                      corpus=texts, data_dir=str(run / "data"),
+                                      **{**base, "lr": 1e-2})
     f["run_ok"], f["texts"] = str(run), texts
     f["yaml_base"] = _train_yaml(root, "base", out_dir=str(root / "runs" / "fresh"),
                                  corpus=texts, **base)

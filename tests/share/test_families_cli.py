@@ -31,7 +31,7 @@ IN_CI = {"phi3", "gemma3"}
     for mt in sorted(FAMILY_OVERRIDES)])
 def test_share_analyze_and_compress_run_on_the_family(model_type: str, tmp_path) -> None:
     src = tmp_path / "model"
-    tiny_family(model_type, vocab_size=49152).save_pretrained(src)
+    tiny_family(model_type, vocab_size=49152, max_position_embeddings=512).save_pretrained(src)
     load_model("smollm2").tokenizer.save_pretrained(src)
     common = ["--calib-tokens", "1024", "--eval-tokens", "600", "--threads", "1"]
     assert main(["share", "analyze", str(src), "--permutations", "10", "--seq-len", "64",

@@ -74,7 +74,7 @@ def test_missing_calibration_is_refused_before_any_change() -> None:
 
 @pytest.mark.parametrize(("tokens", "match"), [
     (lambda: torch.rand(2, 32), "integer token ids"),
-    (lambda: torch.randint(0, 89, (64,)), r"shape \(n, seq\)"),
+    (lambda: torch.randint(0, 89, (2, 4, 8)), r"windows \(n, seq\) or one stream"),
     (lambda: torch.full((2, 32), 95), r"outside the model's vocabulary \[0, 89\)"),
     (lambda: torch.randint(0, 89, (1, 65)), r"longer than the model's context \(64"),
 ])

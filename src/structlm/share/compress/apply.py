@@ -192,8 +192,8 @@ def compress_model(adapter: ModelAdapter, cal: Calibration, cfg: CompressionConf
 
 
 def _check_tokens(adapter: ModelAdapter, tokens: Any) -> None:
-    """Calibration windows: integer ids ``(n, seq)`` in the vocabulary, within the
-    model's context.
+    """Calibration windows ``(n, seq)`` (within the model's context) or one stream
+    ``(seq,)`` of integer ids in the vocabulary.
 
     Raises:
         ValueError: naming what is wrong.
@@ -205,16 +205,16 @@ def _check_tokens(adapter: ModelAdapter, tokens: Any) -> None:
         raise ValueError(f"calib_tokens must be integer token ids (a LongTensor (n, seq)), "
                          f"not {type(tokens).__name__}"
                          + (f" of {tokens.dtype}" if isinstance(tokens, torch.Tensor) else ""))
-    if tokens.dim() != 2 or tokens.numel() == 0:
-        raise ValueError(f"calib_tokens must have shape (n, seq) with n, seq >= 1, got "
-                         f"{tuple(tokens.shape)}")
+    if tokens.dim() not in (1, 2) or tokens.numel() == 0:
+        raise ValueError(f"calib_tokens must be windows (n, seq) or one stream (seq,) of "
+                         f"ids, got shape {tuple(tokens.shape)}")
     vocab = int(adapter.model.get_input_embeddings().weight.shape[0])
     lo, hi = int(tokens.min()), int(tokens.max())
     if lo < 0 or hi >= vocab:
         raise ValueError(f"calib_tokens hold ids in [{lo}, {hi}], outside the model's "
                          f"vocabulary [0, {vocab})")
     context = model_context(adapter.model)
-    if context is not None and tokens.shape[1] > context:
+    if context is not None and tokens.dim() == 2 and tokens.shape[1] > context:
         raise ValueError(f"calib_tokens windows of {tokens.shape[1]} tokens are longer than "
                          f"the model's context ({context} positions)")
 
