@@ -130,8 +130,7 @@ def _runs(root: Path, f: dict[str, str]) -> None:
     (root / "runs" / "no_config" / "config.json").unlink()
     f["run_no_config"] = str(root / "runs" / "no_config")
     f["yaml_no_config"] = _train_yaml(root, "no_config", out_dir=f["run_no_config"],
-                                      corpus=texts, data_dir=str(run / "data"),
-                                      **{**base, "lr": 1e-2})
+                                      corpus=texts, **{**base, "lr": 1e-2})
     f["run_ok"], f["texts"] = str(run), texts
     f["yaml_base"] = _train_yaml(root, "base", out_dir=str(root / "runs" / "fresh"),
                                  corpus=texts, **base)

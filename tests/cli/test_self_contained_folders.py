@@ -240,7 +240,9 @@ def test_share_compress_checks_its_windows_against_the_context(tmp_path) -> None
     src, texts = _source(tmp_path)
     short = tmp_path / "short"
     tiny_llama(vocab_size=300, max_position_embeddings=256).save_pretrained(short)
-    with pytest.raises(ValueError, match=r"attends to 256 positions, fewer than the 512"):
+    transformers.AutoTokenizer.from_pretrained(str(src)).save_pretrained(short)
+    with pytest.raises(ValueError, match=r"seq_len=512 tokens are longer than the context "
+                                         r"of model .* \(256 positions\)"):
         run_compress(str(short), CompressionConfig(), tmp_path / "o1", corpus=str(texts))
     from structlm.hf.finetune import FinetuneConfig
 

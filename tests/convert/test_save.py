@@ -108,3 +108,19 @@ def test_cli_calibrated_and_permuted_conversion(tiny_folder: str, tmp_path, caps
         ConvertConfig(model="x", targets="attn", permute=True)
     assert ConvertConfig(model="x", targets="attn", permute=True,
                          groups="heads").algebra_config().groups == "heads"
+
+
+def test_the_same_command_rerun_on_its_finished_folder_does_nothing(tiny_folder: str,
+                                                                   tmp_path, capsys) -> None:
+    """A convert killed after its folder was renamed into place (or simply run twice):
+    the rerun recognises its own finished conversion; another config is refused."""
+    out = tmp_path / "converted"
+    first = convert_and_save(ConvertConfig(model=tiny_folder), out, progress=False)
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    again = convert_and_save(ConvertConfig(model=tiny_folder), out, progress=False)
+    assert again == json.loads((out / "structlm_convert.json").read_text())
+    assert again["conversion"] == first["conversion"]
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps
+    assert "already holds this conversion" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="exists and is not an empty folder"):
+        convert_and_save(ConvertConfig(model=tiny_folder, algebra="Q4"), out, progress=False)

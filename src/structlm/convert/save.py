@@ -236,12 +236,35 @@ def convert_and_save(cfg: ConvertConfig, out: str | Path, progress: bool = True
         RunError: another process writes the same output.
     """
     out = Path(out)
+    done = _finished(out, cfg)
+    if done is not None:  # the same command, rerun after it finished (or was killed late)
+        print(f"{out} already holds this conversion ({REPORT}): nothing to do", flush=True)
+        return done
     _check_out(out, cfg.model)
     window = check_context(cfg)
     with output_lock(out):
         clean_leftovers(out)
         _check_out(out, cfg.model)  # again, under the lock
         return _convert_and_save(cfg, out, window, progress)
+
+
+def _record_config(cfg: ConvertConfig) -> dict[str, Any]:
+    """The config as the report records it."""
+    return {**dataclasses.asdict(cfg), "heal": dataclasses.asdict(cfg.heal)}
+
+
+def _finished(out: Path, cfg: ConvertConfig) -> dict[str, Any] | None:
+    """The report of a finished conversion with exactly ``cfg`` in ``out`` (``None`` if
+    there is none, or it was made with another config: then ``out`` is refused)."""
+    path = out / REPORT
+    if not path.is_file():
+        return None
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    same = json.loads(json.dumps(_record_config(cfg), default=str))
+    return report if isinstance(report, dict) and report.get("config") == same else None
 
 
 def _convert_and_save(cfg: ConvertConfig, out: Path, window: int, progress: bool
@@ -270,7 +293,7 @@ def _convert_and_save(cfg: ConvertConfig, out: Path, window: int, progress: bool
 
     report: dict[str, Any] = {
         "model": loaded.model_id, "model_note": loaded.note,
-        "config": {**dataclasses.asdict(cfg), "heal": dataclasses.asdict(cfg.heal)},
+        "config": _record_config(cfg),
         "window": window,
         "original": {"projection_macs": float(projection_macs(model)),
                      "projection_parameters": projection_parameters(model)}}

@@ -51,15 +51,12 @@ def run_compress(model: str, ccfg: CompressionConfig, out_dir: str | Path,
 
 
 def _check_context(model: str, ft: FinetuneConfig | None) -> None:
-    """The calibration and evaluation windows and the fine-tuning windows fit the model's
-    context (read from the architecture alone), before any work."""
+    """The fine-tuning windows fit the model's context (read from the architecture alone),
+    before any work (the calibration and evaluation windows are checked by ``prepare``
+    before it reads any text)."""
     context = model_context(load_model(model, weights=False).model)
     if context is None:
         return
-    if WINDOW > context:
-        raise ValueError(f"model {model!r} attends to {context} positions, fewer than the "
-                         f"{WINDOW}-token calibration and evaluation windows of share "
-                         "compress")
     if ft is not None and ft.steps > 0 and ft.seq_len + 1 > context:
         raise ValueError(f"finetune.seq_len (--finetune-seq-len) {ft.seq_len}: fine-tuning "
                          f"feeds windows of seq_len + 1 = {ft.seq_len + 1} tokens, beyond the "
