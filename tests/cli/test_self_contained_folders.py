@@ -20,16 +20,8 @@ transformers = pytest.importorskip("transformers")
 from structlm.cli import main  # noqa: E402
 from tiny_models import tiny_llama  # noqa: E402
 
-TEXTS = {
-    "a.txt": "It is a truth universally acknowledged, that a single man in possession of a "
-             "good fortune, must be in want of a wife. ",
-    "b.txt": "Emma Woodhouse, handsome, clever, and rich, with a comfortable home and happy "
-             "disposition, seemed to unite some of the best blessings of existence. ",
-    "c.txt": "The family of Dashwood had long been settled in Sussex. Their estate was "
-             "large, and their residence was at Norland Park. ",
-    "d.txt": "Sir Walter Elliot, of Kellynch Hall, in Somersetshire, was a man who, for his "
-             "own amusement, never took up any book but the Baronetage. ",
-}
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from bad_input_fixtures import TEXTS  # noqa: E402  (the sweep's four Austen openings)
 
 
 def _cli(argv: list[str]) -> int:
