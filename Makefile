@@ -2,7 +2,7 @@
 VENV  ?= .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.structlm-installed
-# pytest-xdist workers (the suite: ~4 min with 2 on 2 Intel Xeon cores, 2026-12-03); each worker's
+# pytest-xdist workers (the suite: ~10.5 min with 2 on 2 Intel Xeon cores, 2026-12-07); each worker's
 # OpenMP threads sleep when idle, so two workers share the cores without spinning
 TEST_WORKERS ?= 2
 PYTEST := OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n $(TEST_WORKERS)
