@@ -76,15 +76,15 @@ def test_smollm2_cache_is_keyed_on_the_gguf_and_a_second_writer_is_harmless(tmp_
     """The converted SmolLM2 folder's name carries a key of the GGUF's content, and a
     conversion that finishes after another process's (the destination already complete)
     keeps the first folder instead of failing."""
-    from structlm.hf import loading
+    from structlm.hf import builtin_models as loading
 
-    gguf = loading._smollm2_gguf()
-    key = loading._smollm2_key(gguf)
-    assert len(key) == 16 and key == loading._smollm2_key(gguf)
-    assert loading._smollm2_folder().name.endswith(key)
+    gguf = loading.smollm2_gguf()
+    key = loading.smollm2_key(gguf)
+    assert len(key) == 16 and key == loading.smollm2_key(gguf)
+    assert loading.smollm2_folder().name.endswith(key)
     dest = tmp_path / "converted"
     dest.mkdir()
     (dest / "config.json").write_text('{"first": true}')
-    loading._gguf_to_folder(gguf.parent, gguf.name, dest)  # the race's loser
+    loading.gguf_to_folder(gguf.parent, gguf.name, dest)  # the race's loser
     assert (dest / "config.json").read_text() == '{"first": true}'
     assert [p.name for p in tmp_path.iterdir()] == ["converted"]  # no temporary left

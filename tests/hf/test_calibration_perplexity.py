@@ -121,7 +121,7 @@ def test_the_chunked_head_gives_the_whole_models_log_probabilities(shape, chunk)
     """LLaMA-family head in chunks of rows (1 logit → one row; 3 rows; more rows than
     there are) equals ``log_softmax`` of the whole model's logits; GPT-2 (no plain-head
     route) is called whole and gives the same numbers as by hand too."""
-    from structlm.hf.perplexity import _plain_head, next_token_logprobs
+    from structlm.hf.perplexity import next_token_logprobs, plain_head
     from tiny_models import tiny_gpt2, tiny_llama
 
     for model, vocab in ((tiny_llama(seed=4, max_position_embeddings=128), 89),
@@ -133,7 +133,7 @@ def test_the_chunked_head_gives_the_whole_models_log_probabilities(shape, chunk)
         got = next_token_logprobs(model, ids, chunk_elements=chunk)
         assert got.shape == (shape[0], shape[1] - 1) and got.dtype == torch.float32
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
-        assert (_plain_head(model) is None) == (vocab == 97)
+        assert (plain_head(model) is None) == (vocab == 97)
 
 
 def test_the_chunked_head_raises_on_non_finite_logits() -> None:

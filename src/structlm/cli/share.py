@@ -30,6 +30,7 @@ def _cmd_eval_ppl(args: argparse.Namespace) -> int:
     import torch
 
     from structlm.hf.bos import decide_bos
+    from structlm.hf.layer_stream import StreamedModel, stream_folder, streamed_perplexity
     from structlm.hf.loading import load_model, model_context
     from structlm.hf.perplexity import perplexity
     from structlm.hf.text import (
@@ -42,7 +43,13 @@ def _cmd_eval_ppl(args: argparse.Namespace) -> int:
     )
 
     torch.set_num_threads(args.threads)
-    loaded = load_model(args.model)
+    streamed = stream_folder(args.model, args.stream)  # refuses --stream on, before work
+    if streamed is not None and args.sampling != "windows":
+        if args.stream == "on":
+            raise ValueError("--stream on scores --sampling windows (layer by layer); "
+                             "--sampling head runs the model whole: use --stream off")
+        streamed = None
+    loaded = load_model(args.model, weights=streamed is None)
     context = model_context(loaded.model)
     if context is not None and args.window > context:
         raise ConfigError(f"--window {args.window} is beyond the context of model "
@@ -71,15 +78,20 @@ def _cmd_eval_ppl(args: argparse.Namespace) -> int:
         text = sample.describe()
     else:
         ids, put_in_front = token_stream(loaded.tokenizer, docs, args.tokens), bos.bos_id
-    res = perplexity(loaded.model, ids, window=args.window, stride=args.stride,
-                     bos_id=put_in_front, batch_size=args.batch_size,
-                     progress=not args.json,
-                     bos_token=loaded.tokenizer.bos_token_id)
+    if streamed is not None:
+        res = streamed_perplexity(StreamedModel(streamed), ids, batch_size=args.batch_size,
+                                  progress=not args.json,
+                                  bos_token=loaded.tokenizer.bos_token_id)
+    else:
+        res = perplexity(loaded.model, ids, window=args.window, stride=args.stride,
+                         bos_id=put_in_front, batch_size=args.batch_size,
+                         progress=not args.json, bos_token=loaded.tokenizer.bos_token_id)
     if (res.bos, res.bos_id) != (bos.applied, bos.bos_id):  # the record is read from the ids
         raise RuntimeError(f"the scored windows {'start' if res.bos else 'do not start'} "
                            f"with BOS {res.bos_id}, but the decision was: {bos.reason}")
     out: dict[str, Any] = {"model": loaded.model_id, "corpus": args.corpus, "split": args.split,
                            "documents": [d.name for d in docs], "text": text,
+                           "layer_streamed": streamed is not None,
                            **res.as_dict(), "bos_decision": bos.as_dict()}
     if loaded.note:
         out["note"] = loaded.note
@@ -210,6 +222,10 @@ def add_share_commands(sub: Any, bench: Any) -> None:
                           "e.g. Gemma's); --no-bos leaves it out, with a warning where the "
                           "tokenizer puts one")
     ppl.add_argument("--batch-size", type=positive_int, default=4)
+    ppl.add_argument("--stream", default="auto", choices=["auto", "on", "off"],
+                     help="run the model one decoder layer at a time, its weights read from "
+                          "disk per layer (same numbers, memory set by one layer; "
+                          "--sampling windows); auto: for stored weights over 2 GiB")
     ppl.add_argument("--seed", type=int, default=0)
     ppl.add_argument("--threads", type=positive_int, default=2)
     ppl.add_argument("--json", action="store_true", help="one JSON object")

