@@ -67,11 +67,16 @@ class SavedTensors(Mapping[tuple[int, str], torch.Tensor]):
     held in memory: a 24-layer model's float64 second moments of a 4,864-wide MLP input
     are 4.5 GB, and every consumer needs one layer at a time.
 
-    Tensor names in the file are ``f"{layer}.{site}{suffix}"``. The file is keyed on
-    content by whoever wrote it, so it cannot change under the view."""
+    Tensor names in the file are ``f"{layer}.{site}{suffix}"``; ``path`` is one file, or
+    a mapping from each key to the file holding it (a calibration written layer by layer,
+    :mod:`structlm.hf.streamed_calibration`). The files are keyed on content by whoever
+    wrote them, so they cannot change under the view."""
 
-    def __init__(self, path: str | Path, keys: list[tuple[int, str]], suffix: str = "") -> None:
-        self.path = str(path)
+    def __init__(self, path: str | Path | Mapping[tuple[int, str], str | Path],
+                 keys: list[tuple[int, str]], suffix: str = "") -> None:
+        self._files = ({k: str(v) for k, v in path.items()} if isinstance(path, Mapping)
+                       else dict.fromkeys(keys, str(path)))
+        self.path = str(path) if not isinstance(path, Mapping) else ""
         self._keys = list(keys)
         self._set = set(self._keys)
         self.suffix = suffix
@@ -81,7 +86,7 @@ class SavedTensors(Mapping[tuple[int, str], torch.Tensor]):
             raise KeyError(key)
         from safetensors import safe_open
 
-        with safe_open(self.path, framework="pt") as fh:
+        with safe_open(self._files[key], framework="pt") as fh:
             return fh.get_tensor(f"{key[0]}.{key[1]}{self.suffix}")
 
     def __iter__(self) -> Iterator[tuple[int, str]]:
