@@ -152,7 +152,8 @@ def _cmd_share_compress(args: argparse.Namespace) -> int:
     ccfg.check_model(model_limits(args.model)[0])  # before any work
     res = run_compress(args.model, ccfg, args.out, corpus=args.corpus,
                        second_corpus=args.second_corpus, calib_tokens=args.calib_tokens,
-                       eval_tokens=args.eval_tokens, ft=ft, seed=args.seed)
+                       eval_tokens=args.eval_tokens, ft=ft, seed=args.seed,
+                       stream=args.stream)
     c = res["compression"]
     print(f"{ccfg.method} on {ccfg.types}: {c['ratio']:.2f}x fewer stored parameters in the "
           "compressed matrices")
@@ -261,6 +262,11 @@ def add_share_commands(sub: Any, bench: Any) -> None:
                     help="scored tokens per text, windows across held-out documents")
     cp.add_argument("--seed", type=int, default=0)
     cp.add_argument("--threads", type=positive_int, default=2)
+    cp.add_argument("--stream", default="auto", choices=["auto", "on", "off"],
+                    help="calibrate, compress and evaluate one layer (or Basis Sharing "
+                         "group) at a time, the weights read from disk per layer: peak "
+                         "memory set by one layer, not by depth; no fine-tuning. auto: for "
+                         "stored weights over 2 GiB without fine-tuning")
     cp.add_argument("--out", default="share-compressed")
     cp.set_defaults(func=_cmd_share_compress,
                     flags=add_dataclass_flags(cp, CompressionConfig,

@@ -97,15 +97,22 @@ def stream_folder(spec: str, stream: str = "auto") -> Path | None:
 
 
 class WeightFolder:
-    """The tensors of a Hugging Face folder's safetensors files, read by name."""
+    """The tensors of a Hugging Face folder's safetensors files, read by name.
 
-    def __init__(self, folder: str | Path) -> None:
+    ``index``: the index file naming each tensor's file (``model.safetensors.index.json``
+    by default; without one, every ``*.safetensors`` file of the folder). An index may
+    also map ``"aliases"``: a name → the name its tensor is stored under (a tensor shared
+    by several modules is stored once)."""
+
+    def __init__(self, folder: str | Path, index: str = _INDEX) -> None:
         from safetensors import safe_open
 
         self.folder = Path(folder)
-        index = self.folder / _INDEX
-        if index.is_file():
-            self.file_of: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        self.aliases: dict[str, str] = {}
+        if (self.folder / index).is_file():
+            record = json.loads((self.folder / index).read_text())
+            self.file_of: dict[str, str] = record["weight_map"]
+            self.aliases = record.get("aliases", {})
         else:
             self.file_of = {}
             for f in sorted(self.folder.glob("*.safetensors")):
@@ -116,23 +123,26 @@ class WeightFolder:
                              "nor *.safetensors files)")
 
     def __contains__(self, name: object) -> bool:
-        return name in self.file_of
+        return name in self.file_of or name in self.aliases
 
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
-        """The named tensors, copied out of their files (which are closed again)."""
+        """The named tensors, copied out of their files (which are closed again); an
+        alias and the name it stands for give one tensor."""
         from safetensors import safe_open
 
         by_file: dict[str, list[str]] = {}
-        for n in names:
-            if n not in self.file_of:
+        wanted = list(names)
+        for n in wanted:
+            stored = self.aliases.get(n, n)
+            if stored not in self.file_of:
                 raise KeyError(f"{self.folder} has no tensor {n!r}")
-            by_file.setdefault(self.file_of[n], []).append(n)
+            by_file.setdefault(self.file_of[stored], []).append(stored)
         out: dict[str, torch.Tensor] = {}
         for f, ns in by_file.items():
             with safe_open(str(self.folder / f), framework="pt") as fh:
-                for n in ns:
+                for n in dict.fromkeys(ns):
                     out[n] = fh.get_tensor(n)
-        return out
+        return {n: out[self.aliases.get(n, n)] for n in wanted}
 
 
 @dataclass
@@ -153,18 +163,25 @@ class StreamedModel:
     :meth:`resident`; the other modules (final norm, rotary tables) are small and stay
     resident."""
 
-    def __init__(self, folder: str | Path, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, folder: str | Path, dtype: torch.dtype = torch.float32,
+                 skeleton: nn.Module | None = None, index: str = _INDEX) -> None:
+        """``skeleton``: the model to stream, built by the caller with parameters not yet
+        read (a compressed folder's architecture with its factorised modules); default
+        the folder's architecture (``AutoModelForCausalLM.from_config``). ``index``: the
+        weights index in ``folder`` (:class:`WeightFolder`)."""
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.initialization import no_init_weights
 
         import structlm.models  # noqa: F401  (registers model_type "structlm")
 
         self.folder = Path(folder)
-        self.weights = WeightFolder(folder)
+        self.weights = WeightFolder(folder, index)
         self.dtype = dtype
-        with no_init_weights():  # allocated, never touched: not resident
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder)),
-                                                     dtype=dtype)
+        if skeleton is None:
+            with no_init_weights():  # allocated, never touched: not resident
+                skeleton = AutoModelForCausalLM.from_config(
+                    AutoConfig.from_pretrained(str(folder)), dtype=dtype)
+        model = skeleton
         model.eval()
         self.model = model
         self.adapter = get_adapter(model)
@@ -180,9 +197,11 @@ class StreamedModel:
                                     if n not in stored}
             m.to("meta")
         rest = {n for n in model.state_dict() if not any(
-            n.startswith(self._prefix(m)) for m in streamed)}
+            n.startswith(self.name_prefix(m)) for m in streamed)}
         model.load_state_dict(self._read(rest), strict=False, assign=True)
         for n, p in model.named_parameters():
+            if p.is_meta and n in rest:
+                raise AssertionError(f"{n}: not read from {self.folder}")
             if not p.is_meta and n not in rest:
                 raise AssertionError(f"{n}: left allocated outside the streamed modules")
 
@@ -190,7 +209,8 @@ class StreamedModel:
     def num_layers(self) -> int:
         return len(self.blocks)
 
-    def _prefix(self, module: nn.Module) -> str:
+    def name_prefix(self, module: nn.Module) -> str:
+        """``module``'s name in the model and a dot (its tensors' prefix)."""
         return self._names[id(module)] + "."
 
     def _read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
@@ -200,16 +220,16 @@ class StreamedModel:
     def _stored_name(self, name: str) -> str:
         """``name``'s tensor in the folder: a tied head reads the embedding's."""
         if name in self.weights or self.head is None or \
-                not name.startswith(self._prefix(self.head)):
+                not name.startswith(self.name_prefix(self.head)):
             return name
         tied = getattr(self.model.config, "tie_word_embeddings", False)
-        return self._prefix(self.embedding) + "weight" if tied else name
+        return self.name_prefix(self.embedding) + "weight" if tied else name
 
     @contextmanager
     def resident(self, module: nn.Module) -> Iterator[nn.Module]:
         """``module`` (a decoder layer, the embedding or the head) with its weights read
         from the folder for the block, back on ``meta`` after it."""
-        prefix = self._prefix(module)
+        prefix = self.name_prefix(module)
         keys = list(module.state_dict())
         names = {k: self._stored_name(prefix + k) for k in keys}
         values = self._read(names.values())

@@ -92,7 +92,7 @@ def prepare(model: str, corpus: str, second_corpus: str = "", eval_fraction: flo
             batch_size: int = 4, seed: int = 0, layers: list[int] | None = None,
             calibrate: bool = True, progress: bool = True,
             calib_seed: int | None = None, val_fraction: float = VALIDATION_FRACTION,
-            val_tokens: int = 8192, text: bool = True) -> Prepared:
+            val_tokens: int = 8192, text: bool = True, weights: bool = True) -> Prepared:
     """Load ``model``, split ``corpus`` by document, draw ``calib_tokens // seq_len``
     calibration windows across all calibration documents and enough evaluation windows
     to score ``eval_tokens`` tokens across all evaluation documents (in-domain and, if
@@ -106,8 +106,13 @@ def prepare(model: str, corpus: str, second_corpus: str = "", eval_fraction: flo
     and neither the calibration windows nor the fine-tuning stream read them.
 
     ``text=False``: the model alone (no tokenizer needed, no corpus read, no windows
-    drawn, nothing calibrated), for a caller that uses no text."""
-    loaded = load_model(model)
+    drawn, nothing calibrated), for a caller that uses no text. ``weights=False``: the
+    architecture and tokenizer without the weights (a caller that streams the model layer
+    by layer, :mod:`structlm.hf.layer_stream`, and calibrates it itself)."""
+    if not weights and calibrate:
+        raise ValueError("prepare(weights=False) cannot calibrate: the weights are not read "
+                         "(pass calibrate=False and calibrate the streamed model)")
+    loaded = load_model(model, weights=weights)
     if not text:
         adapter = get_adapter(loaded.model)
         if layers is not None:

@@ -28,7 +28,8 @@ from structlm.share.compress.methods import (
     get_method,
 )
 
-__all__ = ["CompressionConfig", "TypePlan", "build_modules", "compress_model", "plan_types"]
+__all__ = ["CompressionConfig", "TypePlan", "build_modules", "compress_model", "finish_report",
+           "plan_types", "type_entry"]
 
 
 _DEFAULT_GROUP_SIZE = 2
@@ -242,29 +243,44 @@ def _compress(adapter: ModelAdapter, cal: Calibration, cfg: CompressionConfig,
         biases = [adapter.layers[i].bias(t) for i in range(L)]
         for layer, mod in zip(adapter.layers, build_modules(factors, biases), strict=True):
             layer.replace(t, mod)
-        out, inn = plan.shape
-        original = L * out * inn
-        sizes = [len(g) for g in factors.groups]
-        method = get_method(factors.method)
-        stored = method.stored_parameters(out, inn, factors.ranks, sizes, factors.parts)
-        orig_sum, stored_sum = orig_sum + original, stored_sum + stored
-        report["types"][t.value] = {
-            "method": factors.method, "k": factors.ranks.k, "k_out": factors.ranks.k_out,
-            "k_in": factors.ranks.k_in, "r": factors.ranks.r, "shape": [out, inn],
-            "parts": factors.parts, "group_sizes": [len(g) for g in factors.groups],
-            "original_parameters": original, "stored_parameters": stored,
-            "token_macs": method.token_macs(out, inn, factors.ranks, sizes, factors.parts),
-            "budget": plan.budget, "ratio": original / stored, "energy_kept": factors.energy,
-            "mean_energy_kept": sum(factors.energy) / L, **factors.info}
+        entry = type_entry(factors.method, factors.ranks, plan.shape, factors.parts,
+                           [len(g) for g in factors.groups], plan.budget, factors.energy,
+                           factors.info)
+        orig_sum += entry["original_parameters"]
+        stored_sum += entry["stored_parameters"]
+        report["types"][t.value] = entry
     if runs_update:
         assert calib_tokens is not None
         t0 = time.perf_counter()
         report["update"] = configured.update(adapter, cal, plans, originals, calib_tokens,
                                              cfg.eig_floor)
         report["update_seconds"] = time.perf_counter() - t0
-    report.update(original_parameters=orig_sum, stored_parameters=stored_sum,
-                  ratio=orig_sum / max(stored_sum, 1), reduction=1 - stored_sum / orig_sum,
+    return finish_report(report, orig_sum, stored_sum, total_params)
+
+
+def type_entry(method_name: str, ranks: TypeRanks, shape: tuple[int, int], parts: int,
+               group_sizes: list[int], budget: float | None, energy: list[float],
+               info: dict[str, Any]) -> dict[str, Any]:
+    """The report of one compressed type over all its layers (``energy``: kept energy
+    per layer, in order)."""
+    method = get_method(method_name)
+    out, inn = shape
+    original = sum(group_sizes) * out * inn
+    stored = method.stored_parameters(out, inn, ranks, group_sizes, parts)
+    return {"method": method_name, "k": ranks.k, "k_out": ranks.k_out, "k_in": ranks.k_in,
+            "r": ranks.r, "shape": [out, inn], "parts": parts, "group_sizes": group_sizes,
+            "original_parameters": original, "stored_parameters": stored,
+            "token_macs": method.token_macs(out, inn, ranks, group_sizes, parts),
+            "budget": budget, "ratio": original / stored, "energy_kept": energy,
+            "mean_energy_kept": sum(energy) / len(energy), **info}
+
+
+def finish_report(report: dict[str, Any], original: int, stored: int, total_params: int
+                  ) -> dict[str, Any]:
+    """``report`` with the accounting over every compressed type and the whole model."""
+    report.update(original_parameters=original, stored_parameters=stored,
+                  ratio=original / max(stored, 1), reduction=1 - stored / original,
                   model_parameters_before=total_params,
-                  model_parameters_after=total_params - orig_sum + stored_sum)
+                  model_parameters_after=total_params - original + stored)
     return report
 

@@ -43,18 +43,22 @@ from structlm.share.compress.apply import CompressionConfig, build_modules
 from structlm.share.compress.factorize import TypeFactors, TypeRanks
 from structlm.share.compress.methods import get_method
 
-__all__ = ["MANIFEST", "WEIGHTS", "load_compressed", "load_source", "make_self_contained",
-           "remove_leftovers", "save_compressed", "source_chain"]
+__all__ = ["MANIFEST", "SHARDED_INDEX", "WEIGHTS", "compressed_skeleton", "load_compressed",
+           "load_source", "make_self_contained", "remove_leftovers", "save_compressed",
+           "save_source_files", "source_chain"]
 
 MANIFEST = "structlm_compression.json"
 WEIGHTS = "structlm_compressed.safetensors"
+SHARDED_INDEX = "structlm_compressed.safetensors.index.json"
+"""The index of a folder written layer by layer (tensor → shard file; ``"aliases"``: a
+shared tensor's other names → the one it is stored under)."""
 """The weights file (not ``model.safetensors``: transformers without structlm must not
 take the folder for a plain model and fill the factorised layers at random)."""
 _LEGACY_WEIGHTS = "model.safetensors"  # format 1
 FORMAT = 2
 
 
-def _save_source_files(loaded: LoadedModel, folder: Path) -> None:
+def save_source_files(loaded: LoadedModel, folder: Path) -> None:
     """The source's config, generation config and tokenizer into ``folder``."""
     loaded.model.config.save_pretrained(folder)
     generation = getattr(loaded.model, "generation_config", None)
@@ -88,7 +92,7 @@ def save_compressed(loaded: LoadedModel, report: dict[str, Any], folder: str | P
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".tmp-compressed-{folder.name}-"))
     try:
         save_model(loaded.model, str(tmp / WEIGHTS))
-        _save_source_files(loaded, tmp)
+        save_source_files(loaded, tmp)
         manifest = {"format": FORMAT, "source_model": loaded.source or loaded.model_id,
                     "source_key": source_key, "source_name": loaded.model_id,
                     "source_note": loaded.note, "compression": report,
@@ -124,18 +128,33 @@ def _placeholder(t: dict[str, Any], L: int) -> TypeFactors:
     return method.placeholder((out, inn), ranks, groups, int(t.get("parts", 1)))
 
 
+def _read_saved(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the weights file ``path``, or of every shard its index names (an
+    alias of a tensor stored once under another name included)."""
+    from safetensors.torch import load_file
+
+    files, aliases = [path], {}
+    if path.name == SHARDED_INDEX:
+        record = json.loads(path.read_text())
+        files = [path.parent / f for f in dict.fromkeys(record["weight_map"].values())]
+        aliases = record.get("aliases", {})
+    saved: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            saved.update(load_file(str(f)))
+        except Exception as e:  # safetensors' own error types: a truncated or foreign file
+            raise ValueError(f"{f} cannot be read ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:200]}): the weights file is damaged "
+                             "or truncated; re-run share compress") from e
+    saved.update({a: saved[n] for a, n in aliases.items() if n in saved})
+    return saved
+
+
 def _assign_saved_tensors(model: torch.nn.Module, path: Path) -> None:
     """Point every parameter of ``model`` at the saved tensors (memory-mapped by
     safetensors: no copy; the source model's weights are never read), re-tie tied
     weights, and check that every parameter now comes from the file."""
-    from safetensors.torch import load_file
-
-    try:
-        saved = load_file(str(path))
-    except Exception as e:  # safetensors' own error types: a truncated or foreign file
-        raise ValueError(f"{path} cannot be read ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:200]}): the weights file is damaged or "
-                         "truncated; re-run share compress") from e
+    saved = _read_saved(path)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # a skeleton from the config may not be tied yet
     aliases: dict[int, list[str]] = {}  # a tensor under several names is saved under one
@@ -198,8 +217,8 @@ def _format(manifest: dict[str, Any]) -> int:
 
 def _weights(folder: Path) -> Path:
     """The weights file (format 2's name, else format 1's; a folder half-way through
-    :func:`make_self_contained` has one of them)."""
-    for name in (WEIGHTS, _LEGACY_WEIGHTS):
+    :func:`make_self_contained` has one of them), or the index of a sharded folder."""
+    for name in (SHARDED_INDEX, WEIGHTS, _LEGACY_WEIGHTS):
         if (folder / name).is_file():
             return folder / name
     raise ValueError(f"{folder} holds no weights ({WEIGHTS}): the compressed folder is "
@@ -220,11 +239,15 @@ def _architecture(folder: Path, manifest: dict[str, Any]) -> LoadedModel:
     return load_model(source, weights=False)  # every tensor is in the file
 
 
-def load_compressed(folder: str | Path) -> LoadedModel:
-    """The compressed model saved in ``folder`` (by :func:`save_compressed`).
+def compressed_skeleton(folder: str | Path) -> tuple[LoadedModel, dict[str, Any]]:
+    """The compressed architecture of ``folder`` — the source's with factorised modules of
+    the recorded shapes in place — with no tensor read yet (the factors on ``meta``, the
+    rest allocated but untouched), and the folder's manifest: what
+    :func:`load_compressed` fills, and what :class:`structlm.hf.layer_stream.StreamedModel`
+    streams layer by layer.
 
     Raises:
-        ValueError: not a compressed folder, a damaged manifest or weights file (named).
+        ValueError: not a compressed folder, or a damaged manifest (named).
     """
     folder = Path(folder)
     path = folder / MANIFEST
@@ -232,9 +255,8 @@ def load_compressed(folder: str | Path) -> LoadedModel:
         raise ValueError(f"{folder} is not a compressed model folder (no {MANIFEST})")
     source_chain(folder)  # refuses a manifest that names itself (or loops) as its source
     manifest = _read_manifest(folder)
-    weights = _weights(folder)
     loaded = _architecture(folder, manifest)
-    ccfg = CompressionConfig.from_dict(manifest["compression"]["config"])  # validates
+    CompressionConfig.from_dict(manifest["compression"]["config"])  # validates
     # (a former method name, e.g. "svd", reads as its new one with a DeprecationWarning)
     adapter = get_adapter(loaded.model)
     L = adapter.num_layers
@@ -244,7 +266,20 @@ def load_compressed(folder: str | Path) -> LoadedModel:
         biases = [adapter.layers[i].bias(mt) for i in range(L)]
         for layer, mod in zip(adapter.layers, build_modules(factors, biases), strict=True):
             layer.replace(mt, mod)
-    _assign_saved_tensors(loaded.model, weights)
+    return loaded, manifest
+
+
+def load_compressed(folder: str | Path) -> LoadedModel:
+    """The compressed model saved in ``folder`` (by :func:`save_compressed`, or layer by
+    layer by :func:`structlm.share.compress.streamed.compress_streamed`).
+
+    Raises:
+        ValueError: not a compressed folder, a damaged manifest or weights file (named).
+    """
+    folder = Path(folder)
+    loaded, manifest = compressed_skeleton(folder)
+    ccfg = CompressionConfig.from_dict(manifest["compression"]["config"])
+    _assign_saved_tensors(loaded.model, _weights(folder))
     loaded.model.eval()
     source_name = manifest.get("source_name") or manifest.get("source_model")
     loaded.note = (manifest.get("source_note") or "") + \
@@ -299,7 +334,7 @@ def make_self_contained(folder: str | Path) -> bool:
                          "written, or with the source model at that path") from e
     tmp = Path(tempfile.mkdtemp(dir=folder, prefix=".tmp-self-contain-"))
     try:
-        _save_source_files(loaded, tmp)
+        save_source_files(loaded, tmp)
         for f in tmp.iterdir():
             os.replace(f, folder / f.name)
     finally:

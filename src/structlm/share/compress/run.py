@@ -14,10 +14,12 @@ import torch
 from structlm.atomic import atomic_write_text, clean_json
 from structlm.folders import check_apart, run_folder_lock
 from structlm.hf.finetune import FinetuneConfig, finetune
+from structlm.hf.layer_stream import stream_folder
 from structlm.hf.loading import load_model, model_content_key, model_context
 from structlm.hf.pipeline import evaluate_all, prepare, validation_windows
 from structlm.share.compress.apply import CompressionConfig, compress_model
 from structlm.share.compress.io import remove_leftovers, save_compressed, source_chain
+from structlm.share.compress.run_streamed import results_header, run_compress_streamed
 
 __all__ = ["run_compress"]
 
@@ -29,23 +31,41 @@ def run_compress(model: str, ccfg: CompressionConfig, out_dir: str | Path,
                  corpus: str = "austen", second_corpus: str = "shakespeare",
                  calib_tokens: int = 32768, eval_tokens: int = 16384,
                  ft: FinetuneConfig | None = None, seed: int = 0, save: bool = True,
-                 progress: bool = True) -> dict[str, Any]:
+                 progress: bool = True, stream: str = "auto") -> dict[str, Any]:
     """Compress ``model`` under ``ccfg``; writes ``compress.json``, ``report.md`` and (with
     ``save``) the model folder ``model/`` into ``out_dir``; returns the results.
+
+    ``stream``: ``on`` runs every step one layer (or Basis Sharing group) at a time, the
+    weights read from disk (:mod:`.run_streamed`; no fine-tuning), ``off`` holds the
+    model, ``auto`` streams a model whose weights exceed 2 GiB when no fine-tuning is
+    asked for (:func:`structlm.hf.layer_stream.stream_folder`).
 
     ``out_dir`` must lie apart from every folder ``model`` reads (a compressed model's
     sources too) and is locked for the run (one writer).
 
     Raises:
-        ValueError: an output overlapping an input (before anything is loaded).
+        ValueError: an output overlapping an input (before anything is loaded); ``stream
+            on`` with fine-tuning or for a model that cannot stream.
         RunError: another process writes ``out_dir``.
     """
     out = Path(out_dir)
     check_apart(out, source_chain(model))  # before anything is loaded or written
+    tuned = ft is not None and ft.steps > 0
+    if tuned and stream == "on":
+        raise ValueError("fine-tuning holds the whole model for its gradients: it cannot "
+                         "run layer by layer (--stream off, or no fine-tuning steps)")
     with run_folder_lock(out, "share compress output"):
         _check_context(model, ft)  # before any work
+        streamed = None if tuned else stream_folder(model, stream)
         for left in remove_leftovers(out / "model"):  # a killed save's, under the lock
             print(f"{out}: removed {left.name}, left by an interrupted save", flush=True)
+        if streamed is not None:
+            res = run_compress_streamed(model, streamed, ccfg, out, corpus, second_corpus,
+                                        calib_tokens, eval_tokens, seed, save, progress,
+                                        WINDOW)
+            atomic_write_text(out / "compress.json", json.dumps(clean_json(res), indent=1))
+            atomic_write_text(out / "report.md", _markdown(res))
+            return res
         return _run(model, ccfg, out, corpus, second_corpus, calib_tokens, eval_tokens, ft,
                     seed, save, progress)
 
@@ -75,12 +95,7 @@ def _run(model: str, ccfg: CompressionConfig, out: Path, corpus: str, second_cor
                    eval_tokens=eval_tokens, seed=seed, progress=progress, seq_len=WINDOW,
                    val_tokens=ft.eval_tokens if tuned and ft is not None else 0)
     assert prep.calibration is not None
-    res: dict[str, Any] = {"model": prep.loaded.model_id, "model_note": prep.loaded.note,
-                           "family": prep.adapter.family,
-                           "model_type": getattr(prep.loaded.model.config, "model_type", ""),
-                           "architecture_notes": prep.adapter.notes,
-                           "split": prep.split.describe(),
-                           "calibration": dict(prep.calibration.meta), "text": prep.text}
+    res = {**results_header(prep), "calibration": dict(prep.calibration.meta)}
     res["ppl_original"] = evaluate_all(prep.loaded.model, prep.eval_ids, progress=progress)
     t1 = time.time()
     res["compression"] = compress_model(prep.adapter, prep.calibration, ccfg, progress=progress,
@@ -131,5 +146,7 @@ def _markdown(res: dict[str, Any]) -> str:
         lines.append(f"| {name} | {p['ppl']:.2f} | {res['ppl_compressed'][name]['ppl']:.2f} | "
                      f"{'—' if ftp is None else f'{ftp:.2f}'} |")
     lines += ["", f"Total time {res['seconds']:.0f} s (compression itself "
-              f"{res['compress_seconds']:.1f} s).", ""]
+              f"{res['compress_seconds']:.1f} s)"
+              + ("; every step one layer (or unit of layers) at a time, the weights read "
+                 "from disk." if res.get("layer_streamed") else "."), ""]
     return "\n".join(lines)
