@@ -12,9 +12,9 @@ on it in its own process under ``/usr/bin/time -v``: its peak resident set ("Max
 resident set size") and wall time are recorded beside the model's float32 weight bytes.
 The commands (:data:`COMMANDS`):
 
-* ``share-compress``: ``share compress --method svd-llm-w --types all
-  --target-reduction 0.2``, ``--calib-tokens`` calibration tokens of Austen, a small
-  evaluation;
+* ``share-compress`` / ``share-compress-streamed``: ``share compress --method svd-llm-w
+  --types all --target-reduction 0.2``, ``--calib-tokens`` calibration tokens of Austen,
+  a small evaluation, with ``--stream off`` / ``--stream on``;
 * ``eval-ppl-whole`` / ``eval-ppl-streamed``: ``eval ppl`` on ``--eval-tokens`` tokens of
   Austen with ``--stream off`` / ``--stream on`` (the model whole, or one decoder layer
   at a time: :mod:`structlm.hf.layer_stream`).
@@ -78,17 +78,19 @@ def _peak_kib(stderr: str) -> int | None:
 def _arguments(command: str, folder: Path, out: Path, calib_tokens: int, eval_tokens: int,
                threads: int) -> list[str]:
     """The structlm command line of ``command`` on the model in ``folder``."""
-    if command == "share-compress":
+    if command.startswith("share-compress"):
+        stream = "on" if command.endswith("-streamed") else "off"
         return ["share", "compress", str(folder), "--method", "svd-llm-w", "--types", "all",
                 "--target-reduction", "0.2", "--calib-tokens", str(calib_tokens),
                 "--eval-tokens", "1024", "--second-corpus", "", "--threads", str(threads),
-                "--out", str(out)]
+                "--stream", stream, "--out", str(out)]
     stream = {"eval-ppl-whole": "off", "eval-ppl-streamed": "on"}[command]
     return ["eval", "ppl", str(folder), "--corpus", "austen", "--tokens", str(eval_tokens),
             "--stream", stream, "--threads", str(threads), "--json"]
 
 
-COMMANDS = ("share-compress", "eval-ppl-whole", "eval-ppl-streamed")
+COMMANDS = ("share-compress", "share-compress-streamed", "eval-ppl-whole",
+            "eval-ppl-streamed")
 
 
 def measure(command: str, depth: int, width: int, calib_tokens: int, eval_tokens: int,
@@ -173,7 +175,10 @@ def draw(out: Path) -> None:
 
 _DESCRIBE = {
     "share-compress": "share-compress: `share compress --method svd-llm-w --types all "
-                      "--target-reduction 0.2` (2,048 calibration tokens of Austen).",
+                      "--target-reduction 0.2` (2,048 calibration tokens of Austen; "
+                      "`--stream off` where the option exists).",
+    "share-compress-streamed": "share-compress-streamed: the same with `--stream on` (one "
+                               "layer at a time).",
     "eval-ppl-whole": "eval-ppl-whole: `eval ppl --stream off` (the model loaded whole).",
     "eval-ppl-streamed": "eval-ppl-streamed: `eval ppl --stream on` (one decoder layer at a "
                          "time).",
