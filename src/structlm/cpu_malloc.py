@@ -15,6 +15,10 @@ tcmalloc. The resident set then stays at its high-water mark — as with any cac
 allocator. glibc still falls back to ``mmap`` where its heap cannot grow, so no request
 fails that would otherwise succeed.
 
+Code that frees large buffers on purpose to bound its peak — layer streaming, which
+reads one layer, drops it and reads the next — calls :func:`release_freed_memory` after
+each release, so the retained heap does not grow layer by layer.
+
 The ``structlm`` command calls it at start-up (``structlm --system-malloc ...`` does not);
 a library user calls it once, early, if they want it. Benchmarks record the setting in
 their environment line, and both arms of every comparison run under the same one.
@@ -25,7 +29,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
-__all__ = ["malloc_setting", "retain_freed_memory"]
+__all__ = ["malloc_setting", "release_freed_memory", "retain_freed_memory"]
 
 #: ``mallopt`` parameters (glibc ``malloc.h``).
 _M_TRIM_THRESHOLD = -1
@@ -65,3 +69,23 @@ def malloc_setting() -> str:
     """How this process's C allocator is set: ``"system"`` (untouched) or what
     :func:`retain_freed_memory` applied (recorded in benchmark environments)."""
     return _state[0]
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap's free pages back to the system now (glibc ``malloc_trim(0)``), for
+    code that bounds its peak by freeing large buffers while memory is retained.
+
+    Returns:
+        ``True`` when glibc released something; ``False`` otherwise (nothing to release,
+        or not glibc).
+    """
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim(0) == 1

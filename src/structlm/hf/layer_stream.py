@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from structlm.cpu_malloc import release_freed_memory
 from structlm.hf.adapters import get_adapter
 from structlm.hf.hooks import StopForward, run_until_stopped
 from structlm.hf.perplexity import (
@@ -243,6 +244,7 @@ class StreamedModel:
             yield module
         finally:
             module.to("meta")
+            release_freed_memory()  # the retained heap must not keep every layer read
 
     @torch.no_grad()
     def capture(self, batches: Iterable[torch.Tensor]) -> list[LayerInputs]:
