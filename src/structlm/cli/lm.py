@@ -73,13 +73,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     if args.model:
-        from structlm.hf.loading import FOLDER_FORMATS, check_tokenizer_fits, load_model
+        from structlm.hf.loading import (
+            BUILTIN_MODELS,
+            FOLDER_FORMATS,
+            check_tokenizer_fits,
+            load_model,
+        )
 
-        if not any(os.path.isfile(os.path.join(args.model, name))
-                   for name in ("config.json", *FOLDER_FORMATS)):
+        if args.model.lower() not in BUILTIN_MODELS and not any(
+                os.path.isfile(os.path.join(args.model, name))
+                for name in ("config.json", *FOLDER_FORMATS)):
             raise ValueError(f"--model {args.model!r}: no saved model there (expected a "
                              "folder with config.json and weights, as save_pretrained writes, "
-                             "or a folder structlm share compress wrote)")
+                             "or a folder structlm share compress wrote) and not a built-in "
+                             f"name ({', '.join(sorted(BUILTIN_MODELS))})")
         try:  # refuses missing, mis-shaped and non-finite weights by name
             loaded = load_model(args.model)
         except (ValueError, OSError) as e:
@@ -165,7 +172,10 @@ def add_lm_commands(sub: Any) -> None:
     cost.set_defaults(func=_cmd_cost)
 
     gen = sub.add_parser("generate", help="sample text with the KV cache")
-    gen.add_argument("--model", default=None, help="a saved model folder (save_pretrained)")
+    gen.add_argument("--model", default=None,
+                     help="a saved model folder (save_pretrained, convert, share compress) "
+                          "or a built-in name (smollm2, qwen2.5-coder, qwen2.5-coder-1.5b; "
+                          "held whole in memory)")
     gen.add_argument("--preset", default="cpu-small")
     gen.add_argument("--algebra", default="Q2^2")
     gen.add_argument("--prompt", action="append", required=True, type=prompt,
