@@ -30,8 +30,13 @@ def _cmd_eval_ppl(args: argparse.Namespace) -> int:
     import torch
 
     from structlm.hf.bos import decide_bos
-    from structlm.hf.layer_stream import StreamedModel, stream_folder, streamed_perplexity
-    from structlm.hf.loading import load_model, model_context
+    from structlm.hf.layer_stream import open_streamed, stream_folder, streamed_perplexity
+    from structlm.hf.loading import (
+        FOLDER_FORMATS,
+        load_architecture,
+        load_model,
+        model_context,
+    )
     from structlm.hf.perplexity import perplexity
     from structlm.hf.text import (
         corpus_documents,
@@ -49,7 +54,11 @@ def _cmd_eval_ppl(args: argparse.Namespace) -> int:
             raise ValueError("--stream on scores --sampling windows (layer by layer); "
                              "--sampling head runs the model whole: use --stream off")
         streamed = None
-    loaded = load_model(args.model, weights=streamed is None)
+    if streamed is not None and any((streamed / m).is_file() for m in FOLDER_FORMATS):
+        loaded = load_architecture(streamed)  # a compressed folder's config and tokenizer
+        loaded.model_id = args.model
+    else:
+        loaded = load_model(args.model, weights=streamed is None)
     context = model_context(loaded.model)
     if context is not None and args.window > context:
         raise ConfigError(f"--window {args.window} is beyond the context of model "
@@ -79,7 +88,7 @@ def _cmd_eval_ppl(args: argparse.Namespace) -> int:
     else:
         ids, put_in_front = token_stream(loaded.tokenizer, docs, args.tokens), bos.bos_id
     if streamed is not None:
-        res = streamed_perplexity(StreamedModel(streamed), ids, batch_size=args.batch_size,
+        res = streamed_perplexity(open_streamed(streamed), ids, batch_size=args.batch_size,
                                   progress=not args.json,
                                   bos_token=loaded.tokenizer.bos_token_id)
     else:

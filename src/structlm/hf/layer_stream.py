@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,8 +47,9 @@ from structlm.hf.perplexity import (
     scored_windows_key,
 )
 
-__all__ = ["STREAM_ABOVE_BYTES", "LayerInputs", "StreamedModel", "WeightFolder",
-           "stream_folder", "streamed_perplexity"]
+__all__ = ["STREAMED_FORMATS", "STREAM_ABOVE_BYTES", "LayerInputs", "StreamedModel",
+           "WeightFolder", "open_streamed", "register_streamed_format", "stream_folder",
+           "streamed_perplexity"]
 
 _INDEX = "model.safetensors.index.json"
 
@@ -56,6 +57,29 @@ STREAM_ABOVE_BYTES = 2 << 30
 """``--stream auto`` streams a model whose stored weights exceed 2 GiB (Qwen2.5-Coder
 0.5B and larger): the results are the same either way (tested bitwise), the memory is
 not."""
+
+
+STREAMED_FORMATS: dict[str, tuple[str, Callable[[Path], nn.Module]]] = {}
+"""A folder format that streams: file marking it (its sharded index) → (that index's name,
+a builder of the folder's model with no tensor read). ``structlm.share`` registers its
+sharded compressed folders."""
+
+
+def register_streamed_format(marker: str, skeleton: Callable[[Path], nn.Module]) -> None:
+    """Make a folder holding the index ``marker`` stream through ``skeleton(folder)`` (the
+    model with its tensors unread) and that index (how a capability above this layer plugs
+    in its own sharded format)."""
+    STREAMED_FORMATS[marker] = (marker, skeleton)
+
+
+def open_streamed(folder: str | Path) -> StreamedModel:
+    """The :class:`StreamedModel` of ``folder``: a registered format's
+    (:data:`STREAMED_FORMATS`) or a plain Hugging Face folder's."""
+    folder = Path(folder)
+    for marker, (index, skeleton) in STREAMED_FORMATS.items():
+        if (folder / marker).is_file():
+            return StreamedModel(folder, skeleton=skeleton(folder), index=index)
+    return StreamedModel(folder)
 
 
 def stream_folder(spec: str, stream: str = "auto") -> Path | None:
@@ -77,11 +101,14 @@ def stream_folder(spec: str, stream: str = "auto") -> Path | None:
         return None
     folder = builtin_folder(spec) if spec.lower() in BUILTIN_MODELS else Path(spec)
     why = ""
+    registered = folder.is_dir() and any((folder / m).is_file() for m in STREAMED_FORMATS)
     if not folder.is_dir():
         why = "not a local folder (a hub id loads whole)"
-    elif any((folder / m).is_file() for m in FOLDER_FORMATS):
-        why = "a structlm compressed folder (its factorised layers load whole)"
-    elif not (folder / _INDEX).is_file() and not any(folder.glob("*.safetensors")):
+    elif not registered and any((folder / m).is_file() for m in FOLDER_FORMATS):
+        why = ("a single-file structlm compressed folder (its factorised layers load whole; "
+               "share compress --stream on writes one that streams)")
+    elif not registered and not (folder / _INDEX).is_file() and \
+            not any(folder.glob("*.safetensors")):
         why = "no safetensors weights"
     else:
         model_type = json.loads((folder / "config.json").read_text()).get("model_type") \

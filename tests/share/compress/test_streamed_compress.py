@@ -162,3 +162,23 @@ def test_stream_units() -> None:
     assert streamed_module.stream_units([per_layer, pairs], 5) == [[0, 1], [2, 3], [4]]
     assert streamed_module.stream_units([plan([[0, 1, 2], [3, 4]]), pairs], 5) == [
         [0, 1, 2, 3, 4]]
+
+
+def test_eval_ppl_streams_a_sharded_compressed_folder(setup: dict[str, str], capsys) -> None:
+    """``eval ppl --stream on`` reads a folder written layer by layer one layer at a time
+    (its factorised modules included) and gives the numbers of the folder loaded whole."""
+    from structlm.cli import main
+
+    cfg = CompressionConfig(method="basis-sharing", types="mlp", target_reduction=0.3)
+    _run(setup, cfg, "for-eval", "on")
+    folder = str(Path(setup["root"]) / "for-eval" / "model")
+    records = {}
+    for mode in ("on", "off"):
+        assert main(["eval", "ppl", folder, "--corpus", setup["corpus"], "--tokens", "300",
+                     "--window", "40", "--json", "--stream", mode]) == 0
+        records[mode] = json.loads(capsys.readouterr().out)
+    assert records["on"]["layer_streamed"] and not records["off"]["layer_streamed"]
+    assert records["on"]["window_nll"] == records["off"]["window_nll"]
+    with pytest.raises(ValueError, match="is a compressed folder: compress the model"):
+        run_compress(folder, cfg, Path(setup["root"]) / "again", corpus=setup["corpus"],
+                     stream="on", progress=False)

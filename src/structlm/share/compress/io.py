@@ -32,6 +32,7 @@ import torch
 
 from structlm.atomic import atomic_write_text
 from structlm.hf.adapters import MatrixType, get_adapter
+from structlm.hf.layer_stream import register_streamed_format
 from structlm.hf.loading import (
     LoadedModel,
     load_architecture,
@@ -348,3 +349,4 @@ def make_self_contained(folder: str | Path) -> bool:
 
 
 register_folder_format(MANIFEST, load_compressed)
+register_streamed_format(SHARDED_INDEX, lambda folder: compressed_skeleton(folder)[0].model)

@@ -18,7 +18,12 @@ from structlm.hf.layer_stream import stream_folder
 from structlm.hf.loading import load_model, model_content_key, model_context
 from structlm.hf.pipeline import evaluate_all, prepare, validation_windows
 from structlm.share.compress.apply import CompressionConfig, compress_model
-from structlm.share.compress.io import remove_leftovers, save_compressed, source_chain
+from structlm.share.compress.io import (
+    MANIFEST,
+    remove_leftovers,
+    save_compressed,
+    source_chain,
+)
 from structlm.share.compress.run_streamed import results_header, run_compress_streamed
 
 __all__ = ["run_compress"]
@@ -57,6 +62,9 @@ def run_compress(model: str, ccfg: CompressionConfig, out_dir: str | Path,
     with run_folder_lock(out, "share compress output"):
         _check_context(model, ft)  # before any work
         streamed = None if tuned else stream_folder(model, stream)
+        if streamed is not None and (streamed / MANIFEST).is_file():
+            raise ValueError(f"{model!r} is a compressed folder: compress the model it was "
+                             "compressed from (its manifest names it)")
         for left in remove_leftovers(out / "model"):  # a killed save's, under the lock
             print(f"{out}: removed {left.name}, left by an interrupted save", flush=True)
         if streamed is not None:

@@ -22,32 +22,24 @@ from typing import Any
 import torch
 
 from structlm.hf.fingerprint import tensor_fingerprint
-from structlm.hf.layer_stream import StreamedModel, streamed_perplexity
+from structlm.hf.layer_stream import StreamedModel, open_streamed, streamed_perplexity
 from structlm.hf.loading import model_content_key
 from structlm.hf.pipeline import Prepared, prepare
 from structlm.hf.streamed_calibration import calibrate_streamed
 from structlm.settings import cache_dir
 from structlm.share.compress.apply import CompressionConfig
-from structlm.share.compress.io import SHARDED_INDEX, compressed_skeleton
 from structlm.share.compress.streamed import compress_streamed
 
 __all__ = ["evaluate_streamed", "results_header", "run_compress_streamed"]
 
 
-def evaluate_streamed(folder: Path, eval_ids: dict[str, torch.Tensor], progress: bool,
-                      compressed: bool = False) -> dict[str, dict[str, Any]]:
-    """Perplexity on every stream of the model in ``folder`` (a compressed one with
-    ``compressed``), layer by layer: the records of
+def evaluate_streamed(folder: Path, eval_ids: dict[str, torch.Tensor], progress: bool
+                      ) -> dict[str, dict[str, Any]]:
+    """Perplexity on every stream of the model in ``folder`` (plain or a sharded
+    compressed folder), layer by layer: the records of
     :func:`~structlm.hf.pipeline.evaluate_all`."""
-    out = {}
-    for name, ids in eval_ids.items():
-        if compressed:
-            skeleton = compressed_skeleton(folder)[0].model
-            stream = StreamedModel(folder, skeleton=skeleton, index=SHARDED_INDEX)
-        else:
-            stream = StreamedModel(folder)
-        out[name] = streamed_perplexity(stream, ids, progress=progress).as_dict()
-    return out
+    return {name: streamed_perplexity(open_streamed(folder), ids, progress=progress).as_dict()
+            for name, ids in eval_ids.items()}
 
 
 def run_compress_streamed(model: str, source: Path, ccfg: CompressionConfig, out: Path,
@@ -81,8 +73,7 @@ def run_compress_streamed(model: str, source: Path, ccfg: CompressionConfig, out
                                            prep.loaded, res["calibration"], source_key,
                                            progress)
     res["compress_seconds"] = time.time() - t1
-    res["ppl_compressed"] = evaluate_streamed(out / "model", prep.eval_ids, progress,
-                                              compressed=True)
+    res["ppl_compressed"] = evaluate_streamed(out / "model", prep.eval_ids, progress)
     if save:
         res["saved_to"] = str(out / "model")
     else:
