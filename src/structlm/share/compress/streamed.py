@@ -236,6 +236,8 @@ def _copy_rest(stream: StreamedModel, work: Path) -> dict[str, str]:
         if (work / shard).is_file():
             continue
         tensor = stream.weights.read([name])[name]
+        if tensor.is_floating_point():  # the dtype the factors are written in
+            tensor = tensor.to(stream.dtype)
         with atomic_path(work / shard, ".safetensors") as tmp:
             save_file({name: tensor}, str(tmp), metadata={"format": "pt"})
         del tensor
