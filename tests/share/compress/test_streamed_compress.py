@@ -182,3 +182,20 @@ def test_eval_ppl_streams_a_sharded_compressed_folder(setup: dict[str, str], cap
     with pytest.raises(ValueError, match="is a compressed folder: compress the model"):
         run_compress(folder, cfg, Path(setup["root"]) / "again", corpus=setup["corpus"],
                      stream="on", progress=False)
+
+
+def test_auto_streams_what_can_and_runs_the_rest_whole(setup: dict[str, str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above the size threshold ``--stream auto`` streams a method that can and runs one
+    that cannot (``svd-llm``'s update) on the whole model; ``--stream on`` refuses it."""
+    from structlm.hf import layer_stream
+
+    monkeypatch.setattr(layer_stream, "STREAM_ABOVE_BYTES", 0)  # every folder is "large"
+    streams = _run(setup, CompressionConfig(method="svd-llm-w", types="attn",
+                                            target_reduction=0.2), "auto-w", "auto")
+    assert streams["layer_streamed"] is True
+    cfg = CompressionConfig(method="svd-llm", types="attn", target_reduction=0.2)
+    whole = _run(setup, cfg, "auto-llm", "auto")
+    assert "layer_streamed" not in whole and whole["compression"]["update"]
+    with pytest.raises(ValueError, match=r"--stream on: method 'svd-llm' refits every layer"):
+        _run(setup, cfg, "on-llm", "on")

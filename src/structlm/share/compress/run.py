@@ -13,11 +13,12 @@ import torch
 
 from structlm.atomic import atomic_write_text, clean_json
 from structlm.folders import check_apart, run_folder_lock
+from structlm.hf.adapters import get_adapter
 from structlm.hf.finetune import FinetuneConfig, finetune
 from structlm.hf.layer_stream import stream_folder
 from structlm.hf.loading import load_model, model_content_key, model_context
 from structlm.hf.pipeline import evaluate_all, prepare, validation_windows
-from structlm.share.compress.apply import CompressionConfig, compress_model
+from structlm.share.compress.apply import CompressionConfig, compress_model, plan_types
 from structlm.share.compress.io import (
     MANIFEST,
     remove_leftovers,
@@ -25,6 +26,7 @@ from structlm.share.compress.io import (
     source_chain,
 )
 from structlm.share.compress.run_streamed import results_header, run_compress_streamed
+from structlm.share.compress.streamed import why_not_streamed
 
 __all__ = ["run_compress"]
 
@@ -65,6 +67,13 @@ def run_compress(model: str, ccfg: CompressionConfig, out_dir: str | Path,
         if streamed is not None and (streamed / MANIFEST).is_file():
             raise ValueError(f"{model!r} is a compressed folder: compress the model it was "
                              "compressed from (its manifest names it)")
+        if streamed is not None:  # a method that cannot stream: refused, or run whole
+            adapter = get_adapter(load_model(model, weights=False).model)
+            why = why_not_streamed(ccfg, plan_types(adapter, ccfg), adapter.num_layers)
+            if why is not None and stream == "on":
+                raise ValueError(f"--stream on: {why} (use --stream off)")
+            if why is not None:
+                streamed = None
         for left in remove_leftovers(out / "model"):  # a killed save's, under the lock
             print(f"{out}: removed {left.name}, left by an interrupted save", flush=True)
         if streamed is not None:

@@ -51,7 +51,7 @@ from structlm.share.compress.factorize import RootCache
 from structlm.share.compress.io import MANIFEST, SHARDED_INDEX, save_source_files
 from structlm.share.compress.methods import get_method
 
-__all__ = ["FORMAT_SHARDED", "compress_streamed", "stream_units"]
+__all__ = ["FORMAT_SHARDED", "compress_streamed", "stream_units", "why_not_streamed"]
 
 FORMAT_SHARDED = 3
 """The manifest format of a folder written layer by layer (sharded weights)."""
@@ -71,21 +71,26 @@ def stream_units(plans: list[TypePlan], num_layers: int) -> list[list[int]]:
     return [list(range(a, b)) for a, b in itertools.pairwise(edges)]
 
 
-def _check_streamable(cfg: CompressionConfig, plans: list[TypePlan], L: int) -> None:
+def why_not_streamed(cfg: CompressionConfig, plans: list[TypePlan], L: int) -> str | None:
+    """Why ``cfg`` cannot compress layer by layer (the reason, to print), or ``None``."""
     method = get_method(cfg.method)
     if method.runs_update(cfg.update):
-        raise ValueError(f"method {cfg.method!r}{' with update' if cfg.update else ''} "
-                         "refits every layer on the compressed model's own inputs: not "
-                         "streamed layer by layer yet (use --stream off)")
+        return (f"method {cfg.method!r}{' with update' if cfg.update else ''} refits every "
+                "layer on the compressed model's own inputs: not streamed layer by layer yet")
     for plan in plans:
         if plan.ranks is None:
-            raise ValueError(f"method {plan.method!r} chooses the ranks of {plan.type.value} "
-                             "from every layer's data at once: it cannot stream layer by "
-                             "layer (use --stream off)")
+            return (f"method {plan.method!r} chooses the ranks of {plan.type.value} from "
+                    "every layer's data at once: it cannot stream layer by layer")
         if L > 1 and any(len(g) == L for g in plan.groups):
-            raise ValueError(f"method {plan.method!r} shares one basis across all {L} layers "
-                             f"for {plan.type.value}: streaming would hold every layer "
-                             "(use --stream off)")
+            return (f"method {plan.method!r} shares one basis across all {L} layers for "
+                    f"{plan.type.value}: streaming would hold every layer")
+    return None
+
+
+def _check_streamable(cfg: CompressionConfig, plans: list[TypePlan], L: int) -> None:
+    why = why_not_streamed(cfg, plans, L)
+    if why is not None:
+        raise ValueError(f"{why} (use --stream off)")
 
 
 def _local(plan: TypePlan, unit: list[int]) -> TypePlan:
