@@ -275,7 +275,8 @@ def add_share_commands(sub: Any, bench: Any) -> None:
                     help="calibrate, compress and evaluate one layer (or Basis Sharing "
                          "group) at a time, the weights read from disk per layer: peak "
                          "memory set by one layer, not by depth; no fine-tuning. auto: for "
-                         "stored weights over 2 GiB without fine-tuning")
+                         "stored weights over 2 GiB, without fine-tuning, with a method "
+                         "that streams (svd-llm-w, basis-sharing without update)")
     cp.add_argument("--out", default="share-compressed")
     cp.set_defaults(func=_cmd_share_compress,
                     flags=add_dataclass_flags(cp, CompressionConfig,
