@@ -199,3 +199,20 @@ def test_auto_streams_what_can_and_runs_the_rest_whole(setup: dict[str, str],
     assert "layer_streamed" not in whole and whole["compression"]["update"]
     with pytest.raises(ValueError, match=r"--stream on: method 'svd-llm' refits every layer"):
         _run(setup, cfg, "on-llm", "on")
+
+
+def test_a_pair_of_layers_streams_but_one_basis_over_every_layer_does_not() -> None:
+    """A 2-layer model under Basis Sharing's pairs is one unit (it streams); the all-layers
+    one-sided basis is refused at any depth."""
+    from structlm.hf.adapters import get_adapter
+    from structlm.share.compress.apply import plan_types
+
+    for layers in (2, 4):
+        adapter = get_adapter(tiny_family("qwen2", num_hidden_layers=layers))
+        pairs = CompressionConfig(method="basis-sharing", types="all", target_reduction=0.2)
+        every = CompressionConfig(method="onesided-all-layers", types="all",
+                                  target_reduction=0.2)
+        assert streamed_module.why_not_streamed(pairs, plan_types(adapter, pairs),
+                                                layers) is None
+        assert "shares one basis across all" in streamed_module.why_not_streamed(
+            every, plan_types(adapter, every), layers)

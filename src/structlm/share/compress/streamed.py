@@ -81,8 +81,9 @@ def why_not_streamed(cfg: CompressionConfig, plans: list[TypePlan], L: int) -> s
         if plan.ranks is None:
             return (f"method {plan.method!r} chooses the ranks of {plan.type.value} from "
                     "every layer's data at once: it cannot stream layer by layer")
-        if L > 1 and any(len(g) == L for g in plan.groups):
-            return (f"method {plan.method!r} shares one basis across all {L} layers for "
+        deeper = L + cfg.group_size  # a model this deep: is every layer still one group?
+        if L > 1 and any(len(g) == deeper for g in method.layout(plan.type, deeper, cfg)[1]):
+            return (f"method {cfg.method!r} shares one basis across all {L} layers for "
                     f"{plan.type.value}: streaming would hold every layer")
     return None
 
