@@ -25,7 +25,8 @@ step() {  # step OUT_DIR COMMAND...: wait while another process writes OUT_DIR, 
     while pgrep -f -- "--out $out( |$)" > /dev/null; do sleep 60; done
     echo "[$(date -u +%FT%TZ)] start $out" >> runs/verdict_reruns.log
     "$@" >> "$out.log" 2>&1
-    echo "[$(date -u +%FT%TZ)] end $out (exit $?)" >> runs/verdict_reruns.log
+    local rc=$?  # before anything else sets $? (the date below would)
+    echo "[$(date -u +%FT%TZ)] end $out (exit $rc)" >> runs/verdict_reruns.log
 }
 
 probe_a() { step runs/verdicts_probe_a $S experiment share smollm2 --config $C \
