@@ -189,7 +189,7 @@ def _compress_unit(stream: StreamedModel, cal: Calibration, cfg: CompressionConf
             t = plan.type
             weights = [layer.weight(t) for layer in layers]
             factors = factorize_plan(_local(plan, unit), weights,
-                                     [cal.C(i, t) for i in unit], cfg, roots)
+                                     cal.layer_moments(t, unit), cfg, roots)  # read on use
             del weights
             biases = [layer.bias(t) for layer in layers]
             for layer, mod in zip(layers, build_modules(factors, biases), strict=True):
