@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from memory_vs_depth import _peak_kib  # a sibling script (benchmarks/ on sys.path)
+
 SHAPE = {"hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32,
          "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 4096,
          "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
@@ -108,12 +110,12 @@ def measure(layers: int, calib_tokens: int, threads: int, work: Path, tok: objec
     run = subprocess.run(cmd, capture_output=True, text=True,
                          env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     seconds = time.perf_counter() - t0
-    peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)", run.stderr)
+    peak = _peak_kib(run.stderr)  # the one reader of /usr/bin/time -v's peak
     if run.returncode != 0:
         print(run.stderr[-3000:], file=sys.stderr)
     res = json.loads((out / "compress.json").read_text()) if run.returncode == 0 else {}
     return {"layers": layers, "parameters": params,
-            "peak_rss_gib": round(int(peak.group(1)) / 2**20, 3) if peak else float("nan"),
+            "peak_rss_gib": round(peak / 2**20, 3) if peak is not None else float("nan"),
             "seconds": round(seconds, 1),
             "compress_seconds": round(res.get("compress_seconds", float("nan")), 1),
             "exit": run.returncode, "calib_tokens": calib_tokens, "cpu": _cpu_model(),
