@@ -51,8 +51,9 @@ class RootCache:
     method at every budget asks for the same ones).
 
     In memory at most ``memory_bytes`` of roots are kept (least recently used dropped
-    first); in ``store`` only roots of at least ``store_min_dim`` dimensions are written
-    (smaller ones cost less to recompute than to read), atomically, as safetensors."""
+    first; a pair larger than that is not kept at all); in ``store`` only roots of at
+    least ``store_min_dim`` dimensions are written (smaller ones cost less to recompute
+    than to read), atomically, as safetensors."""
 
     def __init__(self, floor: float, store: str | Path | None = None,
                  memory_bytes: int = 2 << 30, store_min_dim: int = 2048) -> None:
@@ -84,6 +85,9 @@ class RootCache:
             self.computed += 1
             if path is not None:
                 _save_roots(path, roots)
+        size = sum(r.numel() * r.element_size() for r in roots)
+        if size > self.memory_bytes:  # larger than the whole budget: returned, not kept
+            return roots
         self._roots[key] = roots
         used = sum(a.numel() * a.element_size() + b.numel() * b.element_size()
                    for a, b in self._roots.values())

@@ -141,8 +141,11 @@ def factorize_basis_sharing(weights: list[torch.Tensor], Cs: Sequence[torch.Tens
     tf.per_layer = [{} for _ in weights]
     W = [w.double() for w in weights]
     for g in groups:
-        C = sum(Cs[i].double() for i in g) / len(g)  # the group's XᵀX up to a scale
-        S, S_inv = (roots or RootCache(floor)).get(C)
+        C = Cs[g[0]].double().clone()  # the group's XᵀX up to a scale, summed in place
+        for i in g[1:]:
+            C.add_(Cs[i])
+        S, S_inv = (roots or RootCache(floor)).get(C.div_(len(g)))
+        del C  # (the roots are what the group needs: moments are dim² each)
         kg = min(k, max_basis_rank(inn, len(g), op))
         basis = {}
         for p in range(parts):
@@ -151,7 +154,9 @@ def factorize_basis_sharing(weights: list[torch.Tensor], Cs: Sequence[torch.Tens
             basis[f"P{p}"] = V.T @ S_inv  # (kg, in)
             for i, wh in zip(g, Wh, strict=True):
                 tf.per_layer[i][f"D{p}"] = wh @ V  # (op, kg)
+            del Wh
         tf.bases.append(basis)
+        del S, S_inv
     for i, g in enumerate(_group_of(groups, len(W))):
         What = torch.cat([tf.per_layer[i][f"D{p}"] @ tf.bases[g][f"P{p}"] for p in range(parts)])
         tf.energy.append(kept_energy(W[i], What, Cs[i]))

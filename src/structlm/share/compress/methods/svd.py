@@ -69,6 +69,7 @@ def factorize_svd(weights: list[torch.Tensor], Cs: Sequence[torch.Tensor], k: in
             U, S, Vh = thin_svd(w[p * op:(p + 1) * op] @ root)
             entry[f"B{p}"], entry[f"C{p}"] = U[:, :k] * S[:k], Vh[:k] @ inv_root
             rows.append(entry[f"B{p}"] @ entry[f"C{p}"])
+        del root, inv_root  # (not held while the next layer's are computed)
         tf.per_layer.append(entry)
         tf.energy.append(kept_energy(w, torch.cat(rows), c))
     return tf
