@@ -284,7 +284,7 @@ def _api_cases() -> list[Any]:
     from structlm.hf.finetune import FinetuneConfig
     from structlm.models import StructLMConfig
     from structlm.share.analysis.analyze import AnalysisConfig, Thresholds
-    from structlm.share.compress import CompressionConfig
+    from structlm.share.compress import BasisSharingOptions, CompressionConfig, HybridOptions
     from structlm.train import TrainConfig
 
     nan = math.nan
@@ -307,10 +307,11 @@ def _api_cases() -> list[Any]:
         (AnalysisConfig, {"types": "bogus"}, "types: "),
         (AnalysisConfig, {"thresholds": [1]}, "thresholds: [1] is not a mapping"),
         (Thresholds, {"classifier_max_p": 0}, "classifier_max_p: 0"),
-        (CompressionConfig, {"group_size": 1.5}, "group_size: 1.5 is not an integer"),
+        (BasisSharingOptions, {"group_size": 1.5}, "group_size: 1.5 is not an integer"),
+        (CompressionConfig, {"basis_sharing": {"group_size": 0}}, "group_size: 0 is out of"),
         (CompressionConfig, {"eig_floor": -1}, "eig_floor: -1"),
         (CompressionConfig, {"k_fraction": 0}, "k_fraction: 0"),
-        (CompressionConfig, {"residual_rank": -1}, "residual_rank: -1"),
+        (HybridOptions, {"residual_rank": -1}, "residual_rank: -1"),
         (ExperimentConfig, {"seeds": [0, 0]}, "seeds: [0, 0] repeats [0]"),
         (ExperimentConfig, {"methods": []}, "methods: [] is empty"),
         (ExperimentConfig, {"reductions": [0.4, 0.4]}, "reductions: [0.4, 0.4] repeats"),

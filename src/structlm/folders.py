@@ -20,12 +20,21 @@ from structlm.config import RunError
 __all__ = ["check_apart", "run_folder_lock"]
 
 
+_HELD: dict[Path, IO[str]] = {}
+"""The run folders this process holds the lock of (resolved path -> the lock file)."""
+
+
 @contextmanager
 def run_folder_lock(folder: Path, what: str = "run") -> Iterator[IO[str]]:
     """Hold ``folder/.lock`` (``flock``) for the block (``folder`` is created; a folder
     this call created that holds nothing but the lock when the block ends — a run refused
-    before writing anything — is removed again)."""
+    before writing anything — is removed again). Re-entrant within a process: a block
+    inside another that holds the same folder goes on under the outer lock."""
     folder = Path(folder)
+    key = folder.resolve()
+    if key in _HELD:  # this process is the writer already (an API called by a command)
+        yield _HELD[key]
+        return
     if folder.exists() and not folder.is_dir():
         raise RunError(f"{folder} is a file, not a folder: choose another {what} folder")
     created = not folder.exists()
@@ -39,8 +48,10 @@ def run_folder_lock(folder: Path, what: str = "run") -> Iterator[IO[str]]:
             raise RunError(f"{folder} is being written by another process (one writer "
                            f"per {what} folder)") from None
         locked = True
+        _HELD[key] = fh
         yield fh
     finally:
+        _HELD.pop(key, None)
         if locked and created and [p.name for p in folder.iterdir()] == [".lock"]:
             (folder / ".lock").unlink(missing_ok=True)  # still held: no one else is in
             folder.rmdir()

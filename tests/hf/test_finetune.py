@@ -33,7 +33,8 @@ def _compressed(method: str) -> LlamaForCausalLM:
     ids = torch.randint(0, 89, (256,), generator=torch.Generator().manual_seed(1))
     cal = calibrate(adapter, ids, seq_len=32, batch_size=2, progress=False)
     compress_model(adapter, cal, CompressionConfig(method=method, types="all",
-                                                   target_reduction=0.4, residual_rank=2))
+                                                   target_reduction=0.4,
+                                                   hybrid={"residual_rank": 2}))
     return model
 
 

@@ -5,6 +5,7 @@ the config dataclasses (:mod:`.dataclass_flags`); a flag overrides the YAML's ke
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Any
 
@@ -154,7 +155,13 @@ def _cmd_share_compress(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.config}: finetune: {ft_yaml!r} is not a mapping of "
                           "FinetuneConfig keys")
     ft_raw = {**ft_yaml, **args.ft_flags.values(args)}
-    ccfg = CompressionConfig.from_dict({**raw, **args.flags.values(args)})
+    ccfg = CompressionConfig.from_dict({**raw, **args.flags.values(args)},
+                                       where=args.config or "")
+    bs, hy = args.bs_flags.values(args), args.hybrid_flags.values(args)
+    if bs or hy:  # the flags override the YAML's options, field by field
+        ccfg = dataclasses.replace(
+            ccfg, basis_sharing=dataclasses.replace(ccfg.basis_sharing, **bs),
+            hybrid=dataclasses.replace(ccfg.hybrid, **hy))
     ft = dataclass_from_dict(FinetuneConfig, ft_raw, where="finetune") if ft_raw else None
     if ft is not None and not ft_raw.get("steps"):  # no steps given: no fine-tuning
         ft = None
@@ -247,6 +254,7 @@ def add_share_commands(sub: Any, bench: Any) -> None:
     from structlm.hf.finetune import FinetuneConfig
     from structlm.share.analysis.analyze import AnalysisConfig
     from structlm.share.compress import CompressionConfig
+    from structlm.share.compress.methods import BasisSharingOptions, HybridOptions
 
     an = share.add_parser("analyze", help="tests 1-3 with null controls + role classifier "
                           "(--tests 3 --calib-seeds 0,1,2: test 3 alone over calibration "
@@ -281,6 +289,11 @@ def add_share_commands(sub: Any, bench: Any) -> None:
     cp.set_defaults(func=_cmd_share_compress,
                     flags=add_dataclass_flags(cp, CompressionConfig,
                                               title=_YAML_TITLE.format("CompressionConfig")),
+                    bs_flags=add_dataclass_flags(
+                        cp, BasisSharingOptions, title="basis-sharing options (YAML: under "
+                        "basis_sharing)"),
+                    hybrid_flags=add_dataclass_flags(
+                        cp, HybridOptions, title="hybrid options (YAML: under hybrid)"),
                     ft_flags=add_dataclass_flags(
                         cp, FinetuneConfig, prefix="finetune",
                         title="FinetuneConfig fields (--finetune-steps 0 = no fine-tuning)"))

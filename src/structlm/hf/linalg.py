@@ -21,10 +21,10 @@ def symmetric_eigh_(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(eigenvalues ascending, eigenvectors as columns)`` of symmetric float64 ``A``, as
     ``torch.linalg.eigh`` gives them, but **consuming** ``A``: LAPACK's divide-and-conquer
     driver ``syevd`` writes the eigenvectors over ``A``'s storage (the returned matrix is
-    that storage, Fortran-ordered), so the peak is ``A`` plus about 0.4·dim² of
+    that storage, Fortran-ordered), so the peak is ``A`` plus about 0.3·dim² of
     workspace, where ``torch.linalg.eigh`` adds a copy and a ``2·dim²`` workspace to
-    ``A`` (3.2·dim² measured: 3 GB more for an 11,008-wide moment). Do not use ``A``
-    afterwards."""
+    ``A`` (3.1·dim² measured, ``benchmarks/eigh_memory.py``: 2.9 GB more for an
+    11,008-wide moment). Do not use ``A`` afterwards."""
     if A.dim() != 2 or A.shape[0] != A.shape[1]:
         raise ValueError(f"symmetric_eigh_ needs a square matrix, got {tuple(A.shape)}")
     if (A.dtype != torch.float64 or not A.is_contiguous() or A.device.type != "cpu"
@@ -34,7 +34,8 @@ def symmetric_eigh_(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     import scipy.linalg
     from threadpoolctl import threadpool_limits
 
-    if not bool(torch.isfinite(A).all()):
+    if not all(bool(torch.isfinite(A[a:a + _ROW_BLOCK]).all())  # by rows: no dim² mask
+               for a in range(0, A.shape[0], _ROW_BLOCK)):
         raise torch.linalg.LinAlgError("symmetric_eigh_: the matrix has non-finite entries "
                                        "(no eigen-decomposition exists)")
     # A.T: the same symmetric matrix, Fortran-ordered, so LAPACK works in place (no copy);

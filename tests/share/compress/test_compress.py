@@ -140,8 +140,8 @@ def test_basis_sharing_group_size_one_equals_per_layer_svd_llm() -> None:
     for name, cfg in {"svd": CompressionConfig(method="svd-llm-w", types="all",
                                                target_reduction=0.4),
                       "bs1": CompressionConfig(method="basis-sharing", types="all",
-                                               target_reduction=0.4, group_size=1,
-                                               shared_types="all")}.items():
+                                               target_reduction=0.4, basis_sharing={"group_size": 1,
+                                               "shared_types": "all"})}.items():
         model = tiny_llama(num_hidden_layers=4)
         ad = get_adapter(model)
         cal = calibrate(ad, _ids(), seq_len=32, batch_size=2, progress=False)
@@ -180,7 +180,7 @@ def test_update_step_refits_coefficients_on_the_compressed_inputs(tmp_path) -> N
     ids = _ids(8 * 32)
     cal = calibrate(ad, ids, seq_len=32, batch_size=2, progress=False)
     cfg = CompressionConfig(method="basis-sharing", types="all", target_reduction=0.4,
-                            update=True)
+                            basis_sharing={"update": True})
     rep = compress_model(ad, cal, cfg, calib_tokens=ids)
     for t, u in rep["update"].items():
         assert u["error_after"] <= u["error_before"] * (1 + 1e-9), t
@@ -214,11 +214,11 @@ def test_config_errors_name_the_value() -> None:
                                          "'per_type'"):
         CompressionConfig(budget="pooled")
     with pytest.raises(ValueError, match="update is Basis Sharing's step"):
-        CompressionConfig(method="svd-llm-w", update=True)
+        CompressionConfig(method="svd-llm-w", basis_sharing={"update": True})
     with pytest.raises(ValueError, match="'svd-llm' always runs its own update"):
-        CompressionConfig(method="svd-llm", update=True)
+        CompressionConfig(method="svd-llm", basis_sharing={"update": True})
     with pytest.raises(ValueError, match="group_size: 0 is out of range: expected >= 1"):
-        CompressionConfig(method="basis-sharing", group_size=0)
+        CompressionConfig(method="basis-sharing", basis_sharing={"group_size": 0})
     with pytest.raises(ValueError, match=r"ranks\['x'\]|unknown matrix type 'x'"):
         CompressionConfig(ranks={"x": 3})
     with pytest.raises(ValueError, match=r"ranks\['q'\] must be a positive int"):
@@ -232,8 +232,9 @@ def test_compress_model_save_load_round_trip(method: str, tmp_path) -> None:
     ids = _ids(8 * 32)
     cal = calibrate(ad, ids, seq_len=32, batch_size=2, progress=False)
     before = _logits(model)
-    cfg = CompressionConfig(method=method, types="all", target_reduction=0.4, residual_rank=2,
-                            update=method == "basis-sharing")
+    cfg = CompressionConfig(method=method, types="all", target_reduction=0.4,
+                            hybrid={"residual_rank": 2},
+                            basis_sharing={"update": method == "basis-sharing"})
     rep = compress_model(ad, cal, cfg, calib_tokens=ids)
     after = _logits(model)
     assert torch.isfinite(after).all() and not torch.allclose(after, before)
@@ -283,7 +284,8 @@ def test_token_macs_count_what_a_one_token_call_multiplies(method: str) -> None:
     ad = get_adapter(model)
     ids = _ids(8 * 32)
     cal = calibrate(ad, ids, seq_len=32, batch_size=2, progress=False)
-    cfg = CompressionConfig(method=method, types="all", target_reduction=0.3, residual_rank=2)
+    cfg = CompressionConfig(method=method, types="all", target_reduction=0.3,
+                            hybrid={"residual_rank": 2})
     rep = compress_model(ad, cal, cfg, calib_tokens=ids)
     assert rep["types"]["k"]["shape"][0] < rep["types"]["q"]["shape"][0]  # GQA
     for t, d in rep["types"].items():
@@ -330,7 +332,8 @@ def test_shared_basis_round_trip_on_every_family(model_type: str, tmp_path) -> N
     ids = _ids(8 * 32)
     cal = calibrate(ad, ids, seq_len=32, batch_size=2, progress=False)
     rep = compress_model(ad, cal, CompressionConfig(method="shared", types="all",
-                                                    target_reduction=0.4, residual_rank=2),
+                                                    target_reduction=0.4,
+                                                    hybrid={"residual_rank": 2}),
                          calib_tokens=ids)
     after = _logits(model)
     assert torch.isfinite(after).all()

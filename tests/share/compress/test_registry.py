@@ -116,7 +116,8 @@ def test_every_method_round_trips_through_the_protocol(name: str, tmp_path) -> N
     the factors' shapes; ``compress_model`` reports the same, and save/load gives the same
     logits."""
     configured = get_method(name)
-    cfg = CompressionConfig(method=name, types="all", target_reduction=0.4, residual_rank=2)
+    cfg = CompressionConfig(method=name, types="all", target_reduction=0.4,
+                            hybrid={"residual_rank": 2})
     model = tiny_llama(num_hidden_layers=L)
     ad = get_adapter(model)
     cal = _calibrated(model)
@@ -129,7 +130,7 @@ def test_every_method_round_trips_through_the_protocol(name: str, tmp_path) -> N
         sizes = [len(g) for g in groups]
         parts = ad.row_blocks(t) if method.splits_row_blocks else 1
         budget = 0.6 * L * out * inn
-        r = cfg.residual_rank if method.has_residual else 0
+        r = cfg.hybrid.residual_rank if method.has_residual else 0
         ranks = method.budget_ranks((out, inn), sizes, parts, budget, r)
         plan = TypePlan(t, method.name, (out, inn), ranks, budget, groups, parts, r)
         tf = method.factorize(plan, ad.weights(t), [cal.C(i, t) for i in range(L)],
@@ -230,5 +231,5 @@ def test_a_method_registered_here_works_end_to_end(toy: CompressionMethod, tmp_p
     back = _save_and_load(model, rep, tmp_path)
     torch.testing.assert_close(_logits(back), after, rtol=0, atol=0)
     with pytest.raises(ValueError, match="update is Basis Sharing's step"):
-        CompressionConfig(method=toy.name, update=True)
+        CompressionConfig(method=toy.name, basis_sharing={"update": True})
 

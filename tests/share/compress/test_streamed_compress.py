@@ -119,7 +119,7 @@ def test_a_killed_run_resumes_at_its_first_unfinished_unit(
     (CompressionConfig(method="svd-llm", types="attn", target_reduction=0.2),
      "refits every layer on the compressed model's own inputs"),
     (CompressionConfig(method="basis-sharing", types="attn", target_reduction=0.2,
-                       update=True), "with update refits every layer"),
+                       basis_sharing={"update": True}), "with update refits every layer"),
     (CompressionConfig(method="shared", types="attn", target_reduction=0.2),
      "chooses the ranks of q from every layer's data"),
     (CompressionConfig(method="onesided-all-layers", types="attn", target_reduction=0.2),

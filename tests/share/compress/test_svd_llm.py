@@ -127,7 +127,8 @@ def test_compress_model_runs_the_update_as_the_direct_call(pair: dict[str, Any])
         pair["direct_update"]["q"]["error_after"], rel=1e-12)
     assert rep["update_seconds"] > 0 and "update" not in pair["w"][1]
     assert {d["method"] for d in rep["types"].values()} == {"svd-llm"}
-    assert rep["config"]["method"] == "svd-llm" and rep["config"]["update"] is False
+    assert rep["config"]["method"] == "svd-llm"
+    assert rep["config"]["basis_sharing"]["update"] is False
 
 
 def test_update_lowers_every_modules_error_on_its_calibration_inputs(pair: dict[str, Any]
@@ -210,7 +211,7 @@ def test_svd_llm_needs_the_calibration_tokens_before_any_work(pair: dict[str, An
                        CompressionConfig(method="svd-llm", types="all", target_reduction=0.4))
     torch.testing.assert_close(_logits(model), before, rtol=0, atol=0)  # untouched
     with pytest.raises(ValueError, match="always runs its own update"):
-        CompressionConfig(method="svd-llm", update=True)
+        CompressionConfig(method="svd-llm", basis_sharing={"update": True})
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "structlm", "gemma2", "gemma3_text",

@@ -196,7 +196,7 @@ class ArmCache:
         if draw:  # the first draw's keys predate the field: they stay as they were
             extra = {**extra, "calib_seed": draw}
         return json.dumps({**self.base, "model": prep.loaded.model_id,
-                           "compression": dataclasses.asdict(ccfg), **extra}, sort_keys=True)
+                           "compression": ccfg.legacy_dict(), **extra}, sort_keys=True)
 
     def state_path(self, key: str, final: bool = False) -> Path:
         """Where the fine-tuning run of ``key`` keeps its resumable state (``final``: where

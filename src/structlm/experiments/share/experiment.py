@@ -60,6 +60,8 @@ from structlm.share.compress.methods import (
     BASIS_SHARING_METHOD,
     HYBRID_METHOD,
     SHARED_METHOD,
+    BasisSharingOptions,
+    HybridOptions,
 )
 
 __all__ = ["ExperimentConfig", "draw_seeds", "run_experiment"]
@@ -116,8 +118,9 @@ def _seed_ccfgs(cfg: ExperimentConfig, prep: Prepared, cache: ArmCache, progress
     info = {"k": round(cfg.seed_k_fraction * prep.adapter.hidden_size),
             "types": cfg.seed_types, "reduction_of_shared": budget}
     out = {m: ref if m == SHARED_METHOD.name else CompressionConfig(
-        method=m, types=cfg.seed_types, target_reduction=budget, group_size=cfg.group_size,
-        residual_rank=cfg.residual_rank)
+        method=m, types=cfg.seed_types, target_reduction=budget,
+        basis_sharing=BasisSharingOptions(group_size=cfg.group_size),
+        hybrid=HybridOptions(residual_rank=cfg.residual_rank))
         for m in dict.fromkeys([*cfg.seed_methods, *cfg.seed_control_methods])}
     return out, info
 
@@ -170,7 +173,7 @@ def _cells(cfg: ExperimentConfig, prep: Prepared, cache: ArmCache, progress: boo
             for types in ("attn", "mlp", "all"):
                 ccfg = CompressionConfig(method=method, types=types,
                                          target_reduction=cfg.scope_reduction,
-                                         residual_rank=cfg.residual_rank)
+                                         hybrid=HybridOptions(residual_rank=cfg.residual_rank))
                 cells.append(_Cell("scope", ccfg, cfg.finetune, cfg.seeds[:1], [50]))
     for c in cells:
         a = cache.analytic(c.prep or prep, c.ccfg, progress)
@@ -182,9 +185,12 @@ def _cells(cfg: ExperimentConfig, prep: Prepared, cache: ArmCache, progress: boo
 
 def _whole_ccfg(cfg: ExperimentConfig, method: str, reduction: float) -> CompressionConfig:
     """The compression of a whole-model arm."""
-    return CompressionConfig(method=method, types=cfg.types, target_reduction=reduction,
-                             residual_rank=cfg.residual_rank, group_size=cfg.group_size,
-                             update=cfg.update and method == BASIS_SHARING_METHOD.name)
+    return CompressionConfig(
+        method=method, types=cfg.types, target_reduction=reduction,
+        hybrid=HybridOptions(residual_rank=cfg.residual_rank),
+        basis_sharing=BasisSharingOptions(
+            group_size=cfg.group_size,
+            update=cfg.update and method == BASIS_SHARING_METHOD.name))
 
 
 def _probe_groups(cfg: ExperimentConfig, prep: Prepared, cache: ArmCache, progress: bool

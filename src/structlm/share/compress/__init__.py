@@ -2,6 +2,7 @@
 :mod:`.methods`), modules, accounting, save/load."""
 
 from structlm.nn.factorized import LowRankLinear, OneSidedLinear, SharedBasis, SharedBasisLinear
+from structlm.share.compress.api import compress_
 from structlm.share.compress.apply import (
     CompressionConfig,
     build_modules,
@@ -13,7 +14,9 @@ from structlm.share.compress.io import load_compressed, save_compressed
 from structlm.share.compress.methods import (
     BASIS_SHARING,
     METHODS,
+    BasisSharingOptions,
     CompressionMethod,
+    HybridOptions,
     TypePlan,
     get_method,
 )
@@ -28,10 +31,11 @@ from structlm.share.compress.methods.shared import best_rectangular_ranks, facto
 from structlm.share.compress.methods.svd import factorize_svd, solve_svd_rank
 from structlm.share.compress.ranks import stored_parameters, token_macs
 
-__all__ = ["BASIS_SHARING", "METHODS", "CompressionConfig", "CompressionMethod",
-           "LowRankLinear", "OneSidedLinear", "SharedBasis", "SharedBasisLinear",
+__all__ = ["BASIS_SHARING", "METHODS", "BasisSharingOptions", "CompressionConfig",
+           "CompressionMethod", "HybridOptions", "LowRankLinear", "OneSidedLinear",
+           "SharedBasis", "SharedBasisLinear",
            "TypeFactors", "TypePlan", "TypeRanks", "best_rectangular_ranks", "build_modules",
-           "compress_model", "consecutive_groups", "factorize_basis_sharing",
+           "compress_", "compress_model", "consecutive_groups", "factorize_basis_sharing",
            "factorize_shared", "factorize_svd", "get_method", "load_compressed", "plan_types",
            "register_method", "save_compressed", "solve_basis_sharing_rank", "solve_svd_rank",
            "stored_parameters", "token_macs", "update_coefficients"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -23,16 +24,16 @@ from structlm.share.compress.methods import (
     BASIS_SHARING_METHOD,
     METHODS,
     SHARED_METHOD,
+    BasisSharingOptions,
+    HybridOptions,
     TypePlan,
     canonical_name,
     get_method,
 )
+from structlm.share.compress.methods.basis_sharing import DEFAULT_GROUP_SIZE
 
 __all__ = ["CompressionConfig", "TypePlan", "build_modules", "compress_model", "finish_report",
            "plan_types", "type_entry"]
-
-
-_DEFAULT_GROUP_SIZE = 2
 
 
 @dataclass
@@ -53,8 +54,6 @@ class CompressionConfig:
     ranks: dict[str, Any] = field(default_factory=dict)
     """Per-type rank overrides: ``{"q": 96}`` or, for ``shared``/``hybrid``,
     ``{"k": [k_out, k_in]}``."""
-    residual_rank: Annotated[int, Range(ge=0)] = 32
-    """Rank r of the hybrid's per-layer residual."""
     target_reduction: Annotated[float | None, Range(gt=0, lt=1)] = None
     """If set (e.g. 0.2): remove this fraction of every compressed type's parameters
     (per-type budget; ranks solved per method)."""
@@ -64,34 +63,34 @@ class CompressionConfig:
     """Only ``per_type`` (the Basis Sharing / SVD-LLM convention). The former ``pooled``
     budget existed to pass on what a rank capped at ``min(out, in)`` could not use; no
     rank is capped that way any more."""
-    group_size: Annotated[int, Range(ge=1)] = _DEFAULT_GROUP_SIZE
-    """``basis-sharing``: consecutive layers per shared basis, at most the model's layers
-    (the paper's LLaMA configs use 2; ``onesided-all-layers`` uses all layers)."""
-    shared_types: Annotated[str, NonEmpty()] = "q,k,v,mlp_in"
-    """``basis-sharing``: the types whose basis is shared (the paper's ``share_part``:
-    q, k, v, up, gate); the other compressed types are per-layer ``svd-llm-w`` (its
-    ``private_part``: o, down; whitening only, as its code does)."""
-    update: bool = False
-    """``basis-sharing``: after compression, refit every coefficient in closed form on the
-    compressed model's own inputs (the paper's optional update step; off in its
-    configs). Costs one more calibration pass. ``svd-llm`` always runs its own update
-    (SVD-LLM's layer-wise refit) and refuses this flag."""
+    basis_sharing: BasisSharingOptions = field(default_factory=BasisSharingOptions)
+    """``basis-sharing`` / ``onesided-all-layers``: group size, shared types, update
+    (:class:`~structlm.share.compress.methods.basis_sharing.BasisSharingOptions`)."""
+    hybrid: HybridOptions = field(default_factory=HybridOptions)
+    """``hybrid``: the residual's rank
+    (:class:`~structlm.share.compress.methods.shared.HybridOptions`)."""
 
     def __post_init__(self) -> None:
         """Cross-field checks (each field's own range is checked by ``@validated``)."""
         self.method = canonical_name(self.method)  # a deprecated alias: its new name
         method = get_method(self.method)  # names an unknown value and the choices
-        if self.update and not method.supports_update:
+        for key, cls in _OPTIONS.items():  # a mapping given through the API: its dataclass
+            value = getattr(self, key)
+            if isinstance(value, dict):
+                setattr(self, key, dataclass_from_dict(cls, value, where=key))
+            elif not isinstance(value, cls):
+                raise ConfigError(f"{key}: expected a {cls.__name__} or a mapping of its "
+                                  f"keys, got {type(value).__name__}")
+        if self.basis_sharing.update and not method.supports_update:
             able = tuple(n for n, m in METHODS.items() if m.supports_update)
             always = (f" ({self.method!r} always runs its own update: leave update off)"
                       if method.always_updates else "")
-            raise ConfigError(f"update is Basis Sharing's step: method must be one of "
-                              f"{able}, got {self.method!r}{always}")
-        for key in ("types", "shared_types"):
-            try:
-                parse_types(getattr(self, key))
-            except ValueError as e:
-                raise ConfigError(f"{key}: {e}") from None
+            raise ConfigError(f"basis_sharing.update is Basis Sharing's step: method must "
+                              f"be one of {able}, got {self.method!r}{always}")
+        try:
+            parse_types(self.types)
+        except ValueError as e:
+            raise ConfigError(f"types: {e}") from None
         names = [t.value for t in MatrixType]
         for name, value in self.ranks.items():
             if name not in names:
@@ -110,14 +109,58 @@ class CompressionConfig:
         ``group_size`` beyond its layers, where the method groups layers by it (or where it
         was changed from the default: a value set on purpose that cannot apply)."""
         groups_by_size = self.method == BASIS_SHARING_METHOD.name
-        if self.group_size > num_layers and (groups_by_size
-                                             or self.group_size != _DEFAULT_GROUP_SIZE):
-            raise ConfigError(f"group_size: {self.group_size} is more than the model's "
+        size = self.basis_sharing.group_size
+        if size > num_layers and (groups_by_size or size != DEFAULT_GROUP_SIZE):
+            raise ConfigError(f"group_size: {size} is more than the model's "
                               f"{num_layers} layers (consecutive layers per shared basis)")
 
+    def legacy_dict(self) -> dict[str, Any]:
+        """The fields as the flat config before the per-method options had them
+        (``residual_rank``, ``group_size``, ``shared_types``, ``update`` at the top): the
+        key of results cached under it (an experiment's arms), which must not change."""
+        flat = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in _OPTIONS}
+        flat["ranks"] = dict(self.ranks)
+        order = ["method", "types", "k_fraction", "ranks", "residual_rank",
+                 "target_reduction", "eig_floor", "budget", "group_size", "shared_types",
+                 "update"]
+        flat.update(residual_rank=self.hybrid.residual_rank, **dataclasses.asdict(
+            self.basis_sharing))
+        return {k: flat[k] for k in order}
+
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> CompressionConfig:
-        return dataclass_from_dict(cls, raw)
+    def from_dict(cls, raw: dict[str, Any], where: str = "", warn: bool = True
+                  ) -> CompressionConfig:
+        """From a YAML mapping, CLI flags or a saved report; the flat keys of before
+        (``group_size``, ``shared_types``, ``update``, ``residual_rank``) are read into
+        their method's options, with a :class:`FutureWarning` (shown to CLI users too)
+        unless ``warn`` is off (a folder saved before, read as it was written)."""
+        raw = dict(raw)
+        moved = {k: raw.pop(k) for k in list(raw) if k in _LEGACY_KEYS}
+        if moved and warn:
+            warnings.warn(f"{where + ': ' if where else ''}CompressionConfig keys "
+                          f"{sorted(moved)} are per-method options now: write them under "
+                          + ", ".join(sorted({f"{_LEGACY_KEYS[k]}: {{{k}: ...}}"
+                                              for k in moved})),
+                          FutureWarning, stacklevel=2)
+        if moved:
+            for k, v in moved.items():
+                section = raw.get(_LEGACY_KEYS[k]) or {}
+                if not isinstance(section, dict):
+                    raise ConfigError(f"{_LEGACY_KEYS[k]}: expected a mapping, got "
+                                      f"{type(section).__name__}")
+                if k in section and section[k] != v:
+                    raise ConfigError(f"{k} given twice: {v!r} at the top and "
+                                      f"{section[k]!r} under {_LEGACY_KEYS[k]}")
+                raw[_LEGACY_KEYS[k]] = {**section, k: v}
+        return dataclass_from_dict(cls, raw, nested=dict(_OPTIONS), where=where)
+
+
+_OPTIONS: dict[str, type] = {"basis_sharing": BasisSharingOptions, "hybrid": HybridOptions}
+"""The per-method option fields of :class:`CompressionConfig` and their dataclasses."""
+_LEGACY_KEYS = {"group_size": "basis_sharing", "shared_types": "basis_sharing",
+                "update": "basis_sharing", "residual_rank": "hybrid"}
+"""The flat keys of before, and the options field each belongs to now."""
 
 
 def plan_types(adapter: ModelAdapter, cfg: CompressionConfig) -> list[TypePlan]:
@@ -132,7 +175,7 @@ def plan_types(adapter: ModelAdapter, cfg: CompressionConfig) -> list[TypePlan]:
         method, groups = configured.layout(t, L, cfg)
         parts = adapter.row_blocks(t) if method.splits_row_blocks else 1
         sizes = [len(g) for g in groups]
-        r = cfg.residual_rank if method.has_residual else 0
+        r = cfg.hybrid.residual_rank if method.has_residual else 0
         ranks: TypeRanks | None = None
         budget = None
         if t.value in cfg.ranks:
@@ -169,14 +212,14 @@ def compress_model(adapter: ModelAdapter, cal: Calibration, cfg: CompressionConf
     and per-layer kept energy (``progress``: a bar over the types).
 
     An update step runs after every type is replaced: Basis Sharing's optional one with
-    ``cfg.update``, or the method's own where it always updates (``svd-llm``); its
+    ``cfg.basis_sharing.update``, or the method's own where it always updates (``svd-llm``); its
     report per type is ``report["update"]`` and its time ``report["update_seconds"]``. It
     needs ``calib_tokens`` (the calibration windows, run again through the compressed
     model), checked before any work. Every input is checked before the first module is
     replaced, and an error part-way puts every replaced module back (the model is left
     exactly as it was)."""
     configured = get_method(cfg.method)
-    runs_update = configured.runs_update(cfg.update)
+    runs_update = configured.runs_update(cfg.basis_sharing.update)
     if runs_update and calib_tokens is None:
         why = (f"method {configured.name!r} refits every layer on the calibration windows "
                "(its update is part of the method)" if configured.always_updates

@@ -257,7 +257,7 @@ def compressed_skeleton(folder: str | Path) -> tuple[LoadedModel, dict[str, Any]
     source_chain(folder)  # refuses a manifest that names itself (or loops) as its source
     manifest = _read_manifest(folder)
     loaded = _architecture(folder, manifest)
-    CompressionConfig.from_dict(manifest["compression"]["config"])  # validates
+    CompressionConfig.from_dict(manifest["compression"]["config"], warn=False)  # validates
     # (a former method name, e.g. "svd", reads as its new one with a DeprecationWarning)
     adapter = get_adapter(loaded.model)
     L = adapter.num_layers
@@ -279,7 +279,7 @@ def load_compressed(folder: str | Path) -> LoadedModel:
     """
     folder = Path(folder)
     loaded, manifest = compressed_skeleton(folder)
-    ccfg = CompressionConfig.from_dict(manifest["compression"]["config"])
+    ccfg = CompressionConfig.from_dict(manifest["compression"]["config"], warn=False)
     _assign_saved_tensors(loaded.model, _weights(folder))
     loaded.model.eval()
     source_name = manifest.get("source_name") or manifest.get("source_model")

@@ -18,7 +18,8 @@ from structlm.hf.finetune import FinetuneConfig, finetune
 from structlm.hf.layer_stream import stream_folder
 from structlm.hf.loading import load_model, model_content_key, model_context
 from structlm.hf.pipeline import evaluate_all, prepare, validation_windows
-from structlm.share.compress.apply import CompressionConfig, compress_model, plan_types
+from structlm.share.compress.api import compress_
+from structlm.share.compress.apply import CompressionConfig, plan_types
 from structlm.share.compress.io import (
     MANIFEST,
     remove_leftovers,
@@ -115,8 +116,8 @@ def _run(model: str, ccfg: CompressionConfig, out: Path, corpus: str, second_cor
     res = {**results_header(prep), "calibration": dict(prep.calibration.meta)}
     res["ppl_original"] = evaluate_all(prep.loaded.model, prep.eval_ids, progress=progress)
     t1 = time.time()
-    res["compression"] = compress_model(prep.adapter, prep.calibration, ccfg, progress=progress,
-                                        calib_tokens=prep.calib_ids)
+    res["compression"] = compress_(prep.loaded.model, ccfg, prep.calibration,
+                                   calib_tokens=prep.calib_ids, progress=progress)
     res["compress_seconds"] = time.time() - t1
     res["ppl_compressed"] = evaluate_all(prep.loaded.model, prep.eval_ids, progress=progress)
     if tuned and ft is not None:

@@ -12,8 +12,6 @@ model for its gradients and is refused here.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import shutil
 import time
 from pathlib import Path
@@ -26,9 +24,8 @@ from structlm.hf.layer_stream import StreamedModel, open_streamed, streamed_perp
 from structlm.hf.loading import model_content_key
 from structlm.hf.pipeline import Prepared, prepare
 from structlm.hf.streamed_calibration import calibrate_streamed
-from structlm.settings import cache_dir
+from structlm.share.compress.api import compress_, streamed_calibration_folder
 from structlm.share.compress.apply import CompressionConfig
-from structlm.share.compress.streamed import compress_streamed
 
 __all__ = ["evaluate_streamed", "results_header", "run_compress_streamed"]
 
@@ -60,18 +57,13 @@ def run_compress_streamed(model: str, source: Path, ccfg: CompressionConfig, out
                 "corpus": corpus, "calib_tokens": calib_tokens, "seed": seed,
                 "documents": [d.name for d in prep.split.calibration],
                 "sampling": "windows across documents"}
-    key = hashlib.sha1(json.dumps({k: cal_meta[k] for k in ("model_files",
-                                                            "calibration_tokens")},
-                                  sort_keys=True).encode()).hexdigest()[:16]
-    where = cache_dir("calibration") / f"streamed-{key}"
+    where = streamed_calibration_folder(source_key, prep.calib_ids)
     cal = calibrate_streamed(StreamedModel(source), prep.calib_ids, where, seq_len=window,
                              meta=cal_meta, progress=progress)
     res["calibration"] = {**cal.meta, "path": str(where)}
     res["ppl_original"] = evaluate_streamed(source, prep.eval_ids, progress)
     t1 = time.time()
-    res["compression"] = compress_streamed(StreamedModel(source), cal, ccfg, out / "model",
-                                           prep.loaded, res["calibration"], source_key,
-                                           progress)
+    res["compression"] = compress_(model, ccfg, cal, out=out / "model", progress=progress)
     res["compress_seconds"] = time.time() - t1
     res["ppl_compressed"] = evaluate_streamed(out / "model", prep.eval_ids, progress)
     if save:

@@ -74,14 +74,15 @@ def stream_units(plans: list[TypePlan], num_layers: int) -> list[list[int]]:
 def why_not_streamed(cfg: CompressionConfig, plans: list[TypePlan], L: int) -> str | None:
     """Why ``cfg`` cannot compress layer by layer (the reason, to print), or ``None``."""
     method = get_method(cfg.method)
-    if method.runs_update(cfg.update):
-        return (f"method {cfg.method!r}{' with update' if cfg.update else ''} refits every "
+    update = cfg.basis_sharing.update
+    if method.runs_update(update):
+        return (f"method {cfg.method!r}{' with update' if update else ''} refits every "
                 "layer on the compressed model's own inputs: not streamed layer by layer yet")
     for plan in plans:
         if plan.ranks is None:
             return (f"method {plan.method!r} chooses the ranks of {plan.type.value} from "
                     "every layer's data at once: it cannot stream layer by layer")
-        deeper = L + cfg.group_size  # a model this deep: is every layer still one group?
+        deeper = L + cfg.basis_sharing.group_size  # this deep: still one group of all?
         if L > 1 and any(len(g) == deeper for g in method.layout(plan.type, deeper, cfg)[1]):
             return (f"method {cfg.method!r} shares one basis across all {L} layers for "
                     f"{plan.type.value}: streaming would hold every layer")

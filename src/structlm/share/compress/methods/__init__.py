@@ -18,13 +18,14 @@ from structlm.share.compress.methods.base import (
     get_method,
     register,
 )
-from structlm.share.compress.methods.shared import HYBRID_METHOD, SHARED_METHOD
+from structlm.share.compress.methods.shared import HYBRID_METHOD, SHARED_METHOD, HybridOptions
 from structlm.share.compress.methods.svd import SVD_LLM_W_METHOD, SVD_METHOD
 from structlm.share.compress.methods.svd_llm import SVD_LLM_METHOD
 from structlm.share.compress.methods.basis_sharing import (
     BASIS_SHARING,
     BASIS_SHARING_METHOD,
     ONESIDED_ALL_LAYERS_METHOD,
+    BasisSharingOptions,
 )
 from structlm.share.compress.methods.lowrank_starts import (
     CONTROL_METHODS,
@@ -47,7 +48,9 @@ __all__ = [
     "SVD_LLM_METHOD",
     "SVD_LLM_W_METHOD",
     "SVD_METHOD",
+    "BasisSharingOptions",
     "CompressionMethod",
+    "HybridOptions",
     "LayoutOptions",
     "TypePlan",
     "canonical_name",

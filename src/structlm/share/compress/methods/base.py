@@ -10,7 +10,7 @@ empty factors of the recorded shapes to load saved tensors into. Registering an 
 (:func:`register`) makes it a valid ``CompressionConfig.method``.
 
 A method may have an update step after every type is replaced (:meth:`CompressionMethod.update`):
-optional for Basis Sharing (``CompressionConfig.update``), part of the method for
+optional for Basis Sharing (``BasisSharingOptions.update``), part of the method for
 ``svd-llm`` (:attr:`CompressionMethod.always_updates`).
 
 Former names: :data:`_RENAMED` ones are refused with what to use instead; :data:`ALIASES`
@@ -57,10 +57,10 @@ class TypePlan:
 
 
 class LayoutOptions(Protocol):
-    """The fields of ``CompressionConfig`` that decide a method's layout."""
+    """What of ``CompressionConfig`` decides a method's layout: Basis Sharing's options
+    (:class:`~structlm.share.compress.methods.basis_sharing.BasisSharingOptions`)."""
 
-    group_size: int
-    shared_types: str
+    basis_sharing: Any
 
 
 class CompressionMethod(ABC):
@@ -76,13 +76,13 @@ class CompressionMethod(ABC):
     """Some factor is shared by several layers (False for the per-layer ``svd-llm-w`` and
     ``svd-llm``)."""
     has_residual: bool = False
-    """A per-layer residual of rank ``CompressionConfig.residual_rank``."""
+    """A per-layer residual of rank ``HybridOptions.residual_rank``."""
     splits_row_blocks: bool = False
     """Factorise a type's row blocks (a gated MLP-in's gate and up) on their own."""
     always_updates: bool = False
     """The method's :meth:`update` is part of it (``svd-llm``'s layer-wise refit):
     :func:`~structlm.share.compress.apply.compress_model` runs it after every type is
-    replaced whatever ``CompressionConfig.update`` says, and needs the calibration tokens
+    replaced whatever ``BasisSharingOptions.update`` says, and needs the calibration tokens
     for it."""
 
     def __repr__(self) -> str:
@@ -90,13 +90,13 @@ class CompressionMethod(ABC):
 
     @property
     def supports_update(self) -> bool:
-        """Whether ``CompressionConfig.update`` may switch on an *optional* update step
+        """Whether ``BasisSharingOptions.update`` may switch on an *optional* update step
         (:meth:`update` implemented and not :attr:`always_updates`)."""
         return not self.always_updates and type(self).update is not CompressionMethod.update
 
     def runs_update(self, requested: bool) -> bool:
         """Whether :func:`~structlm.share.compress.apply.compress_model` runs
-        :meth:`update` (``requested``: ``CompressionConfig.update``)."""
+        :meth:`update` (``requested``: ``BasisSharingOptions.update``)."""
         return self.always_updates or (requested and self.supports_update)
 
     def layout(self, t: MatrixType, num_layers: int, options: LayoutOptions
@@ -156,7 +156,7 @@ class CompressionMethod(ABC):
     def update(self, adapter: ModelAdapter, cal: Calibration, plans: list[TypePlan],
                originals: dict[MatrixType, list[torch.Tensor]], tokens: torch.Tensor,
                floor: float) -> dict[str, Any]:
-        """A step after every type is replaced (optional, ``CompressionConfig.update``, or
+        """A step after every type is replaced (optional, ``BasisSharingOptions.update``, or
         always, :attr:`always_updates`): ``originals`` holds the dense weights of every
         planned type, ``tokens`` the calibration windows; returns the report's
         ``"update"`` entry (per type)."""

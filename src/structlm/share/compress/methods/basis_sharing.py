@@ -45,11 +45,13 @@ types are recorded as ``basis-sharing``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
 
 import torch
 from torch import nn
 
+from structlm.config import ConfigError, NonEmpty, Range, validated
 from structlm.hf.adapters import ConcatProjection, MatrixType, ModelAdapter, parse_types
 from structlm.hf.calibration import Calibration
 from structlm.hf.linalg import energy_weighted_basis
@@ -72,10 +74,40 @@ from structlm.share.compress.methods.base import (
 from structlm.share.compress.methods.refit import update_coefficients
 from structlm.share.compress.methods.svd import SVD_LLM_W_METHOD
 
-__all__ = ["BASIS_SHARING", "BASIS_SHARING_METHOD", "ONESIDED_ALL_LAYERS_METHOD",
-           "BasisSharingMethod", "consecutive_groups", "factorize_basis_sharing",
-           "max_basis_rank", "solve_basis_sharing_rank", "update_coefficients",
-           "update_model"]
+__all__ = ["BASIS_SHARING", "BASIS_SHARING_METHOD", "DEFAULT_GROUP_SIZE",
+           "ONESIDED_ALL_LAYERS_METHOD", "BasisSharingMethod", "BasisSharingOptions",
+           "consecutive_groups", "factorize_basis_sharing", "max_basis_rank",
+           "solve_basis_sharing_rank", "update_coefficients", "update_model"]
+
+
+DEFAULT_GROUP_SIZE = 2
+"""Consecutive layers per shared basis in the paper's LLaMA configs."""
+
+
+@dataclass
+@validated
+class BasisSharingOptions:
+    """The options of ``basis-sharing`` (and ``onesided-all-layers``, which reads
+    ``shared_types`` and ``update``): ``CompressionConfig.basis_sharing``."""
+
+    group_size: Annotated[int, Range(ge=1)] = DEFAULT_GROUP_SIZE
+    """Consecutive layers per shared basis, at most the model's layers (the paper's
+    LLaMA configs use 2; ``onesided-all-layers`` uses all layers)."""
+    shared_types: Annotated[str, NonEmpty()] = "q,k,v,mlp_in"
+    """The types whose basis is shared (the paper's ``share_part``: q, k, v, up, gate);
+    the other compressed types are per-layer ``svd-llm-w`` (its ``private_part``: o,
+    down; whitening only, as its code does)."""
+    update: bool = False
+    """After compression, refit every coefficient in closed form on the compressed
+    model's own inputs (the paper's optional update step; off in its configs). Costs one
+    more calibration pass."""
+
+    def __post_init__(self) -> None:
+        """``shared_types`` names known types (each field's range: ``@validated``)."""
+        try:
+            parse_types(self.shared_types)
+        except ValueError as e:
+            raise ConfigError(f"shared_types: {e}") from None
 
 
 def consecutive_groups(L: int, group_size: int) -> list[list[int]]:
@@ -195,7 +227,7 @@ def update_model(adapter: ModelAdapter, cal: Calibration, plans: list[TypePlan],
 
 
 class BasisSharingMethod(CompressionMethod):
-    """One input basis per group of consecutive layers (``group_size`` of the config, or
+    """One input basis per group of consecutive layers (``group_size`` of its options, or
     all layers with ``all_layers``) for the ``shared_types``; the other types per-layer
     ``svd-llm-w`` (whitening only, as the Basis Sharing code's private part)."""
 
@@ -211,9 +243,10 @@ class BasisSharingMethod(CompressionMethod):
                ) -> tuple[CompressionMethod, list[list[int]]]:
         """``basis-sharing`` in consecutive groups for a shared type, ``svd-llm-w`` per
         layer for a private one."""
-        if t not in set(parse_types(options.shared_types)):
+        bs = options.basis_sharing
+        if t not in set(parse_types(bs.shared_types)):
             return SVD_LLM_W_METHOD, SVD_LLM_W_METHOD.default_groups(num_layers)
-        size = num_layers if self.all_layers else options.group_size
+        size = num_layers if self.all_layers else bs.group_size
         return BASIS_SHARING_METHOD, consecutive_groups(num_layers, size)
 
     def default_ranks(self, k: int, shape: tuple[int, int], group_sizes: list[int],

@@ -24,11 +24,13 @@ MACs in every layer, so a two-sided type can cost more per token than the dense 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
 
 import torch
 from torch import nn
 
+from structlm.config import Range, validated
 from structlm.hf.linalg import energy_weighted_basis, thin_svd
 from structlm.nn.factorized import SharedBasis, SharedBasisLinear
 from structlm.share.compress.factorize import (
@@ -41,8 +43,17 @@ from structlm.share.compress.factorize import (
 )
 from structlm.share.compress.methods.base import METHODS, CompressionMethod, TypePlan, register
 
-__all__ = ["HYBRID_METHOD", "SHARED_METHOD", "SharedBasisMethod", "best_rectangular_ranks",
-           "factorize_shared"]
+__all__ = ["HYBRID_METHOD", "SHARED_METHOD", "HybridOptions", "SharedBasisMethod",
+           "best_rectangular_ranks", "factorize_shared"]
+
+
+@dataclass
+@validated
+class HybridOptions:
+    """The options of ``hybrid``: ``CompressionConfig.hybrid``."""
+
+    residual_rank: Annotated[int, Range(ge=0)] = 32
+    """Rank r of the per-layer residual."""
 
 
 def best_rectangular_ranks(whitened: list[torch.Tensor], budget: float, extra_per_layer: int = 0

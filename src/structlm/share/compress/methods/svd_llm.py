@@ -66,7 +66,7 @@ Where this differs from SVD-LLM's code (also in docs/share.md):
 
 Stored parameters and MACs per token are those of ``svd-llm-w`` at the same budget (the
 update changes values, not shapes); the update is part of the method (always on;
-``CompressionConfig.update`` stays Basis Sharing's optional step), so
+``BasisSharingOptions.update`` stays Basis Sharing's optional step), so
 :func:`~structlm.share.compress.apply.compress_model` needs the calibration tokens.
 """
 
