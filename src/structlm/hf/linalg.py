@@ -17,6 +17,17 @@ _ROW_BLOCK = 1024
 """Rows of a ``V diag(f) Vᵀ`` product formed at a time (its temporary: this many rows)."""
 
 
+def _check_lapack_input(A: torch.Tensor, who: str) -> None:
+    """``A`` can be handed to LAPACK in place: square, contiguous float64 on the CPU,
+    outside autograd (else a ValueError naming ``who`` and what it got)."""
+    if A.dim() != 2 or A.shape[0] != A.shape[1]:
+        raise ValueError(f"{who} needs a square matrix, got {tuple(A.shape)}")
+    if (A.dtype != torch.float64 or not A.is_contiguous() or A.device.type != "cpu"
+            or A.requires_grad):
+        raise ValueError(f"{who} needs a contiguous float64 CPU matrix without autograd, "
+                         f"got {A.dtype} on {A.device}")
+
+
 def symmetric_eigh_(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(eigenvalues ascending, eigenvectors as columns)`` of symmetric float64 ``A``, as
     ``torch.linalg.eigh`` gives them, but **consuming** ``A``: LAPACK's divide-and-conquer
@@ -25,12 +36,7 @@ def symmetric_eigh_(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     workspace, where ``torch.linalg.eigh`` adds a copy and a ``2·dim²`` workspace to
     ``A`` (3.1·dim² measured, ``benchmarks/eigh_memory.py``: 2.9 GB more for an
     11,008-wide moment). Do not use ``A`` afterwards."""
-    if A.dim() != 2 or A.shape[0] != A.shape[1]:
-        raise ValueError(f"symmetric_eigh_ needs a square matrix, got {tuple(A.shape)}")
-    if (A.dtype != torch.float64 or not A.is_contiguous() or A.device.type != "cpu"
-            or A.requires_grad):
-        raise ValueError("symmetric_eigh_ needs a contiguous float64 CPU matrix without "
-                         f"autograd, got {A.dtype} on {A.device}")
+    _check_lapack_input(A, "symmetric_eigh_")
     import scipy.linalg
     from threadpoolctl import threadpool_limits
 
@@ -133,12 +139,7 @@ def top_eigenvectors_(G: torch.Tensor, k: int) -> torch.Tensor:
     ``(dim, k)`` result, where ``torch.linalg.eigh`` holds ``G``, a
     copy and a ``2·dim²`` workspace — 1.5 GB instead of 3 GB for a 9,728-wide Gram
     matrix (Qwen2.5-Coder's stacked ``[gate; up]``)."""
-    if G.dim() != 2 or G.shape[0] != G.shape[1]:
-        raise ValueError(f"top_eigenvectors_ needs a square matrix, got {tuple(G.shape)}")
-    if (G.dtype != torch.float64 or not G.is_contiguous() or G.device.type != "cpu"
-            or G.requires_grad):
-        raise ValueError("top_eigenvectors_ needs a contiguous float64 CPU matrix without "
-                         f"autograd, got {G.dtype} on {G.device}")
+    _check_lapack_input(G, "top_eigenvectors_")
     dim = G.shape[0]
     if not 1 <= k <= dim:
         raise ValueError(f"k={k} must be in [1, {dim}]")
