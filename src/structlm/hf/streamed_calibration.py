@@ -173,6 +173,6 @@ def _layer_moments(stream: StreamedModel, i: int, inputs: list[LayerInputs],
 
 
 def _save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    from safetensors.torch import save_file
+    from structlm.tensor_files import write_safetensors
 
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
+    write_safetensors(tensors, path, metadata)  # no bytes copy of a layer's moments

@@ -50,6 +50,7 @@ from structlm.share.compress.apply import (
 from structlm.share.compress.factorize import RootCache
 from structlm.share.compress.io import MANIFEST, SHARDED_INDEX, save_source_files
 from structlm.share.compress.methods import get_method
+from structlm.tensor_files import write_safetensors
 
 __all__ = ["FORMAT_SHARDED", "compress_streamed", "stream_units", "why_not_streamed"]
 
@@ -200,9 +201,7 @@ def _compress_unit(stream: StreamedModel, cal: Calibration, cfg: CompressionConf
         shard = (f"structlm_compressed-layer-{unit[0]:03d}.safetensors" if len(unit) == 1
                  else f"structlm_compressed-layers-{unit[0]:03d}-{unit[-1]:03d}.safetensors")
         with atomic_path(work / shard, ".safetensors") as tmp:
-            from safetensors.torch import save_file
-
-            save_file(tensors, str(tmp), metadata={"format": "pt"})
+            write_safetensors(tensors, tmp, {"format": "pt"})  # no bytes copy of the unit
     record = {"layers": unit, "energy": energy,
               "info": {t: {k: v for k, v in i.items() if k != "group_sizes"}
                        for t, i in info.items()},
