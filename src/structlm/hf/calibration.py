@@ -128,7 +128,7 @@ class Calibration:
 
     def save(self, path: str | Path) -> None:
         """Write atomically as safetensors (metadata holds the run description)."""
-        from safetensors.torch import save_file
+        from structlm.tensor_files import write_safetensors
 
         tensors = {}
         for (layer, site), c in self.second_moments.items():
@@ -139,7 +139,7 @@ class Calibration:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".safetensors")
         os.close(fd)
         try:
-            save_file(tensors, tmp, metadata={"structlm": json.dumps(self.meta)})
+            write_safetensors(tensors, tmp, {"structlm": json.dumps(self.meta)})
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):

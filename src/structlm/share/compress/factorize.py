@@ -109,13 +109,13 @@ def _load_roots(path: Path) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 
 def _save_roots(path: Path, roots: tuple[torch.Tensor, torch.Tensor]) -> None:
-    from safetensors.torch import save_file
+    from structlm.tensor_files import write_safetensors
 
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".safetensors")
     os.close(fd)
     try:
-        save_file({"root": roots[0].contiguous(), "inv_root": roots[1].contiguous()}, tmp)
+        write_safetensors({"root": roots[0], "inv_root": roots[1]}, tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -231,8 +231,6 @@ def _unit_tensors(stream: StreamedModel, unit: list[int]
 def _copy_rest(stream: StreamedModel, work: Path) -> dict[str, str]:
     """The tensors outside the layers (embedding, final norm, untied head), one file each,
     copied one at a time; their weight map."""
-    from safetensors.torch import save_file
-
     blocks = tuple(stream.name_prefix(b) for b in stream.blocks)
     names = [n for n in stream.weights.file_of if not n.startswith(blocks)]
     out = {}
@@ -245,6 +243,6 @@ def _copy_rest(stream: StreamedModel, work: Path) -> dict[str, str]:
         if tensor.is_floating_point():  # the dtype the factors are written in
             tensor = tensor.to(stream.dtype)
         with atomic_path(work / shard, ".safetensors") as tmp:
-            save_file({name: tensor}, str(tmp), metadata={"format": "pt"})
+            write_safetensors({name: tensor}, tmp, {"format": "pt"})
         del tensor
     return out
