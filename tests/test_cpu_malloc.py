@@ -99,3 +99,46 @@ def test_release_hands_retained_memory_back() -> None:
     held, kept, after, released = int(out[0]), int(out[1]), int(out[2]), out[3]
     assert held >= 250 and kept >= 250  # written, then kept by the retaining heap
     assert after <= 32 and released == "True"
+
+
+_RETURNING_PROBE = r"""
+import ctypes, ctypes.util, torch
+from structlm.cpu_malloc import malloc_setting, retain_freed_memory, returning_freed_memory
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+        "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.mallinfo2.restype = MallInfo2
+
+def mapped(numel):
+    base = libc.mallinfo2().hblkhd
+    t = torch.empty(numel).fill_(1.0)
+    held = libc.mallinfo2().hblkhd - base
+    del t
+    return held
+
+assert retain_freed_memory()
+before = mapped(10 * 2**20)
+with returning_freed_memory():
+    with returning_freed_memory():  # nested: the inner exit leaves the outer block on
+        inner = mapped(10 * 2**20)
+    outer = mapped(10 * 2**20)
+after = mapped(10 * 2**20)
+print(before, inner, outer, after, "|", malloc_setting())
+"""
+
+
+@pytest.mark.skipif(not _glibc_with_mallinfo2(), reason="needs glibc >= 2.33 (mallinfo2)")
+def test_returning_freed_memory_undoes_retention_inside_the_block() -> None:
+    """Inside ``returning_freed_memory`` (nested too) a 40 MiB tensor has its own mapping
+    again (handed back when freed); after the block the heap retains again."""
+    out = subprocess.run([sys.executable, "-c", _RETURNING_PROBE], capture_output=True,
+                         text=True, check=True).stdout
+    numbers, setting = out.split("|")
+    before, inner, outer, after = (int(v) for v in numbers.split())
+    assert before < 2**20 and after < 2**20  # retained: from the heap
+    assert inner >= 40 * 2**20 and outer >= 40 * 2**20  # returned: mapped on its own
+    assert setting.strip().endswith("freed memory retained")

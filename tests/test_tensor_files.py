@@ -1,5 +1,6 @@
-"""``write_safetensors`` against the ``safetensors`` library: every dtype, 0-dim, empty and
-non-contiguous tensors, metadata; bad input refused."""
+"""``write_safetensors`` and ``read_safetensors`` against the ``safetensors`` library: every
+dtype, 0-dim, empty and non-contiguous tensors, metadata; bad input and bad files
+refused."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from structlm.tensor_files import write_safetensors
+from structlm.tensor_files import read_safetensors, write_safetensors
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
@@ -60,3 +61,46 @@ def test_bad_input_is_refused(tmp_path: Path) -> None:
         write_safetensors({"x": torch.ones(1)}, tmp_path / "m", {"layer": 3})  # type: ignore[dict-item]
     with pytest.raises(ValueError, match="is on meta"):
         write_safetensors({"x": torch.ones(1, device="meta")}, tmp_path / "d")
+
+
+def test_read_matches_safetensors_bitwise(tmp_path: Path) -> None:
+    """Files written by ``safetensors`` itself, read by ``read_safetensors``: every dtype
+    and shape bitwise (NaN, -0.0 and Inf included), a subset by name, in the asked order."""
+    from safetensors.torch import save_file
+
+    tensors = {f"t{i}": _tensor(d, shape, 100 + i) for i, (d, shape) in enumerate(
+        (d, s) for d in DTYPES for s in [(1,), (7, 97), (2, 3, 1025)])}
+    tensors["scalar"] = torch.tensor(-0.0, dtype=torch.float64)
+    tensors["empty"] = torch.zeros(0, 4, dtype=torch.bfloat16)
+    tensors["nan"] = torch.tensor([float("nan"), float("-inf"), -0.0, 1.5])
+    path = tmp_path / "s.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    back = read_safetensors(path)
+    assert list(back) == list(load_file(str(path)))
+    for k, v in tensors.items():
+        assert back[k].dtype == v.dtype and back[k].shape == v.shape, k
+        assert torch.equal(back[k].reshape(-1).view(torch.uint8),
+                           v.reshape(-1).view(torch.uint8)), k
+    some = read_safetensors(path, ["nan", "t3"])
+    assert list(some) == ["nan", "t3"] and torch.equal(some["t3"], tensors["t3"])
+    assert some["t3"].dtype == torch.float32
+    some["t3"].add_(1)  # a tensor of its own: the file is not changed through it
+    assert torch.equal(read_safetensors(path, ["t3"])["t3"], tensors["t3"])
+
+
+def test_read_refuses_missing_names_and_broken_files(tmp_path: Path) -> None:
+    path = tmp_path / "r.safetensors"
+    write_safetensors({"x": torch.arange(10, dtype=torch.float32)}, path)
+    with pytest.raises(KeyError, match="no tensor 'y'"):
+        read_safetensors(path, ["y"])
+    data = path.read_bytes()
+    (tmp_path / "short").write_bytes(data[:-8])  # the last two floats cut off
+    with pytest.raises(ValueError, match="data offsets"):
+        read_safetensors(tmp_path / "short")
+    (tmp_path / "junk").write_bytes(b"\xff" * 16)
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        read_safetensors(tmp_path / "junk")
+    odd = data.replace(b'"F32"', b'"C64"')
+    (tmp_path / "odd").write_bytes(odd)
+    with pytest.raises(ValueError, match="dtype 'C64'"):
+        read_safetensors(tmp_path / "odd")

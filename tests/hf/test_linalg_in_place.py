@@ -82,3 +82,22 @@ def test_thin_svd_matches_torch(shape: tuple[int, int]) -> None:
     S_ref = torch.linalg.svdvals(W)
     torch.testing.assert_close(S, S_ref, rtol=1e-8, atol=1e-10)
     torch.testing.assert_close((U * S) @ Vh, W, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("n", [1, 7, 97, 1025, 2049])
+def test_psd_roots_consuming_the_moment_are_bitwise_the_same(n: int) -> None:
+    """``consume=True`` symmetrises and decomposes ``C`` in its own storage (by block
+    pairs): the roots are bitwise those of the copying path, and ``C`` is overwritten."""
+    C = _psd(n, 40 + n, rank=max(1, n // 3))
+    C += 1e-9 * torch.randn(n, n, generator=torch.Generator().manual_seed(n),
+                            dtype=torch.float64)  # not exactly symmetric: averaging acts
+    ref = psd_roots(C, 1e-6)
+    owned = C.clone()
+    got = psd_roots(owned, 1e-6, consume=True)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    if n > 1:
+        assert not torch.equal(owned, C)  # the caller's copy became the eigenvectors
+    f32 = C.float()  # not float64: a float64 copy is made, the input left alone
+    f32_before = f32.clone()
+    psd_roots(f32, 1e-6, consume=True)
+    assert torch.equal(f32, f32_before)

@@ -84,10 +84,10 @@ class SavedTensors(Mapping[tuple[int, str], torch.Tensor]):
     def __getitem__(self, key: tuple[int, str]) -> torch.Tensor:
         if key not in self._set:
             raise KeyError(key)
-        from safetensors import safe_open
+        from structlm.tensor_files import read_safetensors
 
-        with safe_open(self._files[key], framework="pt") as fh:
-            return fh.get_tensor(f"{key[0]}.{key[1]}{self.suffix}")
+        name = f"{key[0]}.{key[1]}{self.suffix}"
+        return read_safetensors(self._files[key], [name])[name]
 
     def __iter__(self) -> Iterator[tuple[int, str]]:
         return iter(self._keys)
@@ -176,6 +176,12 @@ class _LayerMoments(Sequence[torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self.layers)
+
+    def owned(self, i: int) -> torch.Tensor:
+        """``self[i]`` as a tensor the caller may overwrite: a fresh read from a saved
+        calibration, a copy of one held in memory."""
+        C = self[i]
+        return C if isinstance(self.cal.second_moments, SavedTensors) else C.clone()
 
 
 def calibration_windows(tokens: torch.Tensor, seq_len: int) -> torch.Tensor:

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from structlm.cpu_malloc import release_freed_memory
+from structlm.cpu_malloc import release_freed_memory, returning_freed_memory
 from structlm.hf.adapters import get_adapter
 from structlm.hf.hooks import StopForward, run_until_stopped
 from structlm.hf.perplexity import (
@@ -78,7 +78,8 @@ def open_streamed(folder: str | Path) -> StreamedModel:
     folder = Path(folder)
     for marker, (index, skeleton) in STREAMED_FORMATS.items():
         if (folder / marker).is_file():
-            return StreamedModel(folder, skeleton=skeleton(folder), index=index)
+            with returning_freed_memory():  # its freed modules leave no heap hole
+                return StreamedModel(folder, skeleton=skeleton(folder), index=index)
     return StreamedModel(folder)
 
 
@@ -154,9 +155,9 @@ class WeightFolder:
         return name in self.file_of or name in self.aliases
 
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
-        """The named tensors, copied out of their files (which are closed again); an
-        alias and the name it stands for give one tensor."""
-        from safetensors import safe_open
+        """The named tensors, read from their files into new tensors (which are closed
+        again); an alias and the name it stands for give one tensor."""
+        from structlm.tensor_files import read_safetensors
 
         by_file: dict[str, list[str]] = {}
         wanted = list(names)
@@ -166,10 +167,8 @@ class WeightFolder:
                 raise KeyError(f"{self.folder} has no tensor {n!r}")
             by_file.setdefault(self.file_of[stored], []).append(stored)
         out: dict[str, torch.Tensor] = {}
-        for f, ns in by_file.items():
-            with safe_open(str(self.folder / f), framework="pt") as fh:
-                for n in dict.fromkeys(ns):
-                    out[n] = fh.get_tensor(n)
+        for f, ns in by_file.items():  # plain reads: no mapped pages beside the copy
+            out.update(read_safetensors(self.folder / f, dict.fromkeys(ns)))
         return {n: out[self.aliases.get(n, n)] for n in wanted}
 
 
@@ -197,8 +196,8 @@ class StreamedModel:
         read (a compressed folder's architecture with its factorised modules); default
         the folder's architecture (``AutoModelForCausalLM.from_config``). ``index``: the
         weights index in ``folder`` (:class:`WeightFolder`)."""
+        from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
-        from transformers.initialization import no_init_weights
 
         import structlm.models  # noqa: F401  (registers model_type "structlm")
 
@@ -206,7 +205,9 @@ class StreamedModel:
         self.weights = WeightFolder(folder, index)
         self.dtype = dtype
         if skeleton is None:
-            with no_init_weights():  # allocated, never touched: not resident
+            # parameters on meta from the start (buffers real): nothing allocated, so
+            # no freed model-sized hole is left in a retaining heap (cpu_malloc)
+            with init_empty_weights(include_buffers=False):
                 skeleton = AutoModelForCausalLM.from_config(
                     AutoConfig.from_pretrained(str(folder)), dtype=dtype)
         model = skeleton
@@ -331,6 +332,7 @@ class StreamedModel:
         return norm
 
 
+@returning_freed_memory()
 @torch.no_grad()
 def streamed_perplexity(stream: StreamedModel, rows: torch.Tensor, batch_size: int = 4,
                         progress: bool = True, bos_token: int | None = None

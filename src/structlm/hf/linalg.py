@@ -52,14 +52,32 @@ def symmetric_eigh_(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(e), torch.from_numpy(V)
 
 
-def _eigh_floored(C: torch.Tensor, rel_floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _eigh_floored(C: torch.Tensor, rel_floor: float, consume: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eigen-decomposition of symmetric ``C`` with eigenvalues floored at
-    ``rel_floor * max eigenvalue`` (damping against rank deficiency)."""
+    ``rel_floor * max eigenvalue`` (damping against rank deficiency); ``consume``: a
+    float64 contiguous ``C`` is symmetrised and decomposed in its own storage."""
     C = C.double()
-    sym = C + C.T  # the one copy, consumed by the decomposition
-    evals, evecs = symmetric_eigh_(sym.mul_(0.5))
+    if consume and C.is_contiguous():
+        sym = _symmetrize_(C)
+    else:
+        sym = (C + C.T).mul_(0.5)  # the one copy, consumed by the decomposition
+    evals, evecs = symmetric_eigh_(sym)
     floor = rel_floor * float(evals.max().clamp_min(0))
     return evals.clamp_min(max(floor, 1e-300)), evecs
+
+
+def _symmetrize_(C: torch.Tensor) -> torch.Tensor:
+    """``C ← (C + Cᵀ)/2`` in place, a block pair at a time (bitwise what the out-of-place
+    ``(C + C.T).mul_(0.5)`` gives; temporaries of one block)."""
+    n, B = C.shape[0], _ROW_BLOCK
+    for a in range(0, n, B):
+        for b in range(a, n, B):
+            upper, lower = C[a:a + B, b:b + B], C[b:b + B, a:a + B]
+            mean = (upper + lower.T).mul_(0.5)
+            upper.copy_(mean)
+            lower.copy_(mean.T)
+    return C
 
 
 def _scaled_outer(V: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
@@ -76,10 +94,14 @@ def psd_sqrt(C: torch.Tensor, rel_floor: float = 1e-8) -> torch.Tensor:
     return _scaled_outer(V, e.sqrt())
 
 
-def psd_roots(C: torch.Tensor, rel_floor: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor]:
+def psd_roots(C: torch.Tensor, rel_floor: float = 1e-8, consume: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(C^{1/2}, C^{-1/2})`` from one eigen-decomposition (float64, floored); the peak
-    is ``C`` plus three of its size (the eigenvectors and the two roots)."""
-    e, V = _eigh_floored(C, rel_floor)
+    is ``C`` plus three of its size (the eigenvectors and the two roots). ``consume``
+    (the caller never reads ``C`` again): a contiguous float64 ``C`` becomes the
+    eigenvectors' storage, and the peak drops to three of its size. The roots are
+    bitwise the same either way."""
+    e, V = _eigh_floored(C, rel_floor, consume)
     return _scaled_outer(V, e.sqrt()), _scaled_outer(V, e.rsqrt())
 
 

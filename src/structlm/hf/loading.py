@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from structlm.cpu_malloc import returning_freed_memory
 from structlm.hf.builtin_models import BUILTIN_MODELS, builtin_folder, builtin_gguf, builtin_note
 
 __all__ = ["BUILTIN_MODELS", "FOLDER_FORMATS", "LoadedModel", "builtin_gguf",
@@ -109,7 +110,7 @@ def load_architecture(folder: str | Path, dtype: torch.dtype = torch.float32) ->
 
     import structlm.models  # noqa: F401  (registers model_type "structlm")
 
-    with no_init_weights():
+    with no_init_weights(), returning_freed_memory():  # untouched; unmapped when freed
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder)),
                                                  dtype=dtype)
     model.eval()
@@ -171,7 +172,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, weights: bool = Tr
             from transformers import AutoConfig
             from transformers.initialization import no_init_weights
 
-            with no_init_weights():
+            with no_init_weights(), returning_freed_memory():  # untouched; unmapped
                 model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder),
                                                          dtype=dtype)
     except OSError as e:

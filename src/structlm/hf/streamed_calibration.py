@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from structlm.atomic import atomic_path, atomic_write_text
+from structlm.cpu_malloc import returning_freed_memory
 from structlm.hf.calibration import (
     SITES,
     Calibration,
@@ -59,6 +60,7 @@ def load_streamed_calibration(folder: str | Path) -> Calibration | None:
                        means=SavedTensors(files, keys, ".mean"))
 
 
+@returning_freed_memory()
 def calibrate_streamed(stream: StreamedModel, tokens: torch.Tensor, folder: str | Path,
                        seq_len: int = 512, batch_size: int = 4,
                        sites: tuple[str, ...] = SITES, meta: dict[str, Any] | None = None,

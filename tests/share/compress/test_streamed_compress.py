@@ -216,3 +216,31 @@ def test_a_pair_of_layers_streams_but_one_basis_over_every_layer_does_not() -> N
                                                 layers) is None
         assert "shares one basis across all" in streamed_module.why_not_streamed(
             every, plan_types(adapter, every), layers)
+
+
+def test_original_perplexity_is_cached_on_content(setup: dict[str, str], tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The uncompressed model's streamed perplexity is cached on the weights' content and
+    the windows' content: a second call reads it back equal; other windows get their own
+    entry; a damaged entry is computed again (and replaced), not trusted."""
+    from structlm.hf.loading import model_content_key
+    from structlm.share.compress.run_streamed import evaluate_streamed, original_perplexity
+
+    monkeypatch.setenv("STRUCTLM_CACHE", str(tmp_path / "cache"))
+    key = model_content_key(setup["model"])
+    assert key is not None
+    folder = Path(setup["model"])
+    ids = {"a": torch.randint(3, 300, (3, 16), generator=torch.Generator().manual_seed(1))}
+    first = original_perplexity(key, folder, ids, False)
+    entries = sorted((tmp_path / "cache" / "perplexity").glob("streamed-*.json"))
+    assert len(entries) == 1
+    assert first == json.loads(json.dumps(evaluate_streamed(folder, ids, False)))
+    assert original_perplexity(key, folder, ids, False) == first  # read back
+    entries[0].write_text("{not json")
+    assert original_perplexity(key, folder, ids, False) == first  # recomputed
+    assert json.loads(entries[0].read_text()) == first
+    other = {"a": ids["a"].flip(0)}
+    original_perplexity(key, folder, other, False)
+    assert len(list((tmp_path / "cache" / "perplexity").glob("streamed-*.json"))) == 2
+    assert original_perplexity(None, folder, ids, False) == first  # no key: not cached
+    assert len(list((tmp_path / "cache" / "perplexity").glob("streamed-*.json"))) == 2

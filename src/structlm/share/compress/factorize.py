@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,8 @@ import torch
 from structlm.hf.fingerprint import tensor_fingerprint
 from structlm.hf.linalg import psd_roots
 
-__all__ = ["RootCache", "TypeFactors", "TypeRanks", "kept_energy", "meta_tensor", "part_rows",
-           "split_bias"]
+__all__ = ["RootCache", "TypeFactors", "TypeRanks", "kept_energy", "meta_tensor",
+           "owned_moment", "part_rows", "split_bias"]
 
 
 @dataclass(frozen=True)
@@ -72,8 +73,11 @@ class RootCache:
     def _path(self, key: str) -> Path | None:
         return None if self.store is None else self.store / f"{key}.safetensors"
 
-    def get(self, C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(C^{1/2}, C^{-1/2})`` (float64, eigenvalues floored)."""
+    def get(self, C: torch.Tensor, consume: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(C^{1/2}, C^{-1/2})`` (float64, eigenvalues floored). ``consume``: the caller
+        owns ``C`` and never reads it again, so a root computed here decomposes it in
+        its own storage (one ``dim²`` less at the peak; :func:`psd_roots`)."""
         key = f"{tensor_fingerprint(C)}-floor{self.floor!r}"
         if key in self._roots:
             self._roots.move_to_end(key)
@@ -81,7 +85,7 @@ class RootCache:
         path = self._path(key) if C.shape[0] >= self.store_min_dim else None
         roots = _load_roots(path) if path is not None and path.exists() else None
         if roots is None:
-            roots = psd_roots(C, self.floor)
+            roots = psd_roots(C, self.floor, consume=consume)
             self.computed += 1
             if path is not None:
                 _save_roots(path, roots)
@@ -99,10 +103,10 @@ class RootCache:
 
 def _load_roots(path: Path) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Roots saved by :func:`_save_roots` (``None``: an unreadable file, recomputed)."""
-    from safetensors.torch import load_file
+    from structlm.tensor_files import read_safetensors
 
     try:
-        t = load_file(str(path))
+        t = read_safetensors(path)
         return t["root"], t["inv_root"]
     except Exception:
         return None
@@ -153,6 +157,14 @@ def kept_energy(W: torch.Tensor, What: torch.Tensor, C: torch.Tensor) -> float:
     E = W - What.double()
     err = ((E @ C) * E).sum()
     return float(1.0 - err / ((W @ C) * W).sum())
+
+
+def owned_moment(Cs: Sequence[torch.Tensor], i: int) -> torch.Tensor:
+    """``Cs[i]`` as a tensor the caller may overwrite (and so hand to
+    ``RootCache.get(..., consume=True)``): a fresh read where ``Cs`` reads on use (a
+    saved calibration's layer moments), else a copy."""
+    owned = getattr(Cs, "owned", None)
+    return owned(i) if callable(owned) else Cs[i].clone()
 
 
 def part_rows(out: int, parts: int) -> int:

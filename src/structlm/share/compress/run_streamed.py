@@ -12,6 +12,8 @@ model for its gradients and is refused here.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
 import time
 from pathlib import Path
@@ -27,7 +29,11 @@ from structlm.hf.streamed_calibration import calibrate_streamed
 from structlm.share.compress.api import compress_, streamed_calibration_folder
 from structlm.share.compress.apply import CompressionConfig
 
-__all__ = ["evaluate_streamed", "results_header", "run_compress_streamed"]
+__all__ = ["evaluate_streamed", "original_perplexity", "results_header",
+           "run_compress_streamed"]
+
+_PROTOCOL = "streamed_perplexity float32 batch 4, every window scored on its own"
+"""What an original model's cached perplexity was computed with (part of its key)."""
 
 
 def evaluate_streamed(folder: Path, eval_ids: dict[str, torch.Tensor], progress: bool
@@ -37,6 +43,36 @@ def evaluate_streamed(folder: Path, eval_ids: dict[str, torch.Tensor], progress:
     :func:`~structlm.hf.pipeline.evaluate_all`."""
     return {name: streamed_perplexity(open_streamed(folder), ids, progress=progress).as_dict()
             for name, ids in eval_ids.items()}
+
+
+def original_perplexity(source_key: str | None, folder: Path,
+                        eval_ids: dict[str, torch.Tensor], progress: bool
+                        ) -> dict[str, dict[str, Any]]:
+    """:func:`evaluate_streamed` of the uncompressed model, cached on the weights' content
+    key and the windows' content (every compression of one model on one text scores the
+    same original: 25 min per stream on the 1.5B model here). No key (a model of unknown
+    content): computed, not cached. An unreadable cache entry is computed again and
+    replaced, never trusted."""
+    from structlm.atomic import atomic_write_text
+    from structlm.settings import cache_dir
+
+    if source_key is None:
+        return evaluate_streamed(folder, eval_ids, progress)
+    key = hashlib.sha1(json.dumps(
+        {"model_files": source_key, "protocol": _PROTOCOL,
+         "windows": {n: tensor_fingerprint(ids) for n, ids in eval_ids.items()}},
+        sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_dir("perplexity") / f"streamed-{key}.json"
+    try:
+        cached = json.loads(path.read_text())
+        if set(cached) == set(eval_ids):
+            return cached
+    except (OSError, ValueError):
+        pass
+    res = evaluate_streamed(folder, eval_ids, progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(res))
+    return res
 
 
 def run_compress_streamed(model: str, source: Path, ccfg: CompressionConfig, out: Path,
@@ -61,7 +97,7 @@ def run_compress_streamed(model: str, source: Path, ccfg: CompressionConfig, out
     cal = calibrate_streamed(StreamedModel(source), prep.calib_ids, where, seq_len=window,
                              meta=cal_meta, progress=progress)
     res["calibration"] = {**cal.meta, "path": str(where)}
-    res["ppl_original"] = evaluate_streamed(source, prep.eval_ids, progress)
+    res["ppl_original"] = original_perplexity(source_key, source, prep.eval_ids, progress)
     t1 = time.time()
     res["compression"] = compress_(model, ccfg, cal, out=out / "model", progress=progress)
     res["compress_seconds"] = time.time() - t1

@@ -34,6 +34,7 @@ import torch
 from tqdm import tqdm
 
 from structlm.atomic import atomic_path, atomic_write_text
+from structlm.cpu_malloc import release_freed_memory, returning_freed_memory
 from structlm.hf.calibration import Calibration
 from structlm.hf.gguf_import import shard_of
 from structlm.hf.layer_stream import StreamedModel
@@ -103,6 +104,7 @@ def _local(plan: TypePlan, unit: list[int]) -> TypePlan:
     return dataclasses.replace(plan, groups=groups)
 
 
+@returning_freed_memory()
 def compress_streamed(stream: StreamedModel, cal: Calibration, cfg: CompressionConfig,
                       folder: str | Path, source: LoadedModel, calibration: dict[str, Any],
                       source_key: str | None, progress: bool = True) -> dict[str, Any]:
@@ -197,6 +199,8 @@ def _compress_unit(stream: StreamedModel, cal: Calibration, cfg: CompressionConf
             for layer, mod in zip(layers, build_modules(factors, biases), strict=True):
                 layer.replace(t, mod)
             energy[t.value], info[t.value] = factors.energy, factors.info
+            del factors, biases  # float64 factors: not held while the next type's run
+            release_freed_memory()
         tensors, aliases = _unit_tensors(stream, unit)
         shard = (f"structlm_compressed-layer-{unit[0]:03d}.safetensors" if len(unit) == 1
                  else f"structlm_compressed-layers-{unit[0]:03d}-{unit[-1]:03d}.safetensors")

@@ -62,6 +62,7 @@ from structlm.share.compress.factorize import (
     TypeRanks,
     kept_energy,
     meta_tensor,
+    owned_moment,
     part_rows,
     split_bias,
 )
@@ -173,10 +174,10 @@ def factorize_basis_sharing(weights: list[torch.Tensor], Cs: Sequence[torch.Tens
     tf.per_layer = [{} for _ in weights]
     W = [w.double() for w in weights]
     for g in groups:
-        C = Cs[g[0]].double().clone()  # the group's XᵀX up to a scale, summed in place
+        C = owned_moment(Cs, g[0]).double()  # the group's XᵀX up to a scale, summed in place
         for i in g[1:]:
             C.add_(Cs[i])
-        S, S_inv = (roots or RootCache(floor)).get(C.div_(len(g)))
+        S, S_inv = (roots or RootCache(floor)).get(C.div_(len(g)), consume=True)
         del C  # (the roots are what the group needs: moments are dim² each)
         kg = min(k, max_basis_rank(inn, len(g), op))
         basis = {}

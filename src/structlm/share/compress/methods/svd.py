@@ -30,6 +30,7 @@ from structlm.share.compress.factorize import (
     TypeRanks,
     kept_energy,
     meta_tensor,
+    owned_moment,
     part_rows,
     split_bias,
 )
@@ -61,9 +62,12 @@ def factorize_svd(weights: list[torch.Tensor], Cs: Sequence[torch.Tensor], k: in
     if not 1 <= k <= min(op, inn):
         raise ValueError(f"svd rank k={k} must be in [1, {min(op, inn)}] for ({op}, {inn})")
     tf = TypeFactors(method, TypeRanks(k, k), [[i] for i in range(len(weights))], parts)
-    for w, c in zip(weights, Cs, strict=True):
+    if len(weights) != len(Cs):
+        raise ValueError(f"{len(weights)} weights but {len(Cs)} moments")
+    for i, w in enumerate(weights):
         w = w.double()
-        root, inv_root = (roots or RootCache(floor)).get(c)
+        # an owned copy, decomposed in its own storage (one moment less at the peak)
+        root, inv_root = (roots or RootCache(floor)).get(owned_moment(Cs, i), consume=True)
         entry, rows = {}, []
         for p in range(parts):
             U, S, Vh = thin_svd(w[p * op:(p + 1) * op] @ root)
@@ -71,7 +75,7 @@ def factorize_svd(weights: list[torch.Tensor], Cs: Sequence[torch.Tensor], k: in
             rows.append(entry[f"B{p}"] @ entry[f"C{p}"])
         del root, inv_root  # (not held while the next layer's are computed)
         tf.per_layer.append(entry)
-        tf.energy.append(kept_energy(w, torch.cat(rows), c))
+        tf.energy.append(kept_energy(w, torch.cat(rows), Cs[i]))  # read again
     return tf
 
 
