@@ -142,3 +142,29 @@ def test_eval_ppl_streams_with_the_same_numbers(tmp_path: Path, capsys) -> None:
     assert main(["eval", "ppl", str(folder), "--corpus", str(docs), "--tokens", "100",
                  "--sampling", "head", "--stream", "on"]) != 0
     assert "--sampling head runs the model whole: use --stream off" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["llama-tied-sharded", "qwen2-untied-bias"])
+def test_weights_by_type_read_one_module_at_a_time(folders: dict[str, str],
+                                                   name: str) -> None:
+    """``StreamedModel.type_weights(t)`` gives, layer by layer, exactly what the adapter of
+    the whole model gives (the stacked ``[gate; up]`` of MLP-in too), with only the
+    modules of that type resident while it is read."""
+    from structlm.hf.adapters import MATRIX_TYPES, get_adapter
+
+    folder = folders[name]
+    whole = get_adapter(load_model(folder).model)
+    stream = StreamedModel(folder)
+    for t in MATRIX_TYPES:
+        lazy = stream.type_weights(t)
+        assert list(lazy) == list(range(whole.num_layers)) and len(lazy) == whole.num_layers
+        for i, W in zip(lazy, whole.weights(t), strict=True):
+            got = lazy[i]
+            assert got.dtype == torch.float32 and torch.equal(got, W), (t, i)
+    assert all(p.is_meta for b in stream.blocks for p in b.parameters())  # released
+    some = stream.type_weights(MATRIX_TYPES[0], [2, 0])
+    assert list(some) == [2, 0]
+    with pytest.raises(KeyError):
+        some[1]
+    with pytest.raises(ValueError, match=r"layers \[9\] out of range"):
+        stream.type_weights(MATRIX_TYPES[0], [9])

@@ -105,7 +105,9 @@ def test_role_test_reports_the_shape_only_control() -> None:
     from structlm.share.analysis.analyze import Thresholds, _role_test
     from tiny_models import tiny_llama
 
-    res = _role_test(get_adapter(tiny_llama()), [0, 1, 2], 20, 0, Thresholds())
+    adapter = get_adapter(tiny_llama())
+    res = _role_test(lambda t: dict(enumerate(adapter.weights(t, [0, 1, 2]))),
+                     adapter.writes_residual, 20, 0, Thresholds())
     assert res["features"] == list(FEATURE_NAMES)
     assert res["shape_only"]["features"] == list(SHAPE_FEATURE_NAMES)
     for part in (res, res["shape_only"]):

@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 from structlm.atomic import atomic_write_text
 from structlm.folders import check_apart, run_folder_lock
-from structlm.hf.adapters import MATRIX_TYPES, SITE_OF, MatrixType, ModelAdapter, parse_types
+from structlm.hf.adapters import MATRIX_TYPES, SITE_OF, MatrixType, parse_types
 from structlm.hf.calibration import Calibration
 from structlm.hf.fingerprint import tensor_fingerprint
 from structlm.hf.linalg import psd_sqrt, random_like_spectrum, random_orthonormal, thin_svd
@@ -96,7 +96,7 @@ def _median(xs: list[float]) -> float:
     return float(np.median(xs)) if xs else float("nan")
 
 
-def _alignment_test(weights: dict[int, torch.Tensor], ref: int, gen: torch.Generator,
+def _alignment_test(weights: Mapping[int, torch.Tensor], ref: int, gen: torch.Generator,
                     th: Thresholds, bar: Any, row_blocks: int = 1,
                     recorded: dict[int, Any] | None = None,
                     record: Callable[[int, Any], None] | None = None) -> dict[str, Any]:
@@ -105,38 +105,51 @@ def _alignment_test(weights: dict[int, torch.Tensor], ref: int, gen: torch.Gener
     baseline split into permutation and diagonal parts (``cheap_drop``), locality, and
     the verdict. ``bar``: anything with ``update(n)``.
 
-    ``recorded``: layers whose alignments a stopped run already finished (they are not
-    run again); ``record(layer, result)`` is called as each other layer finishes. The
-    nulls are drawn from ``gen`` first either way, so the draws never depend on what was
-    recorded."""
+    ``weights``: layer → matrix in layer order, read when indexed (a dict of a model in
+    memory, or :class:`~structlm.hf.layer_stream.StreamedWeights`): two layers at a time
+    are read, given their nulls and aligned (the Hungarian solver is single-threaded and
+    releases the GIL), so the memory is two layers' matrices and nulls, not every
+    layer's. The nulls are drawn from ``gen`` in layer order, each layer's before the
+    next's, so the draws never depend on the pace or on what was recorded.
+
+    ``recorded``: layers whose alignments a stopped run already finished (their nulls
+    are drawn, not aligned); ``record(layer, result)`` is called as each other layer
+    finishes, in layer order."""
     R = weights[ref].double()
     recorded = recorded or {}
-    nulls: dict[int, dict[str, torch.Tensor]] = {}
-    for layer, W in weights.items():  # nulls drawn first, in a fixed order (reproducible)
-        if layer == ref:
-            continue
-        g = torch.randn(W.shape, generator=gen, dtype=torch.float64)
-        nulls[layer] = {"null_gaussian": g * (W.double().norm() / g.norm()),
-                        "null_spectrum": random_like_spectrum(W, gen)}
+    others = [layer for layer in weights if layer != ref]
     ref_sig = row_signature(R, row_blocks)  # once per reference, not per alignment
 
-    def run(layer: int) -> dict[str, dict[str, float]]:
-        return {"real": align(R, weights[layer], row_blocks, ref_sig),
-                **{kind: align(R, N, row_blocks, ref_sig) for kind, N in nulls[layer].items()}}
+    def nulls_of(W: torch.Tensor) -> dict[str, torch.Tensor]:
+        g = torch.randn(W.shape, generator=gen, dtype=torch.float64)
+        return {"null_gaussian": g * (W.double().norm() / g.norm()),
+                "null_spectrum": random_like_spectrum(W, gen)}
 
-    results = {layer: recorded[layer] for layer in nulls if layer in recorded}
-    bar.update(len(results))
-    # the Hungarian solver is single-threaded and releases the GIL: two layers at a time;
-    # each layer is recorded here, in layer order, as it finishes
+    def run(W: torch.Tensor, nulls: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
+        return {"real": align(R, W, row_blocks, ref_sig),
+                **{kind: align(R, N, row_blocks, ref_sig) for kind, N in nulls.items()}}
+
+    results: dict[int, Any] = {}
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = [(layer, pool.submit(run, layer)) for layer in nulls if layer not in results]
-        for layer, fut in futures:
-            results[layer] = fut.result()
-            if record is not None:
-                record(layer, results[layer])
-            bar.update(1)
+        for a in range(0, len(others), 2):
+            jobs = []
+            for layer in others[a:a + 2]:
+                W = weights[layer]
+                nulls = nulls_of(W)  # drawn for a recorded layer too: the same stream
+                if layer in recorded:
+                    results[layer] = recorded[layer]
+                    bar.update(1)
+                else:
+                    jobs.append((layer, pool.submit(run, W, nulls)))
+                del W, nulls
+            for layer, fut in jobs:
+                results[layer] = fut.result()
+                if record is not None:
+                    record(layer, results[layer])
+                bar.update(1)
+            del jobs
     per_layer: dict[str, dict[str, Any]] = {
-        str(layer): {"distance": abs(layer - ref), **results[layer]} for layer in nulls}
+        str(layer): {"distance": abs(layer - ref), **results[layer]} for layer in others}
     summary = {kind: {m: _median([v[kind][m] for v in per_layer.values()]) for m in MOVES}
                for kind in ("real", "null_gaussian", "null_spectrum")}
     real, null = summary["real"], summary["null_gaussian"]
@@ -317,20 +330,32 @@ def _resumable_alignment(log: StepLog, t: MatrixType, weights: dict[int, torch.T
     return log.record(name, res, time.time() - last[0])
 
 
-def _role_test(adapter: ModelAdapter, layers: list[int], permutations: int,
+def _role_test(weights_of: Callable[[MatrixType], Mapping[int, torch.Tensor]],
+               writes_residual: Callable[[MatrixType], bool], permutations: int,
                seed: int, th: Thresholds) -> dict[str, Any]:
     """The role classifier's two transfer directions, on the shape-free features and,
-    as a control, on the shapes alone."""
-    mats = {t: adapter.weights(t, layers) for t in MATRIX_TYPES}
+    as a control, on the shapes alone. ``weights_of(t)``: type ``t``'s matrices by layer,
+    read one at a time (both feature sets are taken from each matrix as it is read)."""
     attn_types = [MatrixType.Q, MatrixType.K, MatrixType.V, MatrixType.O]
     mlp_types = [MatrixType.MLP_IN, MatrixType.MLP_OUT]
+    featurizers = {"role": role_features, "shape": shape_features}
+    rows: dict[str, dict[MatrixType, list[Any]]] = {k: {} for k in featurizers}
+    for t in MATRIX_TYPES:
+        mats = weights_of(t)
+        for k in featurizers:
+            rows[k][t] = []
+        for i in mats:
+            W = mats[i]
+            for k, featurize in featurizers.items():
+                rows[k][t].append(featurize(W))
+            del W
 
-    def transfers(featurize: Any, names: tuple[str, ...]) -> dict[str, Any]:
-        feats = {t: np.stack([featurize(W) for W in mats[t]]) for t in MATRIX_TYPES}
+    def transfers(kind: str, names: tuple[str, ...]) -> dict[str, Any]:
+        feats = {t: np.stack(rows[kind][t]) for t in MATRIX_TYPES}
 
         def stack(types: list[MatrixType]) -> tuple[np.ndarray, np.ndarray]:
             X = np.concatenate([feats[t] for t in types])
-            y = np.concatenate([np.full(len(feats[t]), int(adapter.writes_residual(t)))
+            y = np.concatenate([np.full(len(feats[t]), int(writes_residual(t)))
                                 for t in types])
             return X, y
 
@@ -345,9 +370,9 @@ def _role_test(adapter: ModelAdapter, layers: list[int], permutations: int,
                                   and r["p_value"] <= th.classifier_max_p)
         return res
 
-    res = transfers(role_features, FEATURE_NAMES)
+    res = transfers("role", FEATURE_NAMES)
     # the shape-only control: what the shapes alone score in the same transfer test
-    res["shape_only"] = transfers(shape_features, SHAPE_FEATURE_NAMES)
+    res["shape_only"] = transfers("shape", SHAPE_FEATURE_NAMES)
     return res
 
 
@@ -625,8 +650,9 @@ def _run_analysis_locked(cfg: AnalysisConfig, out: Path, t0: float, progress: bo
     weights.clear()  # test 3 reads each draw's matrices when it needs them
     t_roles = time.time()
     if whole and set(types) == set(MATRIX_TYPES):
-        results["roles"] = _role_test(adapter, layers, cfg.permutations, cfg.seed,
-                                      cfg.thresholds)
+        results["roles"] = _role_test(
+            lambda t: dict(zip(layers, adapter.weights(t, layers), strict=True)),
+            adapter.writes_residual, cfg.permutations, cfg.seed, cfg.thresholds)
     elif whole:
         results["roles"] = {"skipped": "needs all six matrix types"}
     t_roles = time.time() - t_roles
