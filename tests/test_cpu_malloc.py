@@ -12,9 +12,9 @@ import pytest
 from structlm.bench.timing import environment
 from structlm.cli import build_parser
 
-_PROBE = r"""
+_MAPPED = r"""
 import ctypes, ctypes.util, sys, torch
-from structlm.cpu_malloc import malloc_setting, retain_freed_memory
+from structlm.cpu_malloc import malloc_setting, retain_freed_memory, returning_freed_memory
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in (
@@ -30,7 +30,10 @@ def mapped_bytes_while_holding(numel):
     held = libc.mallinfo2().hblkhd - base
     del t
     return held
+"""
+"""A probe's start: the bytes glibc maps on their own while a tensor is held."""
 
+_PROBE = _MAPPED + r"""
 before, setting_before = mapped_bytes_while_holding(10 * 2**20), malloc_setting()
 again = mapped_bytes_while_holding(10 * 2**20)  # glibc's default, a second time
 assert retain_freed_memory()
@@ -101,25 +104,8 @@ def test_release_hands_retained_memory_back() -> None:
     assert after <= 32 and released == "True"
 
 
-_RETURNING_PROBE = r"""
-import ctypes, ctypes.util, torch
-from structlm.cpu_malloc import malloc_setting, retain_freed_memory, returning_freed_memory
-
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
-        "uordblks", "fordblks", "keepcost")]
-
-libc = ctypes.CDLL(ctypes.util.find_library("c"))
-libc.mallinfo2.restype = MallInfo2
-
-def mapped(numel):
-    base = libc.mallinfo2().hblkhd
-    t = torch.empty(numel).fill_(1.0)
-    held = libc.mallinfo2().hblkhd - base
-    del t
-    return held
-
+_RETURNING_PROBE = _MAPPED + r"""
+mapped = mapped_bytes_while_holding
 assert retain_freed_memory()
 before = mapped(10 * 2**20)
 with returning_freed_memory():
